@@ -1,0 +1,17 @@
+"""Token data for dion-jax: sources, formats and the Grain loader.
+
+    source = data.load_source("stdlib")        # or a FineWeb glob, Megatron prefix, blend
+    it = data.make_loader(source, seq_len=256, global_batch_size=8, seed=0)
+    batch = next(it)                           # {"inputs", "targets"}: int32 [8, 256]
+    state = it.get_state()                     # JSON-serializable; it.set_state(state)
+"""
+from data.errors import DataError, DataFileNotFoundError
+from data.loader import make_dataset, make_loader, process_batch_shard
+from data.sources import Blend, TokenSource, load_source
+from data.tokenizer import EOD, VOCAB_SIZE, decode, encode, padded_vocab_size
+
+__all__ = [
+    "Blend", "DataError", "DataFileNotFoundError", "EOD", "TokenSource", "VOCAB_SIZE",
+    "decode", "encode", "load_source", "make_dataset", "make_loader", "padded_vocab_size",
+    "process_batch_shard",
+]

@@ -1,0 +1,219 @@
+"""Convert token data between formats: `python -m data.convert --help`.
+
+  fineweb-to-megatron  FineWeb `.bin` shards -> one Megatron dataset, cut into sequences of
+                       seq_len + 1 tokens, one document each, the tail dropped (as
+                       Megatron-Dion's tools/convert_dion_to_megatron.py does).
+  tokenize             text files (one document each) or JSONL files (one document per
+                       line, from a string field) -> a Megatron dataset or FineWeb shards,
+                       with the byte tokenizer; every document ends with the EOD token.
+
+Outputs are written into a temporary folder beside them and renamed into place only when
+everything succeeded: a failed or interrupted conversion leaves nothing behind. Bad input
+exits with status 1 and a one-line `error: FILE: problem` on stderr.
+
+Examples:
+  python -m data.convert fineweb-to-megatron --input 'fineweb10B/fineweb_train_*.bin' \\
+      --output-prefix megatron/fineweb_train --sequence-length 1024
+  python -m data.convert tokenize notes.txt corpus.jsonl --output-prefix out/mydata
+  python -m data.convert tokenize corpus.jsonl --format fineweb --output-prefix out/mydata
+"""
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import numpy as np
+
+from data import fineweb, megatron, tokenizer
+from data.errors import DataError, DataFileNotFoundError
+from data.progress import Progress
+
+
+@contextlib.contextmanager
+def atomic_outputs(directory: str):
+  """Yields a temporary folder inside `directory`; moves its files there only on success."""
+  directory = directory or "."
+  os.makedirs(directory, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=".convert-", dir=directory)
+  try:
+    yield tmp
+    for name in sorted(os.listdir(tmp)):
+      os.replace(os.path.join(tmp, name), os.path.join(directory, name))
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+class ShardWriter:
+  """FineWeb counterpart of `megatron.IndexedDatasetWriter`: `PREFIX_000000.bin`, ..."""
+
+  def __init__(self, prefix: str, shard_tokens: int):
+    if shard_tokens < 1:
+      raise DataError(f"{prefix}: tokens per shard must be positive, got {shard_tokens}")
+    self.prefix, self.shard_tokens = prefix, shard_tokens
+    self._buffer: list[np.ndarray] = []
+    self._buffered = self._shards = 0
+
+  def add_document(self, tokens) -> None:
+    self._buffer.append(np.asarray(tokens))
+    self._buffered += len(tokens)
+    while self._buffered >= self.shard_tokens:
+      self._flush(self.shard_tokens)
+
+  def _flush(self, count: int) -> None:
+    flat = np.concatenate(self._buffer)
+    fineweb.write_shard(f"{self.prefix}_{self._shards:06d}.bin", flat[:count])
+    self._buffer, self._buffered = [flat[count:]], len(flat) - count
+    self._shards += 1
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, exc_type, *exc):
+    if exc_type is None and self._buffered:
+      self._flush(self._buffered)
+
+
+def fineweb_to_megatron(pattern: str, output_prefix: str, *, sequence_length: int = 1024,
+                        progress: bool = True) -> dict:
+  """Concatenates the shards matching `pattern` into `output_prefix`.{bin,idx}."""
+  if sequence_length < 1:
+    raise DataError(f"{pattern}: sequence length must be positive, got {sequence_length}")
+  paths = fineweb.shard_paths(pattern)
+  counts = [fineweb.read_header(p) for p in paths]
+  per_seq = sequence_length + 1
+  if sum(counts) < per_seq:
+    raise DataError(f"{pattern}: {sum(counts)} tokens make no sequence of {per_seq}")
+  directory, base = os.path.split(output_prefix)
+  carry = np.zeros(0, fineweb.TOKEN_DTYPE)
+  with atomic_outputs(directory) as tmp, \
+       Progress("converting", sum(counts), "tokens", enabled=progress) as bar, \
+       megatron.IndexedDatasetWriter(os.path.join(tmp, base), np.uint16) as writer:
+    for path, count in zip(paths, counts):
+      carry = np.concatenate([carry, fineweb.read_shard(path)])
+      n = len(carry) // per_seq
+      writer.add_document(carry[:n * per_seq], np.full(n, per_seq))
+      carry = carry[n * per_seq:]
+      bar.update(count)
+  return {"inputs": len(paths), "documents": writer.num_documents,
+          "tokens": writer.num_documents * per_seq, "dropped tokens": len(carry),
+          "outputs": [megatron.bin_path(output_prefix), megatron.idx_path(output_prefix)]}
+
+
+def read_documents(path: str, json_key: str):
+  """Yields (document bytes, input bytes consumed): JSONL lines' `json_key`, else the file."""
+  if not os.path.isfile(path):
+    raise DataFileNotFoundError(f"{path}: no such input file")
+  if not path.endswith((".jsonl", ".ndjson")):
+    with open(path, "rb") as f:
+      data = f.read()
+    yield data, len(data)
+    return
+  with open(path, "rb") as f:
+    for lineno, line in enumerate(f, 1):
+      if not line.strip():
+        yield b"", len(line)
+        continue
+      try:
+        text = json.loads(line)[json_key]
+      except (ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{path}:{lineno}: no JSON object with a {json_key!r} field "
+                        f"({type(e).__name__})") from None
+      if not isinstance(text, str):
+        raise DataError(f"{path}:{lineno}: field {json_key!r} is not a string")
+      yield text.encode("utf-8"), len(line)
+
+
+def tokenize(inputs: list[str], output_prefix: str, *, output_format: str = "megatron",
+             json_key: str = "text", shard_tokens: int = 100_000_000,
+             progress: bool = True) -> dict:
+  """Byte-tokenizes `inputs` into a Megatron dataset or FineWeb shards `PREFIX_000000.bin`."""
+  missing = [p for p in inputs if not os.path.isfile(p)]
+  if missing:
+    raise DataFileNotFoundError(f"{missing[0]}: no such input file")
+  directory, base = os.path.split(output_prefix)
+  docs = tokens = 0
+  with atomic_outputs(directory) as tmp, Progress(
+      "tokenizing", sum(os.path.getsize(p) for p in inputs), "bytes", enabled=progress) as bar:
+    if output_format == "megatron":
+      writer = megatron.IndexedDatasetWriter(
+          os.path.join(tmp, base), megatron.dtype_for_vocab(tokenizer.VOCAB_SIZE))
+    else:
+      writer = ShardWriter(os.path.join(tmp, base), shard_tokens)
+    with writer:
+      for path in inputs:
+        for doc, consumed in read_documents(path, json_key):
+          bar.update(consumed)
+          if doc:
+            writer.add_document(tokenizer.encode(doc, append_eod=True))
+            docs, tokens = docs + 1, tokens + len(doc) + 1
+      if docs == 0:
+        raise DataError(f"{inputs[0] if inputs else output_prefix}: no non-empty documents "
+                        f"in {len(inputs)} input file(s)")
+    outputs = sorted(os.listdir(tmp))
+  return {"inputs": len(inputs), "documents": docs, "tokens": tokens,
+          "outputs": [os.path.join(directory, n) for n in outputs]}
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog="python -m data.convert", description=__doc__,
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  common = argparse.ArgumentParser(add_help=False)
+  common.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+  commands = parser.add_subparsers(dest="command", required=True)
+  fw = commands.add_parser(
+      "fineweb-to-megatron", parents=[common], help="FineWeb .bin shards -> a Megatron .bin/.idx dataset",
+      description="Concatenate FineWeb shards (sorted by name) and cut the tokens into "
+                  "sequences of SEQUENCE_LENGTH + 1, each one Megatron document.")
+  fw.add_argument("--input", required=True, metavar="GLOB",
+                  help="shard glob, quoted, e.g. 'data/fineweb_train_*.bin'")
+  fw.add_argument("--output-prefix", required=True, metavar="PREFIX",
+                  help="writes PREFIX.bin and PREFIX.idx")
+  fw.add_argument("--sequence-length", type=int, default=1024,
+                  help="training sequence length; sequences hold one more token "
+                       "(default: %(default)s)")
+  tok = commands.add_parser(
+      "tokenize", parents=[common], help="text / JSONL files -> Megatron dataset or FineWeb shards (bytes)",
+      description="Byte-tokenize documents: a .jsonl/.ndjson file holds one JSON object per "
+                  "line, any other file is one document. Token 256 ends each document.")
+  tok.add_argument("inputs", nargs="+", metavar="FILE", help="input files")
+  tok.add_argument("--output-prefix", required=True, metavar="PREFIX",
+                   help="megatron: PREFIX.bin + PREFIX.idx; fineweb: PREFIX_000000.bin, ...")
+  tok.add_argument("--format", choices=("megatron", "fineweb"), default="megatron",
+                   help="output format (default: %(default)s)")
+  tok.add_argument("--json-key", default="text",
+                   help="JSONL field holding the text (default: %(default)s)")
+  tok.add_argument("--shard-tokens", type=int, default=100_000_000,
+                   help="fineweb: tokens per shard (default: %(default)s)")
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = _parser().parse_args(argv)
+  progress = not args.quiet
+  try:
+    if args.command == "fineweb-to-megatron":
+      summary = fineweb_to_megatron(args.input, args.output_prefix,
+                                    sequence_length=args.sequence_length, progress=progress)
+    else:
+      summary = tokenize(args.inputs, args.output_prefix, output_format=args.format,
+                         json_key=args.json_key, shard_tokens=args.shard_tokens,
+                         progress=progress)
+  except (DataError, OSError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  written = sum(os.path.getsize(p) for p in summary["outputs"])
+  print(f"{summary['inputs']} input file(s) -> {summary['documents']:,} documents, "
+        f"{summary['tokens']:,} tokens, {written:,} bytes written:")
+  if "dropped tokens" in summary:
+    print(f"  ({summary['dropped tokens']:,} trailing tokens dropped, short of a sequence)")
+  for path in summary["outputs"]:
+    print(f"  {path}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

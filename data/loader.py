@@ -1,0 +1,132 @@
+"""Grain pipeline: shuffled fixed-length training windows, split over data-parallel shards.
+
+A source's token streams are cut into windows of `seq_len + 1` tokens at stride `seq_len`
+(window i of a stream is `stream[i*L : i*L + L + 1]`), so every token is a target exactly
+once per epoch; inputs are `window[:-1]`, targets `window[1:]`. The pipeline, all Grain:
+
+    windows ─ shuffle(seed) ─┬─ [mix(weights) of several sources] ─ [:steps·B] ─ repeat(epochs)
+                             └─ ─ [shard_index::shard_count] ─ batch(B / shard_count)
+
+Each epoch is a fresh permutation (Grain folds the epoch into the seed); the tail of an
+epoch that does not fill a global batch is dropped. Shard s takes global rows s, s + S,
+s + 2S, ... of the permuted stream, so at every step the shards together hold exactly the
+global batch `perm[t·B : (t+1)·B]`, whatever their number. The iterator's state
+(`{"next_index": step}`) therefore counts global steps: a resumed run, on the same or
+another shard count with the same global batch, sees the batches an uninterrupted run
+would have.
+"""
+import bisect
+
+import grain
+import numpy as np
+
+from data.errors import DataError
+from data.sources import Blend, TokenSource
+
+
+class Windows:
+  """Random-access windows of `seq_len + 1` tokens over a source's streams (int32)."""
+
+  def __init__(self, source: TokenSource, seq_len: int):
+    if seq_len < 1:
+      raise DataError(f"{source.name}: seq_len must be positive, got {seq_len}")
+    self.seq_len = seq_len
+    self._streams = source.streams
+    counts = [max(len(s) - 1, 0) // seq_len for s in source.streams]
+    self._ends = np.cumsum(counts).tolist()
+    if not self._ends or self._ends[-1] == 0:
+      longest = max((len(s) for s in source.streams), default=0)
+      raise DataError(f"{source.name}: seq_len {seq_len} needs windows of {seq_len + 1} "
+                      f"tokens but the longest token stream has {longest}")
+
+  def __len__(self) -> int:
+    return self._ends[-1]
+
+  def __getitem__(self, index: int) -> np.ndarray:
+    k = bisect.bisect_right(self._ends, index)
+    start = (index - (self._ends[k - 1] if k else 0)) * self.seq_len
+    return np.asarray(self._streams[k][start:start + self.seq_len + 1], dtype=np.int32)
+
+
+def _grain_seed(seed: int, component: int) -> int:
+  # Grain shuffles epoch e with seed + e; hashing keeps runs with seeds s and s + 1 apart.
+  return int(np.random.SeedSequence([seed, component]).generate_state(1)[0])
+
+
+def _to_example(batch_BxL1: np.ndarray) -> dict[str, np.ndarray]:
+  return {"inputs": batch_BxL1[:, :-1], "targets": batch_BxL1[:, 1:]}
+
+
+def make_dataset(source: TokenSource | Blend, *, seq_len: int, global_batch_size: int,
+                 seed: int = 0, shard_index: int = 0, shard_count: int = 1,
+                 num_epochs: int | None = None, shuffle: bool = True) -> grain.MapDataset:
+  """The per-shard batch dataset: element t is this shard's part of global step t.
+
+  Args:
+    source: from `data.load_source`.
+    seq_len: tokens per example; windows hold seq_len + 1.
+    global_batch_size: examples per step over all shards (divisible by shard_count).
+    seed: shuffle seed (every shard must use the same one).
+    shard_index, shard_count: which part of the global batch this process feeds
+      (`process_batch_shard` computes them from the batch sharding).
+    num_epochs: passes over the data; None repeats forever. For a blend an epoch ends
+      when the first source, at its weight, runs out; each source is reshuffled on wrap.
+    shuffle: False serves windows in order (e.g. for a fixed validation set).
+
+  Returns:
+    A `grain.MapDataset` of {"inputs", "targets"}: int32 [global_batch_size /
+    shard_count, seq_len]; its length is the number of steps (huge when num_epochs=None).
+  """
+  if global_batch_size < 1 or shard_count < 1 or global_batch_size % shard_count:
+    raise DataError(f"{source.name}: global batch {global_batch_size} must split evenly "
+                    f"over {shard_count} shards")
+  if not 0 <= shard_index < shard_count:
+    raise DataError(f"{source.name}: shard_index {shard_index} not in [0, {shard_count})")
+  parts = source.sources if isinstance(source, Blend) else (source,)
+  datasets = []
+  for k, part in enumerate(parts):
+    ds = grain.MapDataset.source(Windows(part, seq_len))
+    datasets.append(ds.shuffle(seed=_grain_seed(seed, k)) if shuffle else ds)
+  ds = datasets[0] if len(datasets) == 1 else grain.MapDataset.mix(datasets, source.weights)
+  steps = len(ds) // global_batch_size
+  if steps == 0:
+    raise DataError(f"{source.name}: {len(ds)} windows of {seq_len + 1} tokens do not fill "
+                    f"one global batch of {global_batch_size}")
+  ds = ds[:steps * global_batch_size].repeat(num_epochs)
+  ds = ds[shard_index::shard_count].batch(global_batch_size // shard_count)
+  return ds.map(_to_example)
+
+
+def make_loader(source: TokenSource | Blend, *, seq_len: int, global_batch_size: int,
+                seed: int = 0, shard_index: int = 0, shard_count: int = 1,
+                num_epochs: int | None = None, shuffle: bool = True,
+                num_threads: int = 4, prefetch: int = 16) -> grain.DatasetIterator:
+  """Iterator over `make_dataset(...)` (same arguments) with background prefetch.
+
+  `it.get_state()` is a JSON-serializable dict; `it.set_state(state)` on a fresh
+  iterator of the same arguments resumes exactly where the saved one stopped.
+  """
+  ds = make_dataset(source, seq_len=seq_len, global_batch_size=global_batch_size,
+                    seed=seed, shard_index=shard_index, shard_count=shard_count,
+                    num_epochs=num_epochs, shuffle=shuffle)
+  options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
+  return iter(ds.to_iter_dataset(options))
+
+
+def process_batch_shard(sharding, global_shape: tuple[int, ...]) -> tuple[int, int]:
+  """(shard_index, shard_count) of the batch rows this process's devices hold.
+
+  `sharding` is the global batch's sharding (e.g. NamedSharding(mesh, P(("rp", "fs"))));
+  processes that hold the same rows (tensor or pipeline parallel across hosts) get the
+  same shard. Feed the loader's batch to `jax.make_array_from_process_local_data`.
+  """
+  batch = global_shape[0]
+  rows = sorted({idx[0].indices(batch)[:2]
+                 for idx in sharding.addressable_devices_indices_map(global_shape).values()})
+  start, stop = rows[0][0], max(r[1] for r in rows)
+  size = stop - start
+  covered = sum(b - a for a, b in rows)
+  if covered != size or batch % size or start % size:
+    raise DataError(f"this process holds batch rows {rows}, not one aligned block of "
+                    f"{batch}; choose a mesh whose data-parallel axes are outermost")
+  return start // size, batch // size
