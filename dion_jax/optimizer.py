@@ -1,0 +1,178 @@
+"""The full Dion optimizer: Dion for matrices, a scalar optimizer for the rest.
+
+``dion(...)`` is ``optax.partition`` over labels:
+
+- ``"dion"``: ``chain(scale_by_dion, add_decayed_weights(wd), scale_by_learning_rate(lr))``,
+  i.e. ``X ← (1 − lr·wd) X − lr·scale·P Qᵀ`` as in the reference;
+- ``"adamw"`` / ``"lion"``: optax's own ``adamw`` / ``lion`` with betas (0.9, 0.95);
+- ``"lm_head"``: the scalar optimizer with the learning rate scaled by
+  ``lm_head_lr_scale`` (the reference uses 1/sqrt(d_model) with Lion);
+- ``"muon"``: ``optax.contrib.muon``, to compare both on one model.
+
+The default labels (:func:`default_labels`) send every parameter with >= 2 dims to
+Dion except embeddings and the LM head, which a Flax model names ``embed*`` /
+``*embedding`` / ``wte`` and ``lm_head`` / ``head`` / ``unembed``; vectors and
+scalars go to the scalar optimizer.
+"""
+
+from typing import Any, Callable
+
+import jax
+import optax
+
+from dion_jax import dion as dion_lib
+
+LABELS = ("dion", "adamw", "lion", "lm_head", "muon")
+SCALAR_OPTIMIZERS = ("adamw", "lion")
+_EMBEDDING_NAMES = ("embed", "embedding", "wte", "wpe", "tok_embeddings")
+_HEAD_NAMES = ("lm_head", "head", "unembed", "output_layer")
+
+# Structural (non-numeric in effect) arguments, for optax.inject_hyperparams:
+#   optax.inject_hyperparams(dion, static_args=dion_jax.STATIC_ARGS)(learning_rate=...)
+STATIC_ARGS = (
+    "rank_fraction", "rank_multiple_of", "oversample", "power_iters", "cqr_warmup_steps",
+    "seed", "lm_head_lr_scale",
+)  # fmt: skip
+
+
+def _key_names(path) -> list[str]:
+  names = []
+  for k in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        names.append(str(getattr(k, attr)).lower())
+        break
+  return names
+
+
+def default_labels(params: Any, scalar_optimizer: str = "adamw") -> Any:
+  """Labels for :func:`dion`: ``"dion"``, ``scalar_optimizer`` or ``"lm_head"`` per leaf."""
+
+  def label(path, leaf):
+    names = _key_names(path)
+    if any(n in _HEAD_NAMES for n in names):
+      return "lm_head"
+    if len(leaf.shape) < 2 or any(e in n for n in names for e in _EMBEDDING_NAMES):
+      return scalar_optimizer
+    return "dion"
+
+  return jax.tree_util.tree_map_with_path(label, params)
+
+
+def dion(
+    learning_rate: optax.ScalarOrSchedule = 0.01,
+    *,
+    rank_fraction: float = 1.0,
+    rank_multiple_of: int = 1,
+    mu: float = 0.95,
+    weight_decay: float = 0.01,
+    epsilon: float = 1e-8,
+    qr_method: str = "rcqr",
+    cqr_warmup_steps: int = 150,
+    oversample: float = 1.25,
+    power_iters: int = 1,
+    scale_rule: str | Callable[[int, int], float] = "fan_ratio",
+    momentum_dtype: Any = None,
+    q_dtype: Any = None,
+    seed: int = 0,
+    scalar_optimizer: str = "adamw",
+    scalar_learning_rate: optax.ScalarOrSchedule | None = None,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    scalar_epsilon: float = 1e-8,
+    lm_head_lr_scale: float | None = None,
+    labels: Any = None,
+    dimension_numbers=None,
+    partition_specs=None,
+    mesh: jax.sharding.Mesh | None = None,
+    replicate_sync: bool = True,
+    backend: str = "auto",
+) -> optax.GradientTransformation:
+  """Dion (arXiv 2504.05295) for matrices, AdamW or Lion for everything else.
+
+  Args:
+    learning_rate: base learning rate, a float or an optax schedule; Dion's update is
+      further multiplied by its shape scale (``scale_rule``).
+    rank_fraction, rank_multiple_of, mu, epsilon, qr_method, cqr_warmup_steps,
+      oversample, power_iters, scale_rule, momentum_dtype, q_dtype, seed,
+      dimension_numbers, partition_specs, mesh, replicate_sync, backend: see
+      :func:`dion_jax.scale_by_dion`.
+    weight_decay: decoupled weight decay, multiplied by the base learning rate, for
+      Dion and the scalar optimizer alike.
+    scalar_optimizer: ``"adamw"`` or ``"lion"`` for non-matrix parameters,
+      embeddings and the LM head.
+    scalar_learning_rate: its learning rate (default: ``learning_rate``).
+    b1, b2, scalar_epsilon: the scalar optimizer's betas and epsilon.
+    lm_head_lr_scale: multiplier of the LM head's learning rate; None means
+      1/sqrt(d_model) with Lion (the reference) and 1 with AdamW.
+    labels: a pytree of labels from ``("dion", "adamw", "lion", "lm_head", "muon")``
+      matching the parameters, or a callable ``params -> labels``; default
+      :func:`default_labels`.
+
+  Returns:
+    An optax ``GradientTransformation``.
+  """
+  dion_lib.check_hyperparams(learning_rate=learning_rate, weight_decay=weight_decay)
+  if scalar_optimizer not in SCALAR_OPTIMIZERS:
+    raise ValueError(f"scalar_optimizer={scalar_optimizer!r} is not supported; use one of {SCALAR_OPTIMIZERS}")
+  scalar_lr = learning_rate if scalar_learning_rate is None else scalar_learning_rate
+
+  def scalar(lr):
+    if scalar_optimizer == "lion":
+      return optax.lion(lr, b1=b1, b2=b2, weight_decay=weight_decay)
+    return optax.adamw(lr, b1=b1, b2=b2, eps=scalar_epsilon, weight_decay=weight_decay)
+
+  def scaled(lr, factor):
+    return (lambda count: lr(count) * factor) if callable(lr) else lr * factor
+
+  matrix = optax.chain(
+      dion_lib.scale_by_dion(
+          rank_fraction=rank_fraction, rank_multiple_of=rank_multiple_of, mu=mu,
+          epsilon=epsilon, qr_method=qr_method, cqr_warmup_steps=cqr_warmup_steps,
+          oversample=oversample, power_iters=power_iters, scale_rule=scale_rule,
+          momentum_dtype=momentum_dtype, q_dtype=q_dtype, seed=seed,
+          dimension_numbers=dimension_numbers, partition_specs=partition_specs,
+          mesh=mesh, replicate_sync=replicate_sync, backend=backend,
+      ),  # fmt: skip
+      optax.add_decayed_weights(weight_decay),
+      optax.scale_by_learning_rate(learning_rate),
+  )
+
+  def labels_of(params):
+    if labels is None:
+      return default_labels(params, scalar_optimizer)
+    tree = labels(params) if callable(labels) else labels
+    bad = {l for l in jax.tree.leaves(tree) if l not in LABELS}
+    if bad:
+      raise ValueError(f"unknown optimizer labels {sorted(bad)}; use labels from {LABELS}")
+    return tree
+
+  def transforms(params):
+    head_scale = _lm_head_scale(params, lm_head_lr_scale, scalar_optimizer, labels_of)
+    return {
+        "dion": matrix,
+        "adamw": optax.adamw(scalar_lr, b1=b1, b2=b2, eps=scalar_epsilon, weight_decay=weight_decay),
+        "lion": optax.lion(scalar_lr, b1=b1, b2=b2, weight_decay=weight_decay),
+        "lm_head": scalar(scaled(scalar_lr, head_scale)),
+        "muon": optax.contrib.muon(learning_rate, beta=mu, weight_decay=weight_decay),
+    }
+
+  def init_fn(params):
+    return optax.partition(transforms(params), labels_of).init(params)
+
+  def update_fn(updates, state, params=None):
+    return optax.partition(transforms(updates), labels_of).update(updates, state, params)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _lm_head_scale(params, lm_head_lr_scale, scalar_optimizer, labels_of) -> float:
+  if lm_head_lr_scale is not None:
+    return lm_head_lr_scale
+  if scalar_optimizer != "lion":
+    return 1.0
+  heads = [
+      leaf for leaf, label in zip(jax.tree.leaves(params), jax.tree.leaves(labels_of(params)))
+      if label == "lm_head" and len(leaf.shape) >= 2
+  ]  # fmt: skip
+  return 1.0 / heads[0].shape[-2] ** 0.5 if heads else 1.0

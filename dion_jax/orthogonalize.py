@@ -1,0 +1,186 @@
+"""Orthonormalization of the tall factor P (m x r) in Dion's power iteration.
+
+Three methods, each returning a float32 matrix with orthonormal columns that spans
+the column space of ``P``:
+
+- ``"qr"``: Householder QR (``jnp.linalg.qr``).
+- ``"cqr"``: Cholesky QR, ``R = chol(PᵀP)``, ``P R⁻¹``. Cholesky QR squares the
+  condition number, so it only runs when ``use_cqr`` is true (Dion enables it after
+  ``cqr_warmup_steps``) and the factorization succeeded; otherwise it falls back to
+  ``"rcqr"``. JAX's Cholesky returns NaN instead of raising, which is what we test.
+- ``"rcqr"``: randomized Cholesky QR. With a Gaussian sketch S (k x m),
+  ``k = ceil(oversample·r/128)·128``:
+
+      R₁ = qr_r(S P),  P₁ = P R₁⁻¹,  R₂ = chol(P₁ᵀP₁),  P₂ = P₁ R₂⁻¹.
+
+  S P is a subspace embedding, so P₁ is already well conditioned and the Cholesky
+  pass finishes the job. Square or wide P (m <= r) goes to Householder QR.
+
+Distribution: when the rows of P are sharded over mesh axes ``axis_name`` (inside a
+``shard_map``), the (k x r) sketch product and the (r x r) Gram matrix are summed
+over those axes; everything else is local. The sketch entries are a function of the
+global row index (``dion_jax.sketch``), so the result does not depend on the number
+of shards.
+
+The three passes over P (sketch, solve + Gram, solve) are the heavy part; they
+dispatch to Pallas GPU kernels (``dion_jax.pallas_rcqr``) or to the XLA composition
+below, chosen by ``backend``.
+"""
+
+from typing import Literal, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dion_jax import sketch
+
+Method = Literal["qr", "cqr", "rcqr"]
+Backend = Literal["auto", "xla", "pallas"]
+AxisName = str | Sequence[str] | None
+
+METHODS = ("qr", "cqr", "rcqr")
+BACKENDS = ("auto", "xla", "pallas")
+
+
+def psum(x: jax.Array, axis_name: AxisName) -> jax.Array:
+  """``lax.psum`` that is the identity when there is no axis to sum over."""
+  return x if not axis_name else lax.psum(x, axis_name)
+
+
+def _axis_size(axis_name: AxisName) -> int:
+  return 1 if not axis_name else lax.psum(1, axis_name)
+
+
+def _axis_index(axis_name: AxisName) -> jax.Array:
+  return jnp.uint32(0) if not axis_name else lax.axis_index(axis_name).astype(jnp.uint32)
+
+
+def _upper_solve(P_mxr: jax.Array, R_rxr: jax.Array) -> jax.Array:
+  """``P R⁻¹`` for upper-triangular R."""
+  return lax.linalg.triangular_solve(R_rxr, P_mxr, left_side=False, lower=False)
+
+
+def _cholesky_upper(G_rxr: jax.Array) -> jax.Array:
+  return jnp.linalg.cholesky(G_rxr).T
+
+
+# --- XLA composition of the three heavy passes -----------------------------------
+
+
+def xla_sketch_product(P_mxr: jax.Array, seed: jax.Array, k: int, row_start: jax.Array) -> jax.Array:
+  """``S[:, row_start:row_start+m] @ P`` with S from ``dion_jax.sketch``; (k, r) float32."""
+  S_kxm = sketch.sketch_block(seed, row_start, P_mxr.shape[0], k)
+  return jnp.matmul(S_kxm, P_mxr.astype(jnp.float32), preferred_element_type=jnp.float32)
+
+
+def xla_solve_and_gram(P_mxr: jax.Array, R_rxr: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``P₁ = P R⁻¹`` (float32) and its local Gram matrix ``P₁ᵀ P₁``."""
+  P1_mxr = _upper_solve(P_mxr.astype(jnp.float32), R_rxr)
+  return P1_mxr, P1_mxr.T @ P1_mxr
+
+
+def xla_solve(P_mxr: jax.Array, R_rxr: jax.Array) -> jax.Array:
+  """``P R⁻¹`` in float32."""
+  return _upper_solve(P_mxr.astype(jnp.float32), R_rxr)
+
+
+def _passes(backend: Backend):
+  if backend == "auto":
+    backend = "pallas" if jax.default_backend() == "gpu" else "xla"
+  if backend == "xla":
+    return xla_sketch_product, xla_solve_and_gram, xla_solve
+  from dion_jax import pallas_rcqr  # Imported lazily: only the GPU path needs Pallas.
+
+  return pallas_rcqr.sketch_product, pallas_rcqr.solve_and_gram, pallas_rcqr.solve
+
+
+# --- Methods ----------------------------------------------------------------------
+
+
+def householder(P_mxr: jax.Array, axis_name: AxisName = None) -> jax.Array:
+  """Householder QR's Q factor; a row-sharded P is gathered, factored, and re-split."""
+  P_mxr = P_mxr.astype(jnp.float32)
+  if not axis_name:
+    return jnp.linalg.qr(P_mxr)[0]
+  m_local = P_mxr.shape[0]
+  full = lax.all_gather(P_mxr, axis_name, axis=0, tiled=True)
+  Q_full = jnp.linalg.qr(full)[0]
+  start = lax.axis_index(axis_name) * m_local
+  return lax.dynamic_slice_in_dim(Q_full, start, m_local, axis=0)
+
+
+def rcqr(
+    P_mxr: jax.Array,
+    seed: jax.Array,
+    *,
+    oversample: float = 1.25,
+    axis_name: AxisName = None,
+    backend: Backend = "auto",
+) -> jax.Array:
+  """Randomized Cholesky QR of P (rows possibly sharded over ``axis_name``)."""
+  m_local, r = P_mxr.shape
+  if m_local * _axis_size(axis_name) <= r:
+    return householder(P_mxr, axis_name)
+  sketch_product, solve_and_gram, solve = _passes(backend)
+  k = sketch.sketch_size(r, oversample)
+  row_start = _axis_index(axis_name) * jnp.uint32(m_local)
+  SP_kxr = psum(sketch_product(P_mxr, jnp.asarray(seed, jnp.uint32), k, row_start), axis_name)
+  R1_rxr = jnp.linalg.qr(SP_kxr, mode="r")
+  P1_mxr, G_rxr = solve_and_gram(P_mxr, R1_rxr)
+  R2_rxr = _cholesky_upper(psum(G_rxr, axis_name))
+  return solve(P1_mxr, R2_rxr)
+
+
+def cholesky_qr(
+    P_mxr: jax.Array,
+    seed: jax.Array,
+    *,
+    use_cqr: jax.Array | bool = True,
+    oversample: float = 1.25,
+    axis_name: AxisName = None,
+    backend: Backend = "auto",
+) -> jax.Array:
+  """Cholesky QR, falling back to :func:`rcqr` when disabled or when Cholesky fails."""
+  P32_mxr = P_mxr.astype(jnp.float32)
+  R_rxr = _cholesky_upper(psum(P32_mxr.T @ P32_mxr, axis_name))
+  ok = jnp.logical_and(jnp.all(jnp.isfinite(R_rxr)), use_cqr)
+  return lax.cond(
+      ok,
+      lambda: _passes(backend)[2](P32_mxr, R_rxr),
+      lambda: rcqr(P32_mxr, seed, oversample=oversample, axis_name=axis_name, backend=backend),
+  )
+
+
+def orthonormalize(
+    P_mxr: jax.Array,
+    *,
+    method: Method = "rcqr",
+    seed: jax.Array | int = 0,
+    oversample: float = 1.25,
+    use_cqr: jax.Array | bool = True,
+    axis_name: AxisName = None,
+    backend: Backend = "auto",
+) -> jax.Array:
+  """Orthonormalizes the columns of ``P`` (m x r) with ``method``; returns float32 (m x r).
+
+  Args:
+    P_mxr: the matrix, or this device's block of rows of it when ``axis_name`` is set.
+    method: ``"qr"``, ``"cqr"`` or ``"rcqr"`` (see the module docstring).
+    seed: uint32 seed of the RCQR sketch; the same seed gives the same sketch.
+    oversample: sketch rows per column of P, before rounding up to a multiple of 128.
+    use_cqr: for ``"cqr"`` only: when false, run ``"rcqr"`` instead (warmup).
+    axis_name: mesh axes over which the rows of ``P`` are sharded, inside ``shard_map``.
+    backend: ``"xla"``, ``"pallas"``, or ``"auto"`` (Pallas on GPU, else XLA).
+  """
+  if method not in METHODS:
+    raise ValueError(f"qr_method must be one of {METHODS}, got {method!r}")
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  if method == "qr":
+    return householder(P_mxr, axis_name)
+  if method == "cqr":
+    return cholesky_qr(
+        P_mxr, seed, use_cqr=use_cqr, oversample=oversample, axis_name=axis_name, backend=backend
+    )
+  return rcqr(P_mxr, seed, oversample=oversample, axis_name=axis_name, backend=backend)
