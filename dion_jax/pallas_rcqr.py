@@ -133,7 +133,7 @@ def _stacked(core):
 
   @batched.def_vmap
   def _rule(axis_size, in_batched, *args):
-    args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape) for a, b in zip(in_batched, args)]
+    args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape) for a, b in zip(args, in_batched)]
     inner = args[0].shape[1]
     outs = batched(*(a.reshape((axis_size * inner,) + a.shape[2:]) for a in args))
     outs = jax.tree.map(lambda o: o.reshape((axis_size, inner) + o.shape[1:]), outs)
