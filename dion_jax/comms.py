@@ -77,6 +77,7 @@ _INSTR_RE = re.compile(r"\s*(?:ROOT\s+)?%?(?P<name>[^\s=(){}]+)\s*=\s*(?P<rest>.
 _ARRAY_RE = re.compile(r"(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[^\]]*)\]")
 _OPCODE_RE = re.compile(r"\s*(?P<op>[a-z][a-z0-9\-]*)\(")
 _INTS_RE = re.compile(r"\d+")
+_COMMENT_RE = re.compile(r"/\*.*?\*/")  # long operand lists carry /*index=5*/ markers
 _IOTA_RE = re.compile(r"\[(?P<dims>[\d,]+)\]<=\[(?P<reshape>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
 _MESH_RE = re.compile(
     r"mesh\[(?P<axes>[^\]]*)\]"
@@ -141,7 +142,7 @@ class _Instr(NamedTuple):
 def _parse_instructions(hlo: str) -> list[_Instr]:
   instrs = []
   for line in hlo.splitlines():
-    m = _INSTR_RE.fullmatch(line)
+    m = _INSTR_RE.fullmatch(_COMMENT_RE.sub("", line))
     if not m:
       continue
     rest = m["rest"]
@@ -253,7 +254,7 @@ def _mesh_groups(m: re.Match) -> list[list[int]]:
   return list(groups.values())
 
 
-def replica_groups(instr_attrs: str, op: str, n_devices: int) -> list[list[int]]:
+def _replica_groups(instr_attrs: str, op: str, n_devices: int) -> list[list[int]]:
   """The device groups of one collective, from its attribute text."""
   if op == "collective-permute":
     if "slice_sizes=" in instr_attrs:
@@ -328,7 +329,7 @@ def collective_stats(compiled_or_hlo_text: Any, mesh: jax.sharding.Mesh) -> list
     op = instr.op.removesuffix("-start")
     if op not in OPS:
       continue
-    groups = replica_groups(instr.attrs, op, n_devices)
+    groups = _replica_groups(instr.attrs, op, n_devices)
     nbytes = _operand_bytes(instr, shapes)
     if op == "all-gather":
       nbytes *= len(groups[0])

@@ -87,6 +87,15 @@ def test_mixed_dtypes_sum_their_bytes(mesh):
   assert nbytes == 64 * 32 * 4 + 16 * 32 * 4
 
 
+def test_combined_all_reduce_with_many_operands(mesh):
+  # Seven operands: HLO marks the sixth with /*index=5*/ in shape and operand lists.
+  def f(a):
+    return lax.psum(tuple(a[:8 * (i + 1)] * i for i in range(7)), "rp")
+  got = _stats(mesh, f, P("rp"), (P(),) * 7, _x(2 * 64))
+  assert set(got) == {("all-reduce", ("rp",))}
+  assert got["all-reduce", ("rp",)][1] == sum(8 * (i + 1) * 32 * 4 for i in range(7))
+
+
 def test_loop_body_counts_once(mesh):
   def f(a):
     return lax.fori_loop(0, 3, lambda i, c: lax.psum(c, "rp") * 0.5, a)
@@ -140,6 +149,22 @@ ENTRY %main (p0: f32[64,32], p1: bf16[16]) -> f32[64,32] {
 """
 
 
+_WRAPPED_HLO = """\
+HloModule m, num_partitions=8
+
+%wrapped_reduce_scatter (param_0: f32[64,32]) -> f32[32,32] {
+  %param_0 = f32[64,32]{1,0} parameter(0)
+  ROOT %reduce-scatter.1 = f32[32,32]{1,0} reduce-scatter(%param_0), channel_id=1, replica_groups={{0,2},{1,3},{4,6},{5,7}}, use_global_device_ids=true, dimensions={0}, to_apply=%add
+}
+
+ENTRY %main (p0: f32[64,32]) -> f32[32,32] {
+  %p0 = f32[64,32]{1,0} parameter(0)
+  %rs-start = ((f32[64,32]{1,0}), f32[32,32]{1,0}) async-start(%p0), calls=%wrapped_reduce_scatter
+  ROOT %rs-done = f32[32,32]{1,0} async-done(%rs-start)
+}
+"""
+
+
 @pytest.fixture(scope="module")
 def plain_mesh():
   return make_mesh("rp=2,fs=2,tp=2")
@@ -152,6 +177,11 @@ def test_async_pairs_count_once(plain_mesh):
       comms.CollectiveStat("all-gather", ("fs", "tp"), 1, 64 * 2),  # bf16[64] gathered
       comms.CollectiveStat("collective-permute", ("rp",), 1, F32_64x32),
   ]
+
+
+def test_async_wrapped_collective_counts_once(plain_mesh):
+  assert comms.collective_stats(_WRAPPED_HLO, plain_mesh) == [
+      comms.CollectiveStat("reduce-scatter", ("fs",), 1, F32_64x32)]
 
 
 def _one(op_line: str, mesh, defs: str = "  %p = f32[64,32]{1,0} parameter(0)\n"):
