@@ -1,6 +1,6 @@
 """Dion (Distributed Orthonormalized Updates) for JAX and optax."""
 
-from dion_jax.dion import (
+from dion_jax.core import (
     Collectives,
     DionHyperParams,
     ScaleByDionState,

@@ -15,7 +15,7 @@ see ``dion_jax.frame``), one step on gradient G is:
 with a guard: if M is all zero, P = 0 and R = Q (the state is left alone), else
 NaN/Inf in P and R are replaced by finite values. ``power_iters > 1`` repeats the
 P/R products with Q ← R. Weight decay and the learning rate are applied by the
-transformations chained after this one (``dion_jax.dion``), which gives the
+transformations chained after this one (``dion_jax.optimizer``), which gives the
 reference's ``X ← (1 − lr·wd) X − lr·scale·P Qᵀ``.
 
 Every line above is local to a device except a few small reductions, named by
@@ -25,6 +25,7 @@ and a mean of P and R over data-parallel replicas (compressed sync). On one devi
 all are identities; ``dion_jax.sharded`` runs the same function inside ``shard_map``.
 """
 
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -141,7 +142,7 @@ def dion_matrix_step(
 
 def step_seeds(base_seed: int, step: jax.Array, leaf_id: int, batch_shape: tuple[int, ...]) -> jax.Array:
   """uint32 sketch seeds, one per matrix of a stacked parameter, for this step."""
-  batch_index = jnp.arange(int(jnp.prod(jnp.array(batch_shape))) if batch_shape else 1, dtype=jnp.uint32)
+  batch_index = jnp.arange(math.prod(batch_shape), dtype=jnp.uint32)
   return sketch.mix_seed(base_seed, step, leaf_id, batch_index).reshape(batch_shape)
 
 
@@ -276,7 +277,7 @@ def scale_by_dion(
   """Dion's orthonormalized low-rank update direction for matrix parameters.
 
   Returns ``scale·P Qᵀ`` per matrix (module docstring); chain weight decay and the
-  learning rate after it, or use :func:`dion_jax.dion`, which also routes
+  learning rate after it, or use :func:`dion_jax.optimizer.dion`, which also routes
   non-matrix parameters to a scalar optimizer.
 
   Args:

@@ -11,8 +11,9 @@
 
 The default labels (:func:`default_labels`) send every parameter with >= 2 dims to
 Dion except embeddings and the LM head, which a Flax model names ``embed*`` /
-``*embedding`` / ``wte`` and ``lm_head`` / ``head`` / ``unembed``; vectors and
-scalars go to the scalar optimizer.
+``*embedding`` / ``wte`` and ``lm_head`` / ``head`` / ``unembed``; vectors, scalars,
+and leaves named ``bias`` / ``scale`` / ``*norm*`` (stacked norms are vectors with
+leading layer axes) go to the scalar optimizer.
 """
 
 from typing import Any, Callable
@@ -20,18 +21,24 @@ from typing import Any, Callable
 import jax
 import optax
 
-from dion_jax import dion as dion_lib
+from dion_jax import core as dion_lib
 
 LABELS = ("dion", "adamw", "lion", "lm_head", "muon")
 SCALAR_OPTIMIZERS = ("adamw", "lion")
 _EMBEDDING_NAMES = ("embed", "embedding", "wte", "wpe", "tok_embeddings")
+# Flax names of norm scales and biases: vectors even when stacked over layers.
+_VECTOR_NAMES = ("bias", "scale")
 _HEAD_NAMES = ("lm_head", "head", "unembed", "output_layer")
 
-# Structural (non-numeric in effect) arguments, for optax.inject_hyperparams:
+# Structural arguments, for optax.inject_hyperparams:
 #   optax.inject_hyperparams(dion, static_args=dion_jax.STATIC_ARGS)(learning_rate=...)
+# Numbers among them fix shapes or Python control flow; callables among them (labels,
+# scale_rule, dimension_numbers, dtypes such as jnp.bfloat16) must not be taken for
+# schedules, which inject_hyperparams does with every other callable argument.
 STATIC_ARGS = (
     "rank_fraction", "rank_multiple_of", "oversample", "power_iters", "cqr_warmup_steps",
-    "seed", "lm_head_lr_scale",
+    "seed", "lm_head_lr_scale", "labels", "scale_rule", "dimension_numbers",
+    "momentum_dtype", "q_dtype",
 )  # fmt: skip
 
 
@@ -52,7 +59,8 @@ def default_labels(params: Any, scalar_optimizer: str = "adamw") -> Any:
     names = _key_names(path)
     if any(n in _HEAD_NAMES for n in names):
       return "lm_head"
-    if len(leaf.shape) < 2 or any(e in n for n in names for e in _EMBEDDING_NAMES):
+    vector_like = len(leaf.shape) < 2 or (names and names[-1] in _VECTOR_NAMES)
+    if vector_like or any(e in n for n in names for e in _EMBEDDING_NAMES + ("norm",)):
       return scalar_optimizer
     return "dion"
 
@@ -113,6 +121,9 @@ def dion(
     An optax ``GradientTransformation``.
   """
   dion_lib.check_hyperparams(learning_rate=learning_rate, weight_decay=weight_decay)
+  _check_scalar_hyperparams(
+      scalar_learning_rate=scalar_learning_rate, b1=b1, b2=b2, lm_head_lr_scale=lm_head_lr_scale
+  )
   if scalar_optimizer not in SCALAR_OPTIMIZERS:
     raise ValueError(f"scalar_optimizer={scalar_optimizer!r} is not supported; use one of {SCALAR_OPTIMIZERS}")
   scalar_lr = learning_rate if scalar_learning_rate is None else scalar_learning_rate
@@ -164,6 +175,23 @@ def dion(
     return optax.partition(transforms(updates), labels_of).update(updates, state, params)
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+_SCALAR_RULES = {
+    "scalar_learning_rate": (lambda v: v >= 0, "a number >= 0, an optax schedule or None"),
+    "b1": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "b2": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "lm_head_lr_scale": (lambda v: v > 0, "a number > 0 or None"),
+}
+
+
+def _check_scalar_hyperparams(**values) -> None:
+  """ValueError naming the first bad scalar-optimizer hyper-parameter; arrays, schedules and None pass."""
+  for name, value in values.items():
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok, accepted = _SCALAR_RULES[name]
+    if is_number and not ok(value):
+      raise ValueError(f"{name}={value!r} is invalid; it must be {accepted}")
 
 
 def _lm_head_scale(params, lm_head_lr_scale, scalar_optimizer, labels_of) -> float:

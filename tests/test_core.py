@@ -29,7 +29,7 @@ def _set_q(state, q_tree):
 
 
 def run_dion(X0_mxn, Q0, grads_txmxn, *, backend="xla", **kwargs):
-  """Runs dion_jax.dion on the Flax-layout kernel X0ᵀ; returns X (T, m, n) and M (T, m, n)."""
+  """Runs dion_jax.dion() on the Flax-layout kernel X0ᵀ; returns X (T, m, n) and M (T, m, n)."""
   tx = dion_jax.dion(labels=_only_dion, backend=backend, **kwargs)
   params = {"w": jnp.asarray(X0_mxn.T, jnp.float32)}
   state = _set_q(tx.init(params), {"w": jnp.asarray(Q0, jnp.float32)})
