@@ -4,6 +4,9 @@
     it = data.make_loader(source, seq_len=256, global_batch_size=8, seed=0)
     batch = next(it)                           # {"inputs", "targets"}: int32 [8, 256]
     state = it.get_state()                     # JSON-serializable; it.set_state(state)
+
+In an Orbax CheckpointManager, save and restore the iterator with
+`grain.checkpoint.CheckpointSave(it)` / `grain.checkpoint.CheckpointRestore(it)`.
 """
 from data.errors import DataError, DataFileNotFoundError
 from data.loader import make_dataset, make_loader, process_batch_shard

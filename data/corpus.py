@@ -19,8 +19,6 @@ import sysconfig
 import tempfile
 import zlib
 
-import numpy as np
-
 from data import megatron, tokenizer
 from data.errors import DataError, DataFileNotFoundError
 from data.progress import Progress
@@ -116,8 +114,3 @@ def build_corpus(root: str | None = None, cache_dir: str | None = None, *,
     shutil.rmtree(tmp, ignore_errors=True)
   return prefixes
 
-
-def corpus_stats(prefix: str) -> tuple[int, int]:
-  """(documents, tokens) of a built split."""
-  ds = megatron.IndexedDataset(prefix)
-  return ds.num_documents, int(np.sum(ds.sequence_lengths, dtype=np.int64))

@@ -2,10 +2,11 @@
 
 A source's token streams are cut into windows of `seq_len + 1` tokens at stride `seq_len`
 (window i of a stream is `stream[i*L : i*L + L + 1]`), so every token is a target exactly
-once per epoch; inputs are `window[:-1]`, targets `window[1:]`. The pipeline, all Grain:
+once per epoch; inputs are `window[:-1]`, targets `window[1:]`. Grain samples window ids,
+and one vectorized gather per batch reads the tokens:
 
-    windows ─ shuffle(seed) ─┬─ [mix(weights) of several sources] ─ [:steps·B] ─ repeat(epochs)
-                             └─ ─ [shard_index::shard_count] ─ batch(B / shard_count)
+    range(windows) ─ shuffle(seed) ─┬─ [mix(weights) over sources] ─ [:steps·B] ─ repeat(epochs)
+                                    └─ ─ [shard_index::shard_count] ─ batch(B / S) ─ gather
 
 Each epoch is a fresh permutation (Grain folds the epoch into the seed); the tail of an
 epoch that does not fill a global batch is dropped. Shard s takes global rows s, s + S,
@@ -15,8 +16,6 @@ global batch `perm[t·B : (t+1)·B]`, whatever their number. The iterator's stat
 another shard count with the same global batch, sees the batches an uninterrupted run
 would have.
 """
-import bisect
-
 import grain
 import numpy as np
 
@@ -25,36 +24,48 @@ from data.sources import Blend, TokenSource
 
 
 class Windows:
-  """Random-access windows of `seq_len + 1` tokens over a source's streams (int32)."""
+  """Numbers the windows of `seq_len + 1` tokens of several sources' streams, in order.
 
-  def __init__(self, source: TokenSource, seq_len: int):
+  Source k owns the window ids `ranges[k]`; `gather(ids)` reads any batch of them.
+  """
+
+  def __init__(self, sources: tuple[TokenSource, ...], seq_len: int):
     if seq_len < 1:
-      raise DataError(f"{source.name}: seq_len must be positive, got {seq_len}")
+      raise DataError(f"{sources[0].name}: seq_len must be positive, got {seq_len}")
     self.seq_len = seq_len
-    self._streams = source.streams
-    counts = [max(len(s) - 1, 0) // seq_len for s in source.streams]
-    self._ends = np.cumsum(counts).tolist()
-    if not self._ends or self._ends[-1] == 0:
-      longest = max((len(s) for s in source.streams), default=0)
-      raise DataError(f"{source.name}: seq_len {seq_len} needs windows of {seq_len + 1} "
-                      f"tokens but the longest token stream has {longest}")
+    self.ranges = []
+    self._streams, counts = [], []
+    for source in sources:
+      n = [max(len(s) - 1, 0) // seq_len for s in source.streams]
+      if sum(n) == 0:
+        longest = max((len(s) for s in source.streams), default=0)
+        raise DataError(f"{source.name}: seq_len {seq_len} needs windows of {seq_len + 1} "
+                        f"tokens but the longest token stream has {longest}")
+      start = sum(counts)
+      self.ranges.append(range(start, start + sum(n)))
+      self._streams += source.streams
+      counts += n
+    self._ends = np.cumsum(counts)
+    self._offsets = np.arange(seq_len + 1)
 
   def __len__(self) -> int:
-    return self._ends[-1]
+    return int(self._ends[-1])
 
-  def __getitem__(self, index: int) -> np.ndarray:
-    k = bisect.bisect_right(self._ends, index)
-    start = (index - (self._ends[k - 1] if k else 0)) * self.seq_len
-    return np.asarray(self._streams[k][start:start + self.seq_len + 1], dtype=np.int32)
+  def gather(self, ids) -> np.ndarray:
+    """Windows `ids` as int32 [len(ids), seq_len + 1]."""
+    ids = np.asarray(ids, dtype=np.int64)
+    stream = np.searchsorted(self._ends, ids, side="right")
+    starts = (ids - self._ends[stream] + np.diff(self._ends, prepend=0)[stream]) * self.seq_len
+    out = np.empty((len(ids), self.seq_len + 1), np.int32)
+    for k in np.unique(stream):
+      rows = stream == k
+      out[rows] = self._streams[k][starts[rows, None] + self._offsets]
+    return out
 
 
 def _grain_seed(seed: int, component: int) -> int:
   # Grain shuffles epoch e with seed + e; hashing keeps runs with seeds s and s + 1 apart.
   return int(np.random.SeedSequence([seed, component]).generate_state(1)[0])
-
-
-def _to_example(batch_BxL1: np.ndarray) -> dict[str, np.ndarray]:
-  return {"inputs": batch_BxL1[:, :-1], "targets": batch_BxL1[:, 1:]}
 
 
 def make_dataset(source: TokenSource | Blend, *, seq_len: int, global_batch_size: int,
@@ -83,9 +94,10 @@ def make_dataset(source: TokenSource | Blend, *, seq_len: int, global_batch_size
   if not 0 <= shard_index < shard_count:
     raise DataError(f"{source.name}: shard_index {shard_index} not in [0, {shard_count})")
   parts = source.sources if isinstance(source, Blend) else (source,)
+  windows = Windows(parts, seq_len)
   datasets = []
-  for k, part in enumerate(parts):
-    ds = grain.MapDataset.source(Windows(part, seq_len))
+  for k, ids in enumerate(windows.ranges):
+    ds = grain.MapDataset.range(ids.start, ids.stop)
     datasets.append(ds.shuffle(seed=_grain_seed(seed, k)) if shuffle else ds)
   ds = datasets[0] if len(datasets) == 1 else grain.MapDataset.mix(datasets, source.weights)
   steps = len(ds) // global_batch_size
@@ -94,7 +106,12 @@ def make_dataset(source: TokenSource | Blend, *, seq_len: int, global_batch_size
                     f"one global batch of {global_batch_size}")
   ds = ds[:steps * global_batch_size].repeat(num_epochs)
   ds = ds[shard_index::shard_count].batch(global_batch_size // shard_count)
-  return ds.map(_to_example)
+
+  def to_example(ids_B):
+    windows_BxL1 = windows.gather(ids_B)
+    return {"inputs": windows_BxL1[:, :-1], "targets": windows_BxL1[:, 1:]}
+
+  return ds.map(to_example)
 
 
 def make_loader(source: TokenSource | Blend, *, seq_len: int, global_batch_size: int,

@@ -84,7 +84,7 @@ def load_source(spec: str, *, cache_dir: str | None = None,
 
 
 def _split_weight(part: str) -> tuple[float | None, str]:
-  head, sep, rest = part.partition(":")
+  head, _, rest = part.partition(":")
   try:
     return float(head), rest.strip()
   except ValueError:

@@ -24,13 +24,16 @@ def _take(it, n):
 
 
 def test_windows_are_stride_seq_len_and_never_cross_streams():
-  src = TokenSource("s", (np.arange(10), np.arange(100, 103), np.arange(200, 209)), None)
-  w = loader.Windows(src, 4)
-  # (10-1)//4 = 2, (3-1)//4 = 0, (9-1)//4 = 2 windows.
-  assert len(w) == 4
-  assert [w[i].tolist() for i in range(4)] == [
-      [0, 1, 2, 3, 4], [4, 5, 6, 7, 8], [200, 201, 202, 203, 204], [204, 205, 206, 207, 208]]
-  assert w[0].dtype == np.int32
+  a = TokenSource("a", (np.arange(10), np.arange(100, 103), np.arange(200, 209)), None)
+  b = TokenSource("b", (np.arange(300, 306),), None)
+  w = loader.Windows((a, b), 4)
+  # (10-1)//4 = 2, (3-1)//4 = 0, (9-1)//4 = 2 windows for a; (6-1)//4 = 1 for b.
+  assert len(w) == 5 and w.ranges == [range(0, 4), range(4, 5)]
+  expected = [[0, 1, 2, 3, 4], [4, 5, 6, 7, 8], [200, 201, 202, 203, 204],
+              [204, 205, 206, 207, 208], [300, 301, 302, 303, 304]]
+  assert w.gather(range(5)).tolist() == expected
+  assert w.gather([4, 0, 3, 0]).tolist() == [expected[i] for i in (4, 0, 3, 0)]
+  assert w.gather([1]).dtype == np.int32
 
 
 def test_batches_are_inputs_and_shifted_targets():
@@ -183,3 +186,21 @@ def test_process_batch_shard_on_a_single_process_mesh():
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("rp", "fs"))
   sharding = NamedSharding(mesh, P(("rp", "fs"), None))
   assert loader.process_batch_shard(sharding, (16, L)) == (0, 1)
+
+
+def test_iterator_state_round_trips_through_an_orbax_checkpoint(tmp_path):
+  import grain
+  import orbax.checkpoint as ocp
+  kwargs = dict(seq_len=L, global_batch_size=8, seed=5)
+  it = loader.make_loader(_ramp(40), **kwargs)
+  _take(it, 3)
+  with ocp.CheckpointManager(str(tmp_path), item_names=("data",)) as manager:
+    manager.save(3, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
+    manager.wait_until_finished()
+  expected = _take(it, 2)
+  resumed = loader.make_loader(_ramp(40), **kwargs)
+  with ocp.CheckpointManager(str(tmp_path), item_names=("data",)) as manager:
+    manager.restore(3, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(resumed)))
+  assert resumed.get_state() == {"next_index": 3}
+  for want, got in zip(expected, _take(resumed, 2)):
+    np.testing.assert_array_equal(want["inputs"], got["inputs"])
