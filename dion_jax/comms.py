@@ -132,31 +132,33 @@ def shape_bytes(shape: str) -> int:
 
 
 class _Instr(NamedTuple):
+  """A collective instruction; op without its -start suffix."""
   name: str
-  shape: str
   op: str
   operands: list[str]
   attrs: str
 
 
-def _parse_instructions(hlo: str) -> list[_Instr]:
-  instrs = []
+def _parse_instructions(hlo: str) -> tuple[dict[str, str], list[_Instr]]:
+  """The shape of every named instruction, and the collectives in full."""
+  shapes, collectives = {}, []
   for line in hlo.splitlines():
     m = _INSTR_RE.fullmatch(_COMMENT_RE.sub("", line))
     if not m:
       continue
     rest = m["rest"]
     end = _closing(rest, 0) if rest.startswith("(") else rest.find(" ")
-    if end <= 0:
-      continue
-    op_m = _OPCODE_RE.match(rest, end)
+    op_m = _OPCODE_RE.match(rest, end) if end > 0 else None
     if not op_m:
+      continue
+    shapes[m["name"]] = rest[:end]
+    if op_m["op"].removesuffix("-start") not in OPS:
       continue
     open_paren = op_m.end() - 1
     close = _closing(rest, open_paren)
-    instrs.append(_Instr(m["name"], rest[:end], op_m["op"],
-                         _split_top_level(rest[open_paren + 1:close - 1]), rest[close:]))
-  return instrs
+    collectives.append(_Instr(m["name"], op_m["op"].removesuffix("-start"),
+                              _split_top_level(rest[open_paren + 1:close - 1]), rest[close:]))
+  return shapes, collectives
 
 
 def _operand_bytes(instr: _Instr, shapes: dict[str, str]) -> int:
@@ -322,18 +324,14 @@ def collective_stats(compiled_or_hlo_text: Any, mesh: jax.sharding.Mesh) -> list
     raise ValueError(
         f"the HLO module has num_partitions={partitions[1]} but the mesh has {n_devices}"
         " devices; pass the mesh the function was compiled for")
-  instrs = _parse_instructions(hlo)
-  shapes = {i.name: i.shape for i in instrs}
+  shapes, collectives = _parse_instructions(hlo)
   totals: dict[tuple[str, tuple[str, ...]], list[int]] = {}
-  for instr in instrs:
-    op = instr.op.removesuffix("-start")
-    if op not in OPS:
-      continue
-    groups = _replica_groups(instr.attrs, op, n_devices)
+  for instr in collectives:
+    groups = _replica_groups(instr.attrs, instr.op, n_devices)
     nbytes = _operand_bytes(instr, shapes)
-    if op == "all-gather":
+    if instr.op == "all-gather":
       nbytes *= len(groups[0])
-    entry = totals.setdefault((op, group_axes(groups, mesh)), [0, 0])
+    entry = totals.setdefault((instr.op, group_axes(groups, mesh)), [0, 0])
     entry[0] += 1
     entry[1] += nbytes
   order = {a: i for i, a in enumerate(mesh.axis_names)}
