@@ -6,7 +6,6 @@ mix-up between Device.id and mesh position would show.
 """
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import NamedSharding
