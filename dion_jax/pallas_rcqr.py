@@ -32,18 +32,23 @@ Kernels (B matrices of m x r, k sketch rows, s = bytes per element of P):
 Counted per matrix (``counted_costs`` computes them; ``python benchmarks/gpu_rcqr.py
 --count`` prints the table), with C partial-sum chunks:
 
-    pass           Pallas bytes                    XLA composition bytes                 flops (both)
-    sketch         s m r + 4 C k r                 4 k m (write S) + 4 k m + s m r       2 k m r (+ S: ~40 ops/entry, per r-tile)
-    solve+gram     s m r + 4 m r (+4 m r, r>128)   s m r + 4 m r (trsm) + 4 m r (Gram)   m r² + m r² (Pallas) / m r² + 2 m r² (XLA)
-    solve          4 m r + 4 m r                   4 m r + 4 m r                         m r²
+    pass         Pallas bytes                        XLA composition bytes                Pallas flops     XLA flops
+    sketch       s m r + 4 C k r                     8 k m (S written, read) + s m r      2 k m r          2 k m r
+    solve+gram   s m r + 4 m r + 4 C r'² (r ≤ 128)   s m r + 4 m r (trsm) + 4 m r (Gram)  4 m r'²          3 m r²
+                 s m r + 8 m r + 4 C r'² (r > 128)                                        2 m r'(r' + 64)
+    solve        8 m r                               8 m r                                m r'(r' + 64)    m r²
 
-So the Pallas RCQR reads the m x r matrices three times (four for r > 128) and
-never writes S (4 k m bytes, 1.25x the bytes of P in float32 written and read
-again); XLA's composition moves S twice and does a full 2 m r² Gram.
-Partial sums add 4 C k r + 4 C r² bytes, with C capped so that they stay below
-the bytes of P. At r ≥ 128 all passes are compute bound on an H100 (≥ 32 flops
-per byte), which is why the kernels use tensor cores through Triton's TF32x3
-(three TF32 products, float32 accuracy) instead of float32 FMA.
+r' is r padded to the tiles (a power of two ≤ 128, else a multiple of 64); the
+Pallas flops are those executed, padding included, and the sketch also spends about
+40 integer and transcendental ops per entry of S per 128-column tile of P.
+For m = 16384, r = 512, k = 640, float32: Pallas 218 MB and 25.2 GFLOP, XLA
+288 MB and 27.9 GFLOP (bfloat16 P: 184 MB against 254 MB). The savings are S,
+never written (4 k m bytes, written and read again by XLA), and the Gram's lower
+triangle; the triangular matmul replaces a cuBLAS trsm, which runs well below
+matmul speed on tall matrices. Partial sums are capped at 1/4 of P's float32
+bytes. At r ≥ 128 every pass does ≥ 32 flops per byte, so the kernels are
+compute bound on an H100: they use tensor cores through Triton's TF32x3 (three
+TF32 products, float32 accuracy) rather than float32 FMA.
 
 Backend: Triton (``jax.experimental.pallas.triton``). It runs on Ampere and
 Hopper, lowers on a CPU-only machine (so CI proves the kernels compile to GPU
@@ -117,6 +122,11 @@ def _chunks(num_blocks: int, tiles: int, cap: int) -> tuple[int, int]:
   return -(-num_blocks // steps), steps
 
 
+def _partial_cap(m: int, rows_out: int) -> int:
+  """Most row chunks whose float32 partial sums (rows_out x r each) stay within 1/4 of P's float32 bytes."""
+  return max(1, m // (4 * rows_out))
+
+
 def _compiler_params(num_warps: int = _NUM_WARPS):
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
 
@@ -174,7 +184,7 @@ def _sketch_fn(k: int, interpret: bool):
     B, m, r = P_bxmxr.shape
     num_kt = -(-k // _BK_SKETCH)
     num_rt = -(-r // _BN_SKETCH)
-    chunks, steps = _chunks(-(-m // _BM), B * num_kt * num_rt, max(1, m // r))
+    chunks, steps = _chunks(-(-m // _BM), B * num_kt * num_rt, _partial_cap(m, k))
     kernel = functools.partial(
         _sketch_kernel, m=m, r=r, k=k, steps=steps, num_rt=num_rt, precision=_precision(interpret))
     partial_bxcxkxr = pl.pallas_call(
@@ -277,7 +287,7 @@ def _gram_kernel(p_ref, out_ref, *, m, r, steps, num_t, precision):
 def _gram(P1_bxmxr, r_pad, interpret):
   B, m, r = P1_bxmxr.shape
   num_t = r_pad // _BN_GRAM
-  chunks, steps = _chunks(-(-m // _BM), B * num_t * (num_t + 1) // 2, max(1, m // r_pad))
+  chunks, steps = _chunks(-(-m // _BM), B * num_t * (num_t + 1) // 2, _partial_cap(m, r_pad))
   kernel = functools.partial(
       _gram_kernel, m=m, r=r, steps=steps, num_t=num_t, precision=_precision(interpret))
   upper_bxcxrxr = pl.pallas_call(
@@ -315,7 +325,7 @@ def _fused_kernel(p_ref, rinv_ref, p1_ref, gram_ref, *, m, r, steps, precision):
 def _fused_solve_and_gram(P_bxmxr, Rinv_bxrxr, interpret):
   B, m, r = P_bxmxr.shape
   r_pad = Rinv_bxrxr.shape[-1]
-  chunks, steps = _chunks(-(-m // _BM), B, max(1, m // (2 * r_pad)))
+  chunks, steps = _chunks(-(-m // _BM), B, _partial_cap(m, r_pad))
   kernel = functools.partial(_fused_kernel, m=m, r=r, steps=steps, precision=_precision(interpret))
   P1_bxmxr, gram_bxcxrxr = pl.pallas_call(
       kernel,
@@ -390,25 +400,26 @@ def counted_costs(m: int, r: int, k: int, itemsize: int) -> dict[str, dict[str, 
   """
   f32 = 4
   num_rt = -(-r // _BN_SKETCH)
-  chunks_sketch, _ = _chunks(-(-m // _BM), -(-k // _BK_SKETCH) * num_rt, max(1, m // r))
+  chunks_sketch, _ = _chunks(-(-m // _BM), -(-k // _BK_SKETCH) * num_rt, _partial_cap(m, k))
   r_pad = _padded_r(r)
+  r_solve = _round_up(max(r, _BN_SOLVE), _BN_SOLVE)
   p_in, p32 = itemsize * m * r, f32 * m * r
-  solve_flops = m * r * r
-  pallas = {"sketch": (p_in + f32 * chunks_sketch * k * r, 2 * k * m * r)}
+  # Flops as executed: padded tiles, and only the tiles on or above R⁻¹'s diagonal.
+  tri_flops = m * r_solve * (r_solve + _BN_SOLVE)
+  pallas = {"sketch": (p_in + f32 * chunks_sketch * k * r, 2 * k * m * num_rt * _BN_SKETCH)}
   if r_pad <= _FUSED_MAX_R:
-    chunks_gram, _ = _chunks(-(-m // _BM), 1, max(1, m // (2 * r_pad)))
-    pallas["solve+gram"] = (p_in + p32 + f32 * chunks_gram * r_pad * r_pad, solve_flops + 2 * m * r * r)
+    chunks_gram, _ = _chunks(-(-m // _BM), 1, _partial_cap(m, r_pad))
+    pallas["solve+gram"] = (p_in + p32 + f32 * chunks_gram * r_pad * r_pad, 4 * m * r_pad * r_pad)
   else:
     num_t = r_pad // _BN_GRAM
-    chunks_gram, _ = _chunks(-(-m // _BM), num_t * (num_t + 1) // 2, max(1, m // r_pad))
+    chunks_gram, _ = _chunks(-(-m // _BM), num_t * (num_t + 1) // 2, _partial_cap(m, r_pad))
     pallas["solve+gram"] = (
-        p_in + 2 * p32 + f32 * chunks_gram * r_pad * r_pad,
-        solve_flops + m * r_pad * (r_pad + _BN_GRAM))
-  pallas["solve"] = (2 * p32, solve_flops)
+        p_in + 2 * p32 + f32 * chunks_gram * r_pad * r_pad, tri_flops + m * r_pad * (r_pad + _BN_GRAM))
+  pallas["solve"] = (2 * p32, tri_flops)
   pallas["rng_ops"] = (0, 40 * k * m * num_rt)
   xla = {
       "sketch": (2 * f32 * k * m + p_in + f32 * k * r, 2 * k * m * r),
-      "solve+gram": (p_in + 2 * p32 + f32 * r * r, solve_flops + 2 * m * r * r),
-      "solve": (2 * p32, solve_flops),
+      "solve+gram": (p_in + 2 * p32 + f32 * r * r, 3 * m * r * r),
+      "solve": (2 * p32, m * r * r),
   }
   return {"pallas": pallas, "xla": xla}
