@@ -165,7 +165,8 @@ def _parser() -> argparse.ArgumentParser:
   common.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
   commands = parser.add_subparsers(dest="command", required=True)
   fw = commands.add_parser(
-      "fineweb-to-megatron", parents=[common], help="FineWeb .bin shards -> a Megatron .bin/.idx dataset",
+      "fineweb-to-megatron", parents=[common],
+      help="FineWeb .bin shards -> a Megatron .bin/.idx dataset",
       description="Concatenate FineWeb shards (sorted by name) and cut the tokens into "
                   "sequences of SEQUENCE_LENGTH + 1, each one Megatron document.")
   fw.add_argument("--input", required=True, metavar="GLOB",
@@ -176,7 +177,8 @@ def _parser() -> argparse.ArgumentParser:
                   help="training sequence length; sequences hold one more token "
                        "(default: %(default)s)")
   tok = commands.add_parser(
-      "tokenize", parents=[common], help="text / JSONL files -> Megatron dataset or FineWeb shards (bytes)",
+      "tokenize", parents=[common],
+      help="text / JSONL files -> Megatron dataset or FineWeb shards (bytes)",
       description="Byte-tokenize documents: a .jsonl/.ndjson file holds one JSON object per "
                   "line, any other file is one document. Token 256 ends each document.")
   tok.add_argument("inputs", nargs="+", metavar="FILE", help="input files")

@@ -5,8 +5,9 @@ A source's token streams are cut into windows of `seq_len + 1` tokens at stride 
 once per epoch; inputs are `window[:-1]`, targets `window[1:]`. Grain samples window ids,
 and one vectorized gather per batch reads the tokens:
 
-    range(windows) ─ shuffle(seed) ─┬─ [mix(weights) over sources] ─ [:steps·B] ─ repeat(epochs)
-                                    └─ ─ [shard_index::shard_count] ─ batch(B / S) ─ gather
+    per source: range(its window ids) ─ shuffle(seed)
+    ─ mix(weights) if a blend ─ [:steps·B] ─ repeat(num_epochs)
+    ─ [shard_index::shard_count] ─ batch(B / shard_count) ─ gather tokens
 
 Each epoch is a fresh permutation (Grain folds the epoch into the seed); the tail of an
 epoch that does not fill a global batch is dropped. Shard s takes global rows s, s + S,
