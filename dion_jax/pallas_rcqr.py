@@ -61,7 +61,11 @@ module; nothing else imports Pallas.
 backend is a GPU, so ``rcqr(..., backend="pallas")`` also runs (slowly) on CPU.
 Every public function works under ``jax.jit`` and ``jax.vmap``: a ``custom_vmap``
 folds vmapped axes into the kernels' own batch grid axis, so any number of
-nested vmaps gives one kernel launch with a three-dimensional grid.
+nested vmaps gives one kernel launch with a three-dimensional grid. Inside
+``shard_map`` the outputs vary over the mesh axes their inputs vary over; the
+compiled kernels accept ``check_vma=True``, but jax 0.10's Pallas interpreter
+rejects varying inputs, so interpret-mode runs inside ``shard_map`` need
+``check_vma=False``.
 """
 
 import functools
@@ -127,6 +131,24 @@ def _partial_cap(m: int, rows_out: int) -> int:
   return max(1, m // (4 * rows_out))
 
 
+def _varying_alike(*inputs):
+  """Inputs cast to vary over the union of their varying mesh axes, and that union's type.
+
+  Inside a ``shard_map`` (with vma checks) a kernel's inputs must vary over the same
+  axes, and its outputs vary over them too; outside one this is the identity.
+  """
+  mats = [jax.typeof(x).mat for x in inputs]
+  varying = frozenset().union(*(mat.varying for mat in mats))
+  cast = [
+      x if mat.varying == varying else lax.pcast(x, tuple(sorted(varying - mat.varying)), to="varying")
+      for x, mat in zip(inputs, mats)]
+  return cast, mats[0].update(varying=varying)
+
+
+def _f32_out(shape, mat) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(shape, jnp.float32, manual_axis_type=mat)
+
+
 def _compiler_params(num_warps: int = _NUM_WARPS):
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
 
@@ -185,6 +207,7 @@ def _sketch_fn(k: int, interpret: bool):
     num_kt = -(-k // _BK_SKETCH)
     num_rt = -(-r // _BN_SKETCH)
     chunks, steps = _chunks(-(-m // _BM), B * num_kt * num_rt, _partial_cap(m, k))
+    inputs, mat = _varying_alike(seeds_bx2, P_bxmxr)
     kernel = functools.partial(
         _sketch_kernel, m=m, r=r, k=k, steps=steps, num_rt=num_rt, precision=_precision(interpret))
     partial_bxcxkxr = pl.pallas_call(
@@ -196,12 +219,11 @@ def _sketch_fn(k: int, interpret: bool):
         ],
         out_specs=pl.BlockSpec(
             (None, None, _BK_SKETCH, _BN_SKETCH), lambda b, t, c: (b, c, t // num_rt, t % num_rt)),
-        out_shape=jax.ShapeDtypeStruct(
-            (B, chunks, num_kt * _BK_SKETCH, num_rt * _BN_SKETCH), jnp.float32),
+        out_shape=_f32_out((B, chunks, num_kt * _BK_SKETCH, num_rt * _BN_SKETCH), mat),
         compiler_params=_compiler_params(),
         interpret=interpret,
         name="rcqr_sketch_product",
-    )(seeds_bx2, P_bxmxr)
+    )(*inputs)
     return partial_bxcxkxr.sum(axis=1)[:, :k, :r]
 
   return _stacked(core)
@@ -247,6 +269,7 @@ def _solve_kernel(p_ref, rinv_ref, out_ref, *, m, r, precision):
 def _tri_matmul(P_bxmxr, Rinv_bxrxr, interpret):
   B, m, r = P_bxmxr.shape
   r_pad = Rinv_bxrxr.shape[-1]
+  inputs, mat = _varying_alike(P_bxmxr, Rinv_bxrxr)
   kernel = functools.partial(_solve_kernel, m=m, r=r, precision=_precision(interpret))
   return pl.pallas_call(
       kernel,
@@ -256,11 +279,11 @@ def _tri_matmul(P_bxmxr, Rinv_bxrxr, interpret):
           pl.BlockSpec((None, r_pad, r_pad), lambda b, i, j: (b, 0, 0)),
       ],
       out_specs=pl.BlockSpec((None, m, r), lambda b, i, j: (b, 0, 0)),
-      out_shape=jax.ShapeDtypeStruct((B, m, r), jnp.float32),
+      out_shape=_f32_out((B, m, r), mat),
       compiler_params=_compiler_params(),
       interpret=interpret,
       name="rcqr_triangular_matmul",
-  )(P_bxmxr, Rinv_bxrxr)
+  )(*inputs)
 
 
 def _gram_kernel(p_ref, out_ref, *, m, r, steps, num_t, precision):
@@ -296,7 +319,7 @@ def _gram(P1_bxmxr, r_pad, interpret):
       in_specs=[pl.BlockSpec((None, m, r), lambda b, c, t: (b, 0, 0))],
       out_specs=pl.BlockSpec(
           (None, None, _BN_GRAM, _BN_GRAM), lambda b, c, t: (b, c, t // num_t, t % num_t)),
-      out_shape=jax.ShapeDtypeStruct((B, chunks, r_pad, r_pad), jnp.float32),
+      out_shape=_f32_out((B, chunks, r_pad, r_pad), jax.typeof(P1_bxmxr).mat),
       compiler_params=_compiler_params(),
       interpret=interpret,
       name="rcqr_gram_upper",
@@ -326,6 +349,7 @@ def _fused_solve_and_gram(P_bxmxr, Rinv_bxrxr, interpret):
   B, m, r = P_bxmxr.shape
   r_pad = Rinv_bxrxr.shape[-1]
   chunks, steps = _chunks(-(-m // _BM), B, _partial_cap(m, r_pad))
+  inputs, mat = _varying_alike(P_bxmxr, Rinv_bxrxr)
   kernel = functools.partial(_fused_kernel, m=m, r=r, steps=steps, precision=_precision(interpret))
   P1_bxmxr, gram_bxcxrxr = pl.pallas_call(
       kernel,
@@ -339,13 +363,13 @@ def _fused_solve_and_gram(P_bxmxr, Rinv_bxrxr, interpret):
           pl.BlockSpec((None, None, r_pad, r_pad), lambda b, c: (b, c, 0, 0)),
       ],
       out_shape=[
-          jax.ShapeDtypeStruct((B, m, r), jnp.float32),
-          jax.ShapeDtypeStruct((B, chunks, r_pad, r_pad), jnp.float32),
+          _f32_out((B, m, r), mat),
+          _f32_out((B, chunks, r_pad, r_pad), mat),
       ],
       compiler_params=_compiler_params(num_warps=8),
       interpret=interpret,
       name="rcqr_solve_and_gram",
-  )(P_bxmxr, Rinv_bxrxr)
+  )(*inputs)
   return P1_bxmxr, gram_bxcxrxr.sum(axis=1)
 
 
