@@ -1,0 +1,134 @@
+"""Orthonormalization of Dion's P: Householder, Cholesky QR with its fallback, randomized Cholesky QR."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from dion_jax import orthogonalize
+
+M_ROWS, RANK = 300, 40
+
+
+def _with_condition(cond, m=M_ROWS, r=RANK, seed=0):
+  """float32 (m, r) with singular values logspaced from 1 to 1/cond, and its exact left factor."""
+  rng = np.random.default_rng(seed)
+  U_mxr = np.linalg.qr(rng.normal(size=(m, r)))[0]
+  V_rxr = np.linalg.qr(rng.normal(size=(r, r)))[0]
+  sigma_r = np.logspace(0, -np.log10(cond), r)
+  return jnp.asarray((U_mxr * sigma_r) @ V_rxr.T, jnp.float32), U_mxr
+
+
+def _orthonormality_error(Q_mxr):
+  Q = np.asarray(Q_mxr, np.float64)
+  return np.linalg.norm(Q.T @ Q - np.eye(Q.shape[1]), 2)
+
+
+def _span_residual(Q_mxr, P_mxr):
+  """‖(I − Q Qᵀ) P‖ / ‖P‖: how much of P lies outside the span of Q."""
+  Q, A = np.asarray(Q_mxr, np.float64), np.asarray(P_mxr, np.float64)
+  return np.linalg.norm(A - Q @ (Q.T @ A)) / np.linalg.norm(A)
+
+
+def _cholesky_fails(P_mxr):
+  P32 = P_mxr.astype(jnp.float32)
+  return bool(jnp.any(jnp.isnan(jnp.linalg.cholesky(P32.T @ P32))))
+
+
+def _ortho(P_mxr, method, **kwargs):
+  return orthogonalize.orthonormalize(P_mxr, method=method, seed=11, backend="xla", **kwargs)
+
+
+@pytest.mark.parametrize("cond", [1.0, 1e3, 1e6])
+@pytest.mark.parametrize("method", ["qr", "rcqr"])
+def test_stable_methods_are_orthonormal(method, cond):
+  P_mxr, _ = _with_condition(cond)
+  Q_mxr = _ortho(P_mxr, method)
+  assert Q_mxr.dtype == jnp.float32 and Q_mxr.shape == P_mxr.shape
+  assert _orthonormality_error(Q_mxr) < 1e-5
+  assert _span_residual(Q_mxr, P_mxr) < 1e-5
+
+
+@pytest.mark.parametrize("cond", [1.0, 10.0])
+def test_cqr_on_well_conditioned_input(cond):
+  P_mxr, _ = _with_condition(cond)
+  assert not _cholesky_fails(P_mxr)
+  Q_mxr = _ortho(P_mxr, "cqr", use_cqr=True)
+  assert _orthonormality_error(Q_mxr) < 1e-5
+  assert _span_residual(Q_mxr, P_mxr) < 1e-5
+  # Cholesky QR's Q has R with a positive diagonal, as Householder's up to column signs.
+  Q_ref = np.asarray(jnp.linalg.qr(P_mxr)[0])
+  signs = np.sign(np.sum(Q_ref * np.asarray(Q_mxr), axis=0))
+  np.testing.assert_allclose(np.asarray(Q_mxr), Q_ref * signs, atol=1e-5)
+
+
+def test_span_of_well_conditioned_input_is_exact():
+  P_mxr, U_mxr = _with_condition(1e3)
+  for method in ("qr", "rcqr"):
+    Q = np.asarray(_ortho(P_mxr, method), np.float64)
+    sin_max_angle = np.linalg.norm(U_mxr - Q @ (Q.T @ U_mxr), 2)
+    assert sin_max_angle < 1e-3, method  # float32 rounding of P times its condition number
+
+
+@pytest.mark.parametrize("P_kind", ["ill_conditioned", "nearly_rank_deficient"])
+def test_cqr_falls_back_to_rcqr_when_cholesky_fails(P_kind):
+  if P_kind == "ill_conditioned":
+    P_mxr, _ = _with_condition(1e6)
+  else:  # one column a copy of another, up to a relative perturbation of 1e-5
+    P_mxr, _ = _with_condition(1.0)
+    P_mxr = P_mxr.at[:, 1].set(P_mxr[:, 0] + 1e-5 * P_mxr[:, 1])
+  assert _cholesky_fails(P_mxr)  # the precondition: the float32 Gram Cholesky gives NaN
+  Q_cqr = _ortho(P_mxr, "cqr", use_cqr=True)
+  Q_rcqr = _ortho(P_mxr, "rcqr")
+  np.testing.assert_array_equal(Q_cqr, Q_rcqr)
+  assert _orthonormality_error(Q_cqr) < 1e-4
+  assert _span_residual(Q_cqr, P_mxr) < 1e-5
+
+
+def test_cqr_during_warmup_is_rcqr():
+  P_mxr, _ = _with_condition(1.0)
+  np.testing.assert_array_equal(_ortho(P_mxr, "cqr", use_cqr=False), _ortho(P_mxr, "rcqr"))
+  # use_cqr may be traced (Dion passes count > warmup): one compiled function, both branches.
+  f = jax.jit(lambda p, flag: _ortho(p, "cqr", use_cqr=flag))
+  np.testing.assert_array_equal(f(P_mxr, False), _ortho(P_mxr, "rcqr"))
+  np.testing.assert_allclose(f(P_mxr, True), _ortho(P_mxr, "cqr", use_cqr=True), atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(16, 16), (40, 40)])
+def test_square_rcqr_is_householder(shape):
+  P_mxr = jnp.asarray(np.random.default_rng(2).normal(size=shape), jnp.float32)
+  np.testing.assert_allclose(_ortho(P_mxr, "rcqr"), jnp.linalg.qr(P_mxr)[0], atol=1e-6)
+
+
+def test_rcqr_depends_on_the_seed_only_through_rounding():
+  P_mxr, _ = _with_condition(1e3)
+  Q1 = orthogonalize.orthonormalize(P_mxr, method="rcqr", seed=1, backend="xla")
+  Q2 = orthogonalize.orthonormalize(P_mxr, method="rcqr", seed=2, backend="xla")
+  assert not np.array_equal(Q1, Q2)
+  signs = np.sign(np.sum(np.asarray(Q1) * np.asarray(Q2), axis=0))
+  np.testing.assert_allclose(np.asarray(Q1), np.asarray(Q2) * signs, atol=1e-4)
+
+
+def test_unknown_method_or_backend():
+  P_mxr, _ = _with_condition(1.0)
+  with pytest.raises(ValueError, match="qr_method"):
+    orthogonalize.orthonormalize(P_mxr, method="svd")
+  with pytest.raises(ValueError, match="backend"):
+    orthogonalize.orthonormalize(P_mxr, backend="tpu")
+
+
+@pytest.mark.parametrize("method", ["qr", "cqr", "rcqr"])
+def test_row_sharded_equals_unsharded(method):
+  """Rows split over a 4-way "tp" axis give the rows of the one-device result."""
+  mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
+  P_mxr, _ = _with_condition(10.0, m=256, r=32)
+
+  def local(p):
+    return orthogonalize.orthonormalize(p, method=method, seed=5, axis_name="tp", backend="xla")
+
+  sharded = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("tp", None), out_specs=P("tp", None)))
+  Q_sharded = sharded(P_mxr)
+  Q_single = orthogonalize.orthonormalize(P_mxr, method=method, seed=5, backend="xla")
+  np.testing.assert_allclose(Q_sharded, Q_single, atol=2e-5)
