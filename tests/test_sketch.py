@@ -1,0 +1,82 @@
+"""The counter-based Gaussian sketch of RCQR: distribution, determinism, sharding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dion_jax import orthogonalize, sketch
+
+K, M_ROWS = 128, 4096
+
+
+def _S(seed, row_start=0, rows=M_ROWS, k=K):
+  return np.asarray(sketch.sketch_block(jnp.uint32(seed), jnp.uint32(row_start), rows, k), np.float64)
+
+
+@pytest.mark.parametrize("r, oversample, k", [(64, 1.25, 128), (128, 1.25, 256), (100, 1.0, 128), (1, 1.25, 128)])
+def test_sketch_size(r, oversample, k):
+  assert sketch.sketch_size(r, oversample) == k
+
+
+@pytest.mark.parametrize("seed", [0, 1, 12345])
+def test_entries_are_normal_with_variance_one_over_k(seed):
+  S = _S(seed)
+  n = S.size  # 524288 samples
+  assert S.shape == (K, M_ROWS)
+  assert abs(S.mean()) < 5 / np.sqrt(K * n)  # 5 standard errors
+  assert abs(S.var() * K - 1) < 0.02  # the standard error of the variance is ~0.002
+  z = S * np.sqrt(K)
+  assert abs(np.mean(np.abs(z) < 1) - 0.6827) < 0.01
+  assert abs(np.mean(np.abs(z) < 2) - 0.9545) < 0.005
+  assert abs(np.mean(z**4) - 3) < 0.1  # Gaussian tails: kurtosis 3
+  assert np.all(np.isfinite(z)) and np.max(np.abs(z)) < 7
+
+
+def test_rows_are_uncorrelated():
+  S = _S(3) * np.sqrt(K)
+  C = S @ S.T / M_ROWS  # ~ I, off-diagonal entries ~ N(0, 1 / M_ROWS)
+  off = C[~np.eye(K, dtype=bool)]
+  assert np.max(np.abs(off)) < 6 / np.sqrt(M_ROWS)
+  assert abs(np.std(off) * np.sqrt(M_ROWS) - 1) < 0.1
+  # and neighbouring columns (rows of P) too
+  assert abs(np.mean(S[:, :-1] * S[:, 1:])) < 5 / np.sqrt(S.size)
+
+
+def test_same_seed_same_sketch_other_seed_other_sketch():
+  np.testing.assert_array_equal(_S(7), _S(7))
+  jitted = jax.jit(sketch.sketch_block, static_argnums=(2, 3))
+  np.testing.assert_array_equal(np.asarray(jitted(jnp.uint32(7), jnp.uint32(0), M_ROWS, K), np.float64), _S(7))
+  a, b = _S(7).ravel(), _S(8).ravel()
+  assert abs(np.corrcoef(a, b)[0, 1]) < 0.01
+
+
+@pytest.mark.parametrize("shards", [2, 4, 8])
+def test_tp_split_reproduces_column_blocks(shards):
+  """Shard i of the rows of P builds columns [i·m/tp, (i+1)·m/tp) of the global S."""
+  m = 512
+  S_global = _S(21, rows=m)
+  blocks = [_S(21, row_start=i * m // shards, rows=m // shards) for i in range(shards)]
+  np.testing.assert_array_equal(np.concatenate(blocks, axis=1), S_global)
+
+
+def test_sketch_product_is_the_same_under_any_row_split():
+  rng = np.random.default_rng(0)
+  P_mxr = jnp.asarray(rng.normal(size=(512, 32)), jnp.float32)
+  full = orthogonalize.xla_sketch_product(P_mxr, jnp.uint32(4), K, jnp.uint32(0))
+  parts = sum(
+      orthogonalize.xla_sketch_product(P_mxr[i * 128 : (i + 1) * 128], jnp.uint32(4), K, jnp.uint32(i * 128))
+      for i in range(4)
+  )
+  np.testing.assert_allclose(parts, full, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(full, _S(4, rows=512).astype(np.float32) @ np.asarray(P_mxr), rtol=1e-4, atol=1e-4)
+
+
+def test_mix_seed_separates_steps_leaves_and_batch_entries():
+  seeds = {
+      int(sketch.mix_seed(0, step, leaf, b)) for step in range(8) for leaf in range(8) for b in range(8)
+  }
+  assert len(seeds) == 512
+  assert int(sketch.mix_seed(0, 1, 2, 3)) == int(sketch.mix_seed(0, 1, 2, 3))
+  batch = sketch.mix_seed(5, 3, 1, jnp.arange(4, dtype=jnp.uint32))
+  assert batch.shape == (4,) and len(set(np.asarray(batch).tolist())) == 4
