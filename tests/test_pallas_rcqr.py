@@ -119,5 +119,13 @@ def test_row_sharded_rcqr_under_shard_map():
   # jax 0.10's Pallas interpreter rejects mesh-varying inputs: interpret with check_vma=False.
   Q = sharded("pallas", check_vma=False)(P)
   _assert_orthonormal_same_span(Q, sharded("xla", check_vma=True)(P), P)
-  hlo = sharded("pallas", check_vma=True).trace(P).lower(lowering_platforms=("cuda",)).as_text()
-  assert "triton" in hlo
+
+  def compiled_passes(P_mxr):  # the GPU kernels, which do accept check_vma=True
+    row_start = jax.lax.axis_index("tp").astype(jnp.uint32) * jnp.uint32(P_mxr.shape[0])
+    SP = pallas_rcqr.sketch_product(P_mxr, jnp.uint32(3), 128, row_start, interpret=False)
+    P1, G = pallas_rcqr.solve_and_gram(P_mxr, jnp.triu(SP[:16]), interpret=False)
+    return pallas_rcqr.solve(P1, jnp.eye(16) + jax.lax.psum(G, "tp"), interpret=False)
+
+  spec = PartitionSpec("tp")
+  f = jax.jit(jax.shard_map(compiled_passes, mesh=mesh, in_specs=spec, out_specs=spec))
+  assert "triton" in f.trace(P).lower(lowering_platforms=("cuda",)).as_text()
