@@ -165,6 +165,9 @@ def value_and_grad_per_replica(
   """
 
   def local(params, batch):
+    # Marked as varying over rp: the gradient of a replicated input would be
+    # summed over replicas by autodiff; we want each replica's own.
+    params = jax.tree.map(lambda p: jax.lax.pcast(p, REPLICA_AXIS, to="varying"), params)
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     grads = jax.tree.map(
         lambda g, keep: g[None] if keep else jax.lax.pmean(g, REPLICA_AXIS), grads, per_replica
