@@ -7,7 +7,8 @@
 - ``"adamw"`` / ``"lion"``: optax's own ``adamw`` / ``lion`` with betas (0.9, 0.95);
 - ``"lm_head"``: the scalar optimizer with the learning rate scaled by
   ``lm_head_lr_scale`` (the reference uses 1/sqrt(d_model) with Lion);
-- ``"muon"``: ``optax.contrib.muon``, to compare both on one model.
+- ``"muon"``: ``optax.contrib.muon``, to compare both on one model; stacked matrices get
+  Muon per matrix, with the fan_in/fan_out axes of ``dimension_numbers``.
 
 The default labels (:func:`default_labels`) send every parameter with >= 2 dims to
 Dion except embeddings and the LM head, which a Flax model names ``embed*`` /
@@ -22,6 +23,7 @@ import jax
 import optax
 
 from dion_jax import core as dion_lib
+from dion_jax import frame as frame_lib
 
 LABELS = ("dion", "adamw", "lion", "lm_head", "muon")
 SCALAR_OPTIMIZERS = ("adamw", "lion")
@@ -165,7 +167,10 @@ def dion(
         "adamw": optax.adamw(scalar_lr, b1=b1, b2=b2, eps=scalar_epsilon, weight_decay=weight_decay),
         "lion": optax.lion(scalar_lr, b1=b1, b2=b2, weight_decay=weight_decay),
         "lm_head": scalar(scaled(scalar_lr, head_scale)),
-        "muon": optax.contrib.muon(learning_rate, beta=mu, weight_decay=weight_decay),
+        "muon": optax.contrib.muon(
+            learning_rate, beta=mu, weight_decay=weight_decay,
+            muon_weight_dimension_numbers=_muon_dimension_numbers(dimension_numbers),
+        ),  # fmt: skip
     }
 
   def init_fn(params):
@@ -175,6 +180,35 @@ def dion(
     return optax.partition(transforms(updates), labels_of).update(updates, state, params)
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _muon_dimension_numbers(dimension_numbers) -> Callable[[Any], Any]:
+  """optax Muon's dimension numbers from Dion's (None, one, a pytree or a callable).
+
+  Without them optax's Muon sends every parameter that is not 2-D to Adam, so a stacked
+  (layers, fan_in, fan_out) kernel labelled ``"muon"`` would silently not get Muon.
+  """
+
+  def to_muon(leaf, dims):
+    if len(leaf.shape) < 2:
+      return None  # Muon's Adam.
+    dims = dims or frame_lib.DionDimensionNumbers()
+    return optax.contrib.MuonDimensionNumbers(dims.reduction_axis, dims.output_axis)
+
+  def fn(params):
+    dims = dimension_numbers(params) if callable(dimension_numbers) else dimension_numbers
+    if dims is None or isinstance(dims, frame_lib.DionDimensionNumbers):
+      return jax.tree.map(lambda leaf: to_muon(leaf, dims), params)
+    is_dims = lambda x: x is None or isinstance(x, frame_lib.DionDimensionNumbers)
+    by_path = {
+        jax.tree_util.keystr(path): d
+        for path, d in jax.tree_util.tree_flatten_with_path(dims, is_leaf=is_dims)[0]
+    }  # fmt: skip
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: to_muon(leaf, by_path.get(jax.tree_util.keystr(path))), params
+    )
+
+  return fn
 
 
 _SCALAR_RULES = {

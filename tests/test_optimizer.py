@@ -483,3 +483,16 @@ def test_vector_labelled_dion():
   tx = dion_jax.dion(labels={"w": "dion", "b": "dion"})
   with pytest.raises(ValueError, match=r"\['b'\].*shape \(40,\)"):
     tx.init(params)
+
+
+def test_muon_label_on_stacked_matrices_is_muon_per_matrix():
+  """optax's Muon alone sends 3-D parameters to Adam; under dion they get Muon per layer."""
+  lr, mu, wd, layers = 0.02, 0.9, 0.1, 3
+  rng = np.random.default_rng(4)
+  params = {"w": jnp.asarray(rng.normal(size=(layers, FAN_IN, FAN_OUT)), jnp.float32)}
+  grads = [{"w": jnp.asarray(rng.normal(size=(layers, FAN_IN, FAN_OUT)), jnp.float32)} for _ in range(3)]
+  got = _run_alone(dion_jax.dion(lr, mu=mu, weight_decay=wd, labels={"w": "muon"}), params, grads)[-1]
+  muon = optax.contrib.muon(lr, beta=mu, weight_decay=wd)
+  for layer in range(layers):
+    want = _run_alone(muon, {"w": params["w"][layer]}, [{"w": g["w"][layer]} for g in grads])[-1]
+    np.testing.assert_allclose(got["w"][layer], want["w"], rtol=1e-5, atol=1e-6, err_msg=str(layer))
