@@ -76,8 +76,23 @@ class ScaleByDionState(NamedTuple):
   q: optax.Updates
 
 
-def _pmean(x, axis_name):
-  return x if not axis_name else jax.lax.pmean(x, axis_name)
+def _names(axis_name: AxisName) -> tuple[str, ...]:
+  if not axis_name:
+    return ()
+  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def _sum_then_mean(x: jax.Array, sum_axes: AxisName, mean_axes: AxisName) -> jax.Array:
+  """``pmean(psum(x, sum_axes), mean_axes)`` as one all-reduce over both axis sets.
+
+  One collective over the joint group moves each partial sum once; two nested ones
+  would reduce over ``mean_axes`` a value already replicated over ``sum_axes``.
+  """
+  axes = _names(sum_axes) + _names(mean_axes)
+  if not axes:
+    return x
+  x = jax.lax.psum(x, axes)
+  return x / jax.lax.psum(1, mean_axes) if mean_axes else x
 
 
 def _matmul(a, b, dtype):
@@ -115,7 +130,7 @@ def dion_matrix_step(
   Q0_cxr = Q_cxr.astype(dtype)
   R_cxr = Q0_cxr
   for _ in range(hp.power_iters):
-    P_rxr = _pmean(orthogonalize.psum(_matmul(M_rxc, R_cxr, jnp.float32), axes.cols), axes.replica)
+    P_rxr = _sum_then_mean(_matmul(M_rxc, R_cxr, jnp.float32), axes.cols, axes.replica)
     P_rxr = orthogonalize.orthonormalize(
         P_rxr,
         method=hp.qr_method,
@@ -125,7 +140,7 @@ def dion_matrix_step(
         axis_name=axes.rows,
         backend=hp.backend,
     ).astype(dtype)
-    R_cxr = _pmean(orthogonalize.psum(_matmul(M_rxc.T, P_rxr, jnp.float32), axes.rows), axes.replica)
+    R_cxr = _sum_then_mean(_matmul(M_rxc.T, P_rxr, jnp.float32), axes.rows, axes.replica)
     R_cxr = R_cxr.astype(dtype)
 
   nonzero = orthogonalize.psum(jnp.any(M_rxc != 0).astype(jnp.int32), axes.everywhere) > 0
