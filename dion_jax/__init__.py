@@ -8,11 +8,27 @@ from dion_jax.core import (
     leaf_frames,
     scale_by_dion,
 )
+from dion_jax.comms import CollectiveStat, bytes_by_axes, collective_stats, format_table
 from dion_jax.frame import SCALE_RULES, DionDimensionNumbers, MatrixFrame, dion_rank, matrix_frame
+from dion_jax.mesh import (
+    AXES,
+    check_divisible,
+    column_parallel,
+    embedding,
+    make_mesh,
+    parse_mesh_spec,
+    row_parallel,
+    stacked,
+    tree_check_divisible,
+    vector,
+)
 from dion_jax.optimizer import LABELS, STATIC_ARGS, default_labels, dion
 from dion_jax.orthogonalize import orthonormalize
+from dion_jax.sharded import average_replicas, partition_specs_of, value_and_grad_per_replica
 
 __all__ = [
+    "AXES",
+    "CollectiveStat",
     "Collectives",
     "DionDimensionNumbers",
     "DionHyperParams",
@@ -21,12 +37,27 @@ __all__ = [
     "SCALE_RULES",
     "STATIC_ARGS",
     "ScaleByDionState",
+    "average_replicas",
+    "bytes_by_axes",
+    "check_divisible",
+    "collective_stats",
+    "column_parallel",
     "default_labels",
     "dion",
     "dion_matrix_step",
     "dion_rank",
+    "embedding",
+    "format_table",
     "leaf_frames",
+    "make_mesh",
     "matrix_frame",
     "orthonormalize",
+    "parse_mesh_spec",
+    "partition_specs_of",
+    "row_parallel",
     "scale_by_dion",
+    "stacked",
+    "tree_check_divisible",
+    "value_and_grad_per_replica",
+    "vector",
 ]
