@@ -46,7 +46,7 @@ def copy_bandwidth() -> float:
 
 def print_counts() -> None:
   print("Counted per matrix (MB moved, GFLOP); Pallas | XLA composition. "
-        "Pallas also does rng_ops (integer/transcendental) to generate S in registers.")
+        "Pallas also does rng_ops (integer) to generate S in registers.")
   header = f"{'dtype':>8} {'m':>6} {'r':>5} {'k':>5} " + " ".join(
       f"{p + ' MB':>22} {p + ' GF':>20}" for p in PASSES) + f" {'total MB':>17} {'total GF':>15} {'rng Gops':>9}"
   print(header)

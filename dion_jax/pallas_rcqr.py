@@ -14,7 +14,7 @@ Kernels (B matrices of m x r, k sketch rows, s = bytes per element of P):
 
 - ``sketch_product``: program (matrix, k-tile, r-tile, row chunk) streams its rows
   of P and generates its tile of S in registers with
-  ``sketch.gaussian_from_counter`` (the same counter hash as ``sketch.sketch_block``,
+  ``sketch.sketch_entries`` (the same counter hash as ``sketch.sketch_block``,
   so the result equals ``sketch_block(seed, row_start, m, k) @ P`` to float32
   rounding, on every rp replica and for any tp split). S is never in memory.
   Row chunks write partial (k x r) sums that XLA adds: deterministic, unlike atomics.
@@ -40,7 +40,8 @@ Counted per matrix (``counted_costs`` computes them; ``python benchmarks/gpu_rcq
 
 r' is r padded to the tiles (a power of two ≤ 128, else a multiple of 64); the
 Pallas flops are those executed, padding included, and the sketch also spends about
-40 integer and transcendental ops per entry of S per 128-column tile of P.
+20 integer ops per entry of S (one hash, a byte sum; no transcendentals) per
+128-column tile of P.
 For m = 16384, r = 512, k = 640, float32: Pallas 218 MB and 25.2 GFLOP, XLA
 288 MB and 27.9 GFLOP (bfloat16 P: 184 MB against 254 MB). The savings are S,
 never written (4 k m bytes, written and read again by XLA), and the Gram's lower
@@ -193,7 +194,7 @@ def _sketch_kernel(seed_ref, p_ref, out_ref, *, m, r, k, steps, num_rt, precisio
     mask = (rows[:, None] < m) & (cols[None, :] < r)
     p_bxn = plgpu.load(p_ref.at[pl.ds(start, _BM), pl.ds(rt * _BN_SKETCH, _BN_SKETCH)], mask=mask, other=0)
     j = row_start + rows[None, :].astype(jnp.uint32)
-    s_kxb = sketch.gaussian_from_counter(seed, j, i_k)
+    s_kxb = sketch.sketch_entries(seed, j, i_k)
     return acc_kxn + _dot(s_kxb, p_bxn.astype(jnp.float32), precision)
 
   acc_kxn = lax.fori_loop(0, steps, body, jnp.zeros((_BK_SKETCH, _BN_SKETCH), jnp.float32))
@@ -419,7 +420,7 @@ def counted_costs(m: int, r: int, k: int, itemsize: int) -> dict[str, dict[str, 
 
   Bytes count reads and writes of HBM arrays by each kernel, without cache reuse of
   tiles (re-reads of P by several r-tiles are assumed to hit L2). Flops count
-  multiply-adds as two; the sketch's ~40 integer/transcendental ops per generated
+  multiply-adds as two; the sketch's ~20 integer ops per generated
   entry are listed separately as ``rng_ops`` under ``"pallas"``.
   """
   f32 = 4
@@ -440,7 +441,7 @@ def counted_costs(m: int, r: int, k: int, itemsize: int) -> dict[str, dict[str, 
     pallas["solve+gram"] = (
         p_in + 2 * p32 + f32 * chunks_gram * r_pad * r_pad, tri_flops + m * r_pad * (r_pad + _BN_GRAM))
   pallas["solve"] = (2 * p32, tri_flops)
-  pallas["rng_ops"] = (0, 40 * k * m * num_rt)
+  pallas["rng_ops"] = (0, 20 * k * m * num_rt)
   xla = {
       "sketch": (2 * f32 * k * m + p_in + f32 * k * r, 2 * k * m * r),
       "solve+gram": (p_in + 2 * p32 + f32 * r * r, 3 * m * r * r),
