@@ -46,6 +46,7 @@ class Collectives(NamedTuple):
   cols: AxisName = None  # Axes sharding B's columns: sums for P and Q's column norms.
   replica: AxisName = None  # Replica axes over which P and R are averaged.
   everywhere: AxisName = None  # All mesh axes a matrix spans, for the all-zero guard.
+  spread: bool = False  # Split the batch's orthonormalizations over cols + replica axes.
 
 
 class DionHyperParams(NamedTuple):
@@ -99,60 +100,82 @@ def _matmul(a, b, dtype):
   return jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(dtype)
 
 
+def _orthonormalize_batch(P_bxrxr, seeds_b, use_cqr, hp: DionHyperParams, axes: Collectives):
+  ortho = lambda P, seed: orthogonalize.orthonormalize(
+      P, method=hp.qr_method, seed=seed, oversample=hp.oversample, use_cqr=use_cqr,
+      axis_name=axes.rows, backend=hp.backend,
+  )  # fmt: skip
+  return jax.vmap(ortho)(P_bxrxr, seeds_b)
+
+
+def _power_left(MR_partial_bxrxr, seeds_b, use_cqr, hp: DionHyperParams, axes: Collectives):
+  """Reduces the partial products B Q over columns (and replicas), orthonormalizes them.
+
+  With ``axes.spread``, the reduction is a reduce-scatter along the batch, so each
+  device of the column/replica group orthonormalizes its own share of the matrices,
+  and an all-gather brings every P back: the same bytes on the wire as an
+  all-reduce, 1/group of the orthonormalization work.
+  """
+  group = _names(axes.cols) + _names(axes.replica)
+  if not (axes.spread and group):
+    P = _sum_then_mean(MR_partial_bxrxr, axes.cols, axes.replica)
+    return _orthonormalize_batch(P, seeds_b, use_cqr, hp, axes)
+  P_local = jax.lax.psum_scatter(MR_partial_bxrxr, group, scatter_dimension=0, tiled=True)
+  if axes.replica:
+    P_local = P_local / jax.lax.psum(1, axes.replica)
+  share = P_local.shape[0]
+  seeds_local = jax.lax.dynamic_slice_in_dim(seeds_b, jax.lax.axis_index(group) * share, share)
+  P_local = _orthonormalize_batch(P_local, seeds_local, use_cqr, hp, axes)
+  return jax.lax.all_gather(P_local, group, axis=0, tiled=True, to="invarying")
+
+
 def dion_matrix_step(
-    M_rxc: jax.Array,
-    G_rxc: jax.Array,
-    Q_cxr: jax.Array,
-    seed: jax.Array,
+    M_bxrxc: jax.Array,
+    G_bxrxc: jax.Array,
+    Q_bxcxr: jax.Array,
+    seeds_b: jax.Array,
     use_cqr: jax.Array,
     scale: float,
     hp: DionHyperParams,
     axes: Collectives = Collectives(),
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """One Dion step on one matrix in its working frame (this device's block).
+  """One Dion step on a batch of B matrices in their working frame (this device's block).
 
   Args:
-    M_rxc: momentum, (rows, cols), or this device's block of it.
-    G_rxc: gradient, same layout.
-    Q_cxr: right factor, (cols, r), rows split like M's columns.
-    seed: uint32 seed of this step's RCQR sketch (same on every replica).
+    M_bxrxc: momentum, (B, rows, cols), or this device's block of it.
+    G_bxrxc: gradient, same layout.
+    Q_bxcxr: right factor, (B, cols, r), rows split like M's columns.
+    seeds_b: uint32 seeds of this step's RCQR sketches, (B,), the same on every replica.
     use_cqr: whether ``"cqr"`` may run (after warmup).
     scale: the shape-dependent update scale.
     hp: hyper-parameters.
     axes: mesh axes of the reductions.
 
   Returns:
-    ``(M, Q, U)``: the new momentum and Q, and the update ``scale·P Qᵀ`` (rows, cols)
-    in M's dtype.
+    ``(M, Q, U)``: the new momentum and Q, and the update ``scale·P Qᵀ``
+    (B, rows, cols) in M's dtype.
   """
-  dtype = M_rxc.dtype
-  M_rxc = M_rxc + G_rxc.astype(dtype)
-  Q0_cxr = Q_cxr.astype(dtype)
-  R_cxr = Q0_cxr
+  dtype = M_bxrxc.dtype
+  M_bxrxc = M_bxrxc + G_bxrxc.astype(dtype)
+  Q0_bxcxr = Q_bxcxr.astype(dtype)
+  R_bxcxr = Q0_bxcxr
   for _ in range(hp.power_iters):
-    P_rxr = _sum_then_mean(_matmul(M_rxc, R_cxr, jnp.float32), axes.cols, axes.replica)
-    P_rxr = orthogonalize.orthonormalize(
-        P_rxr,
-        method=hp.qr_method,
-        seed=seed,
-        oversample=hp.oversample,
-        use_cqr=use_cqr,
-        axis_name=axes.rows,
-        backend=hp.backend,
-    ).astype(dtype)
-    R_cxr = _sum_then_mean(_matmul(M_rxc.T, P_rxr, jnp.float32), axes.rows, axes.replica)
-    R_cxr = R_cxr.astype(dtype)
+    MR_bxrxr = _matmul(M_bxrxc, R_bxcxr, jnp.float32)
+    P_bxrxr = _power_left(MR_bxrxr, seeds_b, use_cqr, hp, axes).astype(dtype)
+    R_bxcxr = _sum_then_mean(_matmul(M_bxrxc.mT, P_bxrxr, jnp.float32), axes.rows, axes.replica)
+    R_bxcxr = R_bxcxr.astype(dtype)
 
-  nonzero = orthogonalize.psum(jnp.any(M_rxc != 0).astype(jnp.int32), axes.everywhere) > 0
-  P_rxr = jnp.where(nonzero, jnp.nan_to_num(P_rxr), 0)
-  R_cxr = jnp.where(nonzero, jnp.nan_to_num(R_cxr), Q0_cxr)
+  nonzero_b = orthogonalize.psum(jnp.any(M_bxrxc != 0, axis=(1, 2)).astype(jnp.int32), axes.everywhere) > 0
+  nonzero_b = nonzero_b[:, None, None]
+  P_bxrxr = jnp.where(nonzero_b, jnp.nan_to_num(P_bxrxr), 0)
+  R_bxcxr = jnp.where(nonzero_b, jnp.nan_to_num(R_bxcxr), Q0_bxcxr)
 
-  M_rxc = M_rxc - (1 - hp.mu) * _matmul(P_rxr, R_cxr.T, jnp.float32).astype(dtype)
-  R32_cxr = R_cxr.astype(jnp.float32)
-  col_norm_r = jnp.sqrt(orthogonalize.psum(jnp.sum(R32_cxr**2, axis=0), axes.cols))
-  Q_cxr = (R32_cxr / (col_norm_r + hp.epsilon)).astype(dtype)
-  U_rxc = scale * _matmul(P_rxr, Q_cxr.T, jnp.float32)
-  return M_rxc, Q_cxr, U_rxc.astype(dtype)
+  M_bxrxc = M_bxrxc - (1 - hp.mu) * _matmul(P_bxrxr, R_bxcxr.mT, jnp.float32).astype(dtype)
+  R32_bxcxr = R_bxcxr.astype(jnp.float32)
+  col_norm_bx1xr = jnp.sqrt(orthogonalize.psum(jnp.sum(R32_bxcxr**2, axis=1, keepdims=True), axes.cols))
+  Q_bxcxr = (R32_bxcxr / (col_norm_bx1xr + hp.epsilon)).astype(dtype)
+  U_bxrxc = scale * _matmul(P_bxrxr, Q_bxcxr.mT, jnp.float32)
+  return M_bxrxc, Q_bxcxr, U_bxrxc.astype(dtype)
 
 
 def step_seeds(base_seed: int, step: jax.Array, leaf_id: int, batch_shape: tuple[int, ...]) -> jax.Array:
@@ -172,7 +195,7 @@ def update_batched(
     hp: DionHyperParams,
     axes: Collectives = Collectives(),
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """:func:`dion_matrix_step` over every matrix of a (stacked) parameter.
+  """:func:`dion_matrix_step` on every matrix of a (stacked) parameter.
 
   ``M`` and ``G`` are in the parameter's layout (or this device's block of it),
   ``Q`` is (*batch, cols, r) and ``seeds`` is (*batch,). Returns ``(M, Q, U)`` with
@@ -181,10 +204,9 @@ def update_batched(
   M_brc, G_brc = fr.to_rows_cols(M), fr.to_rows_cols(G)
   batch = M_brc.shape[:-2]
   flat = lambda x: x.reshape((-1,) + x.shape[len(batch):])
-  step = jax.vmap(
-      lambda m, g, q, s: dion_matrix_step(m, g, q, s, use_cqr, scale, hp, axes),
+  M_brc, Q, U_brc = dion_matrix_step(
+      flat(M_brc), flat(G_brc), flat(Q), seeds.reshape(-1), use_cqr, scale, hp, axes
   )
-  M_brc, Q, U_brc = step(flat(M_brc), flat(G_brc), flat(Q), seeds.reshape(-1))
   unflat = lambda x: x.reshape(batch + x.shape[1:])
   return fr.from_rows_cols(unflat(M_brc)), unflat(Q), fr.from_rows_cols(unflat(U_brc))
 

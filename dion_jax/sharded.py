@@ -11,7 +11,11 @@ columns over ``cols`` axes,
     R = Bᵀ P           psum over rows           (cols/fs x r)
     ‖R‖_col            psum over cols           (r,)
 
-and batch axes (layers, stages on ``pp``) never communicate.
+and batch axes (layers, stages on ``pp``) never communicate. After the sum over
+``cols``, every device of a column group holds the same P; when the local batch of
+matrices (stacked layers) divides the group, the sum is a reduce-scatter along the
+batch instead, each device orthonormalizes its share, and an all-gather restores P
+(the reference does the same): the same bytes on the wire, 1/group of the work.
 
 Data-parallel replicas (``rp``). With ``replicate_sync`` and rp > 1, Dion matrices
 get their gradient per replica: a leading replica axis of size rp, sharded on
@@ -26,6 +30,7 @@ get their gradient per replica: a leading replica axis of size rp, sharded on
   replicated like the parameter.
 """
 
+import math
 from typing import Any, Callable
 
 import jax
@@ -65,8 +70,9 @@ def partition_specs_of(tree: Any) -> Any:
 class Layout:
   """How Dion's state and collectives lie on ``mesh`` (see the module docstring)."""
 
-  def __init__(self, mesh: jax.sharding.Mesh, replicate_sync: bool):
+  def __init__(self, mesh: jax.sharding.Mesh, replicate_sync: bool, spread: bool = True):
     self.mesh = mesh
+    self.spread = spread
     self.replicas = dict(mesh.shape).get(REPLICA_AXIS, 1)
     self.per_replica = replicate_sync and self.replicas > 1
 
@@ -120,7 +126,14 @@ class Layout:
         cols=cols or None,
         replica=replica or None,
         everywhere=(rows + cols + replica) or None,
+        spread=self.spread and self._local_batch(fr) % self._size(cols + replica) == 0,
     )
+
+  def _size(self, axes: tuple[str, ...]) -> int:
+    return math.prod(dict(self.mesh.shape)[a] for a in axes)
+
+  def _local_batch(self, fr: frame_lib.MatrixFrame) -> int:
+    return math.prod(n // self._size(_names([fr.spec[a]])) for a, n in zip(fr.batch_axes, fr.batch_shape))
 
   def update(self, fr, M, g, Q, seeds, use_cqr, scale, hp):
     """Sharded :func:`dion_jax.core.update_batched`; returns ``(M, Q, U)`` with U like the parameter."""
