@@ -18,11 +18,6 @@ import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# jax 0.10.2 on a 2-core CPU: a jitted step with several independent batched LAPACK calls
-# (QR, triangular solve) deadlocks under XLA's concurrency-optimized scheduler.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_concurrency_optimized_scheduler=false"
-).strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402

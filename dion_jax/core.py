@@ -129,53 +129,75 @@ def _power_left(MR_partial_bxrxr, seeds_b, use_cqr, hp: DionHyperParams, axes: C
   return jax.lax.all_gather(P_local, group, axis=0, tiled=True, to="invarying")
 
 
+def _contract(M: jax.Array, X: jax.Array, over_last: bool) -> jax.Array:
+  """``M`` (B, a, c) times ``X`` over one matrix axis of M, float32 accumulation.
+
+  ``over_last``: Σ_c M[a, c] X[c, r] -> (B, a, r); else Σ_a M[a, c] X[a, r] -> (B, c, r).
+  The second form is computed as (Xᵀ M)ᵀ with the small transposes kept out of
+  the dot by optimization barriers: XLA would fold them back into a transposed-LHS
+  GEMM, which runs at 40-50% of the plain one's speed on CPU (216 against
+  392 GFLOP/s for 6 x (2048 x 512)ᵀ(2048 x 128) here).
+  """
+  if over_last:
+    return jnp.einsum("bac,bcr->bar", M, X, preferred_element_type=jnp.float32)
+  barrier = jax.lax.optimization_barrier if jax.default_backend() == "cpu" else (lambda x: x)
+  Xt_bxrxa = barrier(jnp.swapaxes(X, 1, 2))
+  out_bxrxc = barrier(jnp.einsum("bra,bac->brc", Xt_bxrxa, M, preferred_element_type=jnp.float32))
+  return jnp.swapaxes(out_bxrxc, 1, 2)
+
+
 def dion_matrix_step(
-    M_bxrxc: jax.Array,
-    G_bxrxc: jax.Array,
+    M: jax.Array,
+    G: jax.Array,
     Q_bxcxr: jax.Array,
     seeds_b: jax.Array,
     use_cqr: jax.Array,
     scale: float,
     hp: DionHyperParams,
     axes: Collectives = Collectives(),
+    rows_last: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """One Dion step on a batch of B matrices in their working frame (this device's block).
+  """One Dion step on a batch of B matrices (this device's block of them).
 
   Args:
-    M_bxrxc: momentum, (B, rows, cols), or this device's block of it.
-    G_bxrxc: gradient, same layout.
+    M: momentum, (B, rows, cols), or (B, cols, rows) when ``rows_last``: B's matrices
+      are read in the parameter's own layout, never transposed in memory.
+    G: gradient, same layout.
     Q_bxcxr: right factor, (B, cols, r), rows split like M's columns.
     seeds_b: uint32 seeds of this step's RCQR sketches, (B,), the same on every replica.
     use_cqr: whether ``"cqr"`` may run (after warmup).
     scale: the shape-dependent update scale.
     hp: hyper-parameters.
     axes: mesh axes of the reductions.
+    rows_last: the layout of M and G (above).
 
   Returns:
-    ``(M, Q, U)``: the new momentum and Q, and the update ``scale·P Qᵀ``
-    (B, rows, cols) in M's dtype.
+    ``(M, Q, U)``: the new momentum and Q, and the update ``scale·P Qᵀ`` in M's
+    layout and dtype.
   """
-  dtype = M_bxrxc.dtype
-  M_bxrxc = M_bxrxc + G_bxrxc.astype(dtype)
+  mat = "bnm" if rows_last else "bmn"  # m: rows of B, n: its columns, r: rank.
+  mm = lambda spec, a, b: jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+  B_times = lambda X: _contract(M, X, over_last=not rows_last)  # B X
+  Bt_times = lambda X: _contract(M, X, over_last=rows_last)  # Bᵀ X
+  dtype = M.dtype
+  M = M + G.astype(dtype)
   Q0_bxcxr = Q_bxcxr.astype(dtype)
   R_bxcxr = Q0_bxcxr
   for _ in range(hp.power_iters):
-    MR_bxrxr = _matmul(M_bxrxc, R_bxcxr, jnp.float32)
-    P_bxrxr = _power_left(MR_bxrxr, seeds_b, use_cqr, hp, axes).astype(dtype)
-    R_bxcxr = _sum_then_mean(_matmul(M_bxrxc.mT, P_bxrxr, jnp.float32), axes.rows, axes.replica)
-    R_bxcxr = R_bxcxr.astype(dtype)
+    P_bxrxr = _power_left(B_times(R_bxcxr), seeds_b, use_cqr, hp, axes).astype(dtype)
+    R_bxcxr = _sum_then_mean(Bt_times(P_bxrxr), axes.rows, axes.replica).astype(dtype)
 
-  nonzero_b = orthogonalize.psum(jnp.any(M_bxrxc != 0, axis=(1, 2)).astype(jnp.int32), axes.everywhere) > 0
+  nonzero_b = orthogonalize.psum(jnp.any(M != 0, axis=(1, 2)).astype(jnp.int32), axes.everywhere) > 0
   nonzero_b = nonzero_b[:, None, None]
   P_bxrxr = jnp.where(nonzero_b, jnp.nan_to_num(P_bxrxr), 0)
   R_bxcxr = jnp.where(nonzero_b, jnp.nan_to_num(R_bxcxr), Q0_bxcxr)
 
-  M_bxrxc = M_bxrxc - (1 - hp.mu) * _matmul(P_bxrxr, R_bxcxr.mT, jnp.float32).astype(dtype)
+  M = M - ((1 - hp.mu) * mm(f"bmr,bnr->{mat}", P_bxrxr, R_bxcxr)).astype(dtype)
   R32_bxcxr = R_bxcxr.astype(jnp.float32)
   col_norm_bx1xr = jnp.sqrt(orthogonalize.psum(jnp.sum(R32_bxcxr**2, axis=1, keepdims=True), axes.cols))
   Q_bxcxr = (R32_bxcxr / (col_norm_bx1xr + hp.epsilon)).astype(dtype)
-  U_bxrxc = scale * _matmul(P_bxrxr, Q_bxcxr.mT, jnp.float32)
-  return M_bxrxc, Q_bxcxr, U_bxrxc.astype(dtype)
+  U = scale * mm(f"bmr,bnr->{mat}", P_bxrxr, Q_bxcxr)
+  return M, Q_bxcxr, U.astype(dtype)
 
 
 def step_seeds(base_seed: int, step: jax.Array, leaf_id: int, batch_shape: tuple[int, ...]) -> jax.Array:
@@ -201,14 +223,14 @@ def update_batched(
   ``Q`` is (*batch, cols, r) and ``seeds`` is (*batch,). Returns ``(M, Q, U)`` with
   ``U`` in the parameter's layout.
   """
-  M_brc, G_brc = fr.to_rows_cols(M), fr.to_rows_cols(G)
-  batch = M_brc.shape[:-2]
+  M, G = fr.to_batch_first(M), fr.to_batch_first(G)
+  batch = M.shape[:-2]
   flat = lambda x: x.reshape((-1,) + x.shape[len(batch):])
-  M_brc, Q, U_brc = dion_matrix_step(
-      flat(M_brc), flat(G_brc), flat(Q), seeds.reshape(-1), use_cqr, scale, hp, axes
+  M, Q, U = dion_matrix_step(
+      flat(M), flat(G), flat(Q), seeds.reshape(-1), use_cqr, scale, hp, axes, fr.rows_last
   )
   unflat = lambda x: x.reshape(batch + x.shape[1:])
-  return fr.from_rows_cols(unflat(M_brc)), unflat(Q), fr.from_rows_cols(unflat(U_brc))
+  return fr.from_batch_first(unflat(M)), unflat(Q), fr.from_batch_first(unflat(U))
 
 
 def scale_rule_fn(scale_rule: str | Callable[[int, int], float]) -> Callable[[int, int], float]:

@@ -102,14 +102,24 @@ class MatrixFrame:
     """Mesh axes that shard parameter axis ``axis`` (empty without a spec)."""
     return () if self.spec is None else _spec_axes(self.spec[axis])
 
-  def to_rows_cols(self, x: np.ndarray):
-    """Parameter layout -> (*batch, rows, cols)."""
-    return x.transpose(self.batch_axes + (self.row_axis, self.col_axis))
+  @property
+  def rows_last(self) -> bool:
+    """Whether the row axis comes after the column axis in the parameter's layout."""
+    return self.row_axis > self.col_axis
 
-  def from_rows_cols(self, x: np.ndarray):
-    """(*batch, rows, cols) -> parameter layout."""
-    perm = self.batch_axes + (self.row_axis, self.col_axis)
-    return x.transpose(tuple(np.argsort(perm)))
+  @property
+  def _batch_first(self) -> tuple[int, ...]:
+    return self.batch_axes + tuple(sorted((self.row_axis, self.col_axis)))
+
+  def to_batch_first(self, x):
+    """Parameter layout -> (*batch, a, b), the matrix axes in their own order: (rows,
+    cols), or (cols, rows) when ``rows_last``. A no-op for stacked Flax kernels, so
+    the matrix algebra reads M in place instead of transposing it."""
+    return x.transpose(self._batch_first)
+
+  def from_batch_first(self, x):
+    """Inverse of :meth:`to_batch_first`."""
+    return x.transpose(tuple(np.argsort(self._batch_first)))
 
 
 def matrix_frame(

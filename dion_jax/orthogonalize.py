@@ -115,26 +115,21 @@ def xla_sketch_product(P_mxr: jax.Array, seed: jax.Array, k: int, row_start: jax
   return jnp.matmul(S_kxm, P_mxr.astype(jnp.float32), preferred_element_type=jnp.float32)
 
 
-@one_matrix_at_a_time_on_cpu
-def _triangular_solve(P_mxr: jax.Array, R_rxr: jax.Array) -> jax.Array:
-  return lax.linalg.triangular_solve(R_rxr, P_mxr, left_side=False, lower=False)
-
-
 def xla_solve(P_mxr: jax.Array, R_rxr: jax.Array) -> jax.Array:
-  """``P R⁻¹`` in float32 for a well-conditioned R, as a matmul with R⁻¹.
+  """``P R⁻¹`` in float32, as a matmul with the explicit inverse of the small R.
 
-  A CPU trsm of a tall P runs at a fraction of matmul speed (8.4 ms against 1.8 ms
-  for 6 x (2048 x 128) here). The explicit inverse loses accuracy in proportion to
-  cond(R), so it is used only for the last pass, where R is the Cholesky factor of
-  a nearly orthonormal P₁'s Gram matrix (cond ≈ 1).
+  A CPU trsm of a tall P runs at a fraction of matmul speed (6.5 ms against 1.9 ms
+  for 6 x (2048 x 128) here), and the Pallas kernels do the same. The price is
+  accuracy in P's weakest directions when R is ill conditioned: on a P whose two
+  columns agree to 1e-5, P's span is kept to ~1e-3 instead of ~1e-5 (a rotation
+  within directions Dion's update weighs by their tiny singular values anyway).
   """
   return jnp.matmul(P_mxr.astype(jnp.float32), upper_inverse(R_rxr), preferred_element_type=jnp.float32)
 
 
 def xla_solve_and_gram(P_mxr: jax.Array, R_rxr: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``P₁ = P R⁻¹`` (float32, a backward-stable triangular solve: R carries P's
-  conditioning) and its local Gram matrix ``P₁ᵀ P₁``."""
-  P1_mxr = _triangular_solve(P_mxr.astype(jnp.float32), R_rxr)
+  """``P₁ = P R⁻¹`` (float32) and its local Gram matrix ``P₁ᵀ P₁``."""
+  P1_mxr = xla_solve(P_mxr, R_rxr)
   return P1_mxr, P1_mxr.T @ P1_mxr
 
 
@@ -200,7 +195,7 @@ def cholesky_qr(
   ok = jnp.logical_and(jnp.all(jnp.isfinite(R_rxr)), use_cqr)
   return lax.cond(
       ok,
-      lambda: _triangular_solve(P32_mxr, R_rxr),
+      lambda: _passes(backend)[2](P32_mxr, R_rxr),
       lambda: rcqr(P32_mxr, seed, oversample=oversample, axis_name=axis_name, backend=backend),
   )
 

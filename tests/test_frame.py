@@ -99,12 +99,13 @@ def test_declared_dimension_numbers():
     "shape, dims",
     [((24, 40), FLAX), ((40, 24), FLAX), ((2, 24, 40), FLAX), ((24, 5, 40), DionDimensionNumbers(0, 2))],
 )
-def test_rows_cols_round_trip(shape, dims):
+def test_batch_first_round_trip(shape, dims):
   fr = frame.matrix_frame(shape, dims, 1.0, 1)
   x = np.arange(np.prod(shape)).reshape(shape)
-  B = fr.to_rows_cols(x)
+  y = fr.to_batch_first(x)
+  np.testing.assert_array_equal(fr.from_batch_first(y), x)
+  B = np.swapaxes(y, -1, -2) if fr.rows_last else y
   assert B.shape == fr.batch_shape + (fr.rows, fr.cols)
-  np.testing.assert_array_equal(fr.from_rows_cols(B), x)
   # B is the reference's (fan_out, fan_in) matrix, or its transpose when transposed.
   idx = (0,) * len(fr.batch_axes)
   X_ref = np.moveaxis(x, (dims.output_axis, dims.reduction_axis), (0, 1))[(slice(None), slice(None)) + idx]
