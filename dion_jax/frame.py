@@ -69,6 +69,7 @@ class MatrixFrame:
     rank: r.
     transposed: the reference's flag: rows = fan_in, so B = Mᵀ in its (fan_out, fan_in) frame.
     spec: the parameter's PartitionSpec (padded to its rank), or None.
+    name: how errors name the parameter (its path).
   """
 
   shape: tuple[int, ...]
@@ -80,6 +81,7 @@ class MatrixFrame:
   rank: int
   transposed: bool
   spec: PartitionSpec | None = None
+  name: str = "parameter"
 
   @property
   def rows(self) -> int:
@@ -155,5 +157,5 @@ def matrix_frame(
   batch_axes = tuple(a for a in range(ndim) if a not in (reduction, output))
   rank = dion_rank(rank_fraction, rank_multiple_of, fan_out, fan_in)
   return MatrixFrame(
-      tuple(shape), row_axis, col_axis, batch_axes, fan_out, fan_in, rank, row_axis == reduction, spec
+      tuple(shape), row_axis, col_axis, batch_axes, fan_out, fan_in, rank, row_axis == reduction, spec, name
   )

@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from dion_jax import core as dion_lib
 from dion_jax import frame as frame_lib
+from dion_jax import mesh as mesh_lib
 
 REPLICA_AXIS = "rp"
 
@@ -82,6 +83,7 @@ class Layout:
           "Dion on a mesh needs the parameters' PartitionSpecs: pass "
           "partition_specs=dion_jax.partition_specs_of(params) (or the model's spec tree)"
       )
+    mesh_lib.check_divisible(fr.shape, fr.spec, self.mesh, fr.name)
     return fr
 
   def compressed(self, fr: frame_lib.MatrixFrame) -> bool:

@@ -134,3 +134,15 @@ def test_row_sharded_equals_unsharded(method):
   Q_sharded = sharded(P_mxr)
   Q_single = orthogonalize.orthonormalize(P_mxr, method=method, seed=5, backend="xla")
   np.testing.assert_allclose(Q_sharded, Q_single, atol=2e-5)
+
+
+def test_batched_factorizations_run_one_matrix_at_a_time_on_cpu():
+  """jaxlib's batched CPU LAPACK kernels can deadlock XLA's thread pool (8 devices,
+  several factorizations at once); vmapped, ours must loop instead and agree."""
+  A = jnp.asarray(np.random.default_rng(0).normal(size=(4, 24, 8)), jnp.float32)
+  f = jax.jit(jax.vmap(orthogonalize._qr_r))
+  assert "while" in f.lower(A).compile().as_text()
+  np.testing.assert_allclose(np.abs(f(A)), np.abs(jnp.linalg.qr(A, mode="r")), atol=1e-5)
+  G = jnp.einsum("bki,bkj->bij", A, A)
+  np.testing.assert_allclose(jax.vmap(orthogonalize.upper_inverse)(jnp.linalg.cholesky(G).mT) @ jnp.linalg.cholesky(G).mT,
+                             np.broadcast_to(np.eye(8), (4, 8, 8)), atol=1e-4)

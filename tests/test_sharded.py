@@ -151,3 +151,10 @@ def test_partition_specs_of_reads_arrays():
   mesh = mesh_lib.make_mesh("fs=4,tp=2")
   x = jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P("fs", "tp")))
   assert sharded.partition_specs_of({"x": x}) == {"x": P("fs", "tp")}
+
+
+def test_indivisible_parameter_is_an_error():
+  mesh = mesh_lib.make_mesh("fs=4,tp=2")
+  tx = dion_jax.scale_by_dion(mesh=mesh, partition_specs={"w": mesh_lib.column_parallel()})
+  with pytest.raises(ValueError, match=r"\['w'\].*dimension 0 of size 6"):
+    tx.init({"w": jnp.ones((6, 16))})
