@@ -112,23 +112,38 @@ def state_bytes_per_device(mesh: jax.sharding.Mesh, mats: MatrixSet, rank_fracti
   return local, single
 
 
+def _sum_by_axes(stats, field: str) -> dict[tuple[str, ...], int]:
+  out: dict[tuple[str, ...], int] = {}
+  for s in stats:
+    out[s.axes] = out.get(s.axes, 0) + getattr(s, field)
+  return out
+
+
 def _report(mesh, mats, rank_fractions) -> str:
   full = full_gradient_bytes(mats)
-  base = comms.bytes_by_axes(gradient_allreduce_stats(mesh, mats)).get(("rp",), 0) if mesh.shape["rp"] > 1 else 0
+  dp = mesh.shape["rp"] * mesh.shape["fs"]
+  full_wire = 2 * full * (dp - 1) // dp
+  base = sum(s.bytes for s in gradient_allreduce_stats(mesh, mats)) if mesh.shape["rp"] > 1 else 0
   lines = [
-      f"mesh {dict(mesh.shape)}; full-gradient all-reduce payload Σm·n·4 = {full / 2**20:.2f} MiB;"
-      f" per-replica gradient average over rp = {base / 2**20:.2f} MiB per device",
+      f"mesh {dict(mesh.shape)}. Baselines per device: full-gradient payload Σm·n·4 = {full / 2**20:.2f} MiB"
+      f" (a ring all-reduce over the rp·fs = {dp} data-parallel devices sends {full_wire / 2**20:.2f} MiB);"
+      f" averaging this device's gradient shard over rp = {base / 2**20:.2f} MiB.",
+      "Payload: operand bytes (output for all-gather). Wire: bytes sent under ring algorithms"
+      " (all-reduce 2(g-1)/g, reduce-scatter and all-gather (g-1)/g of the payload).",
       "",
-      "| rank_fraction | axes | Dion MiB/device | vs rp gradient average | vs Σm·n·4 |",
-      "| --- | --- | --- | --- | --- |",
+      "| rank_fraction | axes | payload MiB | wire MiB | payload / Σm·n·4 | wire / full-gradient ring all-reduce |",
+      "| --- | --- | --- | --- | --- | --- |",
   ]
   for rf in rank_fractions:
-    by_axes = comms.bytes_by_axes(dion_step_stats(mesh, mats, rf))
-    over_rp = sum(b for axes, b in by_axes.items() if "rp" in axes)
-    rows = sorted(by_axes.items()) + [(("with rp",), over_rp), (("all",), sum(by_axes.values()))]
-    for axes, b in rows:
-      vs_base = f"{b / base:.3f}x" if base and axes == ("with rp",) else ""
-      lines.append(f"| {rf:g} | {','.join(axes) or '-'} | {b / 2**20:.3f} | {vs_base} | {b / full:.3f}x |")
+    stats = dion_step_stats(mesh, mats, rf)
+    payload, wire = _sum_by_axes(stats, "bytes"), _sum_by_axes(stats, "wire_bytes")
+    rows = [(",".join(axes) or "-", lambda a, axes=axes: a == axes) for axes in sorted(payload)]
+    rows += [("with rp", lambda a: "rp" in a), ("all", lambda a: True)]
+    for label, keep in rows:
+      p = sum(v for a, v in payload.items() if keep(a))
+      w = sum(v for a, v in wire.items() if keep(a))
+      wire_ratio = f"{w / full_wire:.3f}x" if full_wire else ""
+      lines.append(f"| {rf:g} | {label} | {p / 2**20:.3f} | {w / 2**20:.3f} | {p / full:.3f}x | {wire_ratio} |")
   lines += ["", "| rank_fraction | M+Q bytes/device | M+Q bytes on one device | ratio |", "| --- | --- | --- | --- |"]
   for rf in rank_fractions:
     local, single = state_bytes_per_device(mesh, mats, rf)

@@ -57,11 +57,23 @@ class CollectiveStat(NamedTuple):
     axes: the mesh axes the devices of a group differ along, in mesh order.
     count: the number of instructions (each counted once, see the module doc).
     bytes: their summed payload per device.
+    wire_bytes: the bytes each device sends under the ring algorithms, for groups
+      of g devices and payload N: all-reduce 2(g-1)/g·N, reduce-scatter,
+      all-gather and all-to-all (g-1)/g·N, collective-permute N. This is the
+      measure under which a reduce-scatter plus an all-gather cost one all-reduce.
   """
   op: str
   axes: tuple[str, ...]
   count: int
   bytes: int
+  wire_bytes: int = 0
+
+
+def _wire_bytes(op: str, payload: int, group_size: int) -> int:
+  if op == "collective-permute":
+    return payload if group_size > 1 else 0
+  factor = 2 if op == "all-reduce" else 1
+  return factor * payload * (group_size - 1) // group_size
 
 
 _DTYPE_BITS = {
@@ -331,9 +343,10 @@ def collective_stats(compiled_or_hlo_text: Any, mesh: jax.sharding.Mesh) -> list
     nbytes = _operand_bytes(instr, shapes)
     if instr.op == "all-gather":
       nbytes *= len(groups[0])
-    entry = totals.setdefault((instr.op, group_axes(groups, mesh)), [0, 0])
+    entry = totals.setdefault((instr.op, group_axes(groups, mesh)), [0, 0, 0])
     entry[0] += 1
     entry[1] += nbytes
+    entry[2] += _wire_bytes(instr.op, nbytes, len(groups[0]))
   order = {a: i for i, a in enumerate(mesh.axis_names)}
   keys = sorted(totals, key=lambda k: (OPS.index(k[0]), len(k[1]), [order[a] for a in k[1]]))
   return [CollectiveStat(op, axes, *totals[op, axes]) for op, axes in keys]

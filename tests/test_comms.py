@@ -115,7 +115,8 @@ def test_automatic_sharding_collectives(mesh):
   g = jax.jit(lambda a: a.sum(0), in_shardings=NamedSharding(mesh, P(("rp", "tp"), "fs")))
   lowered = g.lower(_x(128, 64))
   stats = comms.collective_stats(lowered, mesh)  # a Lowered is compiled first
-  assert stats == [comms.CollectiveStat("all-reduce", ("rp", "tp"), 1, 32 * 4)]
+  # A group of 4: a ring all-reduce sends 2·3/4 of the payload.
+  assert stats == [comms.CollectiveStat("all-reduce", ("rp", "tp"), 1, 32 * 4, 192)]
 
 
 def test_partial_manual_shard_map(mesh):
@@ -172,15 +173,15 @@ def plain_mesh():
 def test_async_pairs_count_once(plain_mesh):
   stats = comms.collective_stats(_ASYNC_HLO, plain_mesh)
   assert stats == [
-      comms.CollectiveStat("all-reduce", ("fs",), 1, F32_64x32),  # groups {0,2},{1,3},...
-      comms.CollectiveStat("all-gather", ("fs", "tp"), 1, 64 * 2),  # bf16[64] gathered
-      comms.CollectiveStat("collective-permute", ("rp",), 1, F32_64x32),
+      comms.CollectiveStat("all-reduce", ("fs",), 1, F32_64x32, F32_64x32),  # groups {0,2},{1,3},...
+      comms.CollectiveStat("all-gather", ("fs", "tp"), 1, 64 * 2, 64 * 2 * 3 // 4),  # bf16[64] gathered
+      comms.CollectiveStat("collective-permute", ("rp",), 1, F32_64x32, F32_64x32),
   ]
 
 
 def test_async_wrapped_collective_counts_once(plain_mesh):
   assert comms.collective_stats(_WRAPPED_HLO, plain_mesh) == [
-      comms.CollectiveStat("reduce-scatter", ("fs",), 1, F32_64x32)]
+      comms.CollectiveStat("reduce-scatter", ("fs",), 1, F32_64x32, F32_64x32 // 2)]
 
 
 def _one(op_line: str, mesh, defs: str = "  %p = f32[64,32]{1,0} parameter(0)\n"):
@@ -207,14 +208,16 @@ def _one(op_line: str, mesh, defs: str = "  %p = f32[64,32]{1,0} parameter(0)\n"
 ])
 def test_replica_group_formats(plain_mesh, groups, axes):
   line = f"f32[64,32]{{1,0}} all-reduce(%p), channel_id=1, replica_groups={groups}, to_apply=%add"
-  assert _one(line, plain_mesh) == [comms.CollectiveStat("all-reduce", axes, 1, F32_64x32)]
+  group = 2 ** len(axes)  # every axis of plain_mesh has size 2
+  wire = 2 * F32_64x32 * (group - 1) // group
+  assert _one(line, plain_mesh) == [comms.CollectiveStat("all-reduce", axes, 1, F32_64x32, wire)]
 
 
 def test_operands_printed_with_shapes_and_tuples(plain_mesh):
   line = ("(f32[64,32]{1,0}, bf16[10]{0}, pred[3]{0}) all-reduce(f32[64,32]{1,0} %p, "
           "bf16[10]{0} %q, pred[3]{0} %r), replica_groups={{0,1},{2,3},{4,5},{6,7}}")
   assert _one(line, plain_mesh) == [
-      comms.CollectiveStat("all-reduce", ("tp",), 1, F32_64x32 + 10 * 2 + 3)]
+      comms.CollectiveStat("all-reduce", ("tp",), 1, F32_64x32 + 10 * 2 + 3, F32_64x32 + 10 * 2 + 3)]
 
 
 @pytest.mark.parametrize("shape, nbytes", [
