@@ -1,13 +1,6 @@
 """Dion (Distributed Orthonormalized Updates) for JAX and optax."""
 
-from dion_jax.core import (
-    Collectives,
-    DionHyperParams,
-    ScaleByDionState,
-    dion_matrix_step,
-    leaf_frames,
-    scale_by_dion,
-)
+from dion_jax.core import Collectives, DionHyperParams, dion_matrix_step
 from dion_jax.comms import CollectiveStat, bytes_by_axes, collective_stats, format_table
 from dion_jax.frame import SCALE_RULES, DionDimensionNumbers, MatrixFrame, dion_rank, matrix_frame
 from dion_jax.mesh import (
@@ -24,6 +17,7 @@ from dion_jax.mesh import (
 )
 from dion_jax.optimizer import LABELS, STATIC_ARGS, default_labels, dion
 from dion_jax.orthogonalize import orthonormalize
+from dion_jax.transform import ScaleByDionState, leaf_frames, scale_by_dion
 from dion_jax.sharded import average_replicas, partition_specs_of, value_and_grad_per_replica
 
 __all__ = [

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dion_jax import comms
-from dion_jax import core
+from dion_jax import transform
 from dion_jax import mesh as mesh_lib
 from dion_jax import sharded
 
@@ -55,7 +55,7 @@ def _abstract(shape, spec, mesh, dtype=jnp.float32):
 def _frames(mats: MatrixSet, rank_fraction: float) -> dict:
   names = sorted(mats.shapes)
   structs = {k: jax.ShapeDtypeStruct(mats.shapes[k], jnp.float32) for k in names}
-  frames = core.leaf_frames(structs, rank_fraction=rank_fraction, rank_multiple_of=1, partition_specs=mats.specs)
+  frames = transform.leaf_frames(structs, rank_fraction=rank_fraction, rank_multiple_of=1, partition_specs=mats.specs)
   return dict(zip(names, frames))
 
 
@@ -67,7 +67,7 @@ def _abstract_inputs(layout: sharded.Layout, mats: MatrixSet, rank_fraction: flo
       k: _abstract(((layout.replicas,) if layout.per_replica else ()) + fr.shape, layout.grad_spec(fr), mesh)
       for k, fr in frames.items()
   }  # fmt: skip
-  state = core.ScaleByDionState(
+  state = transform.ScaleByDionState(
       count=_abstract((), P(), mesh, jnp.int32),
       momentum={
           k: _abstract(((layout.replicas,) if layout.compressed(fr) else ()) + fr.shape, layout.momentum_spec(fr), mesh)
@@ -82,7 +82,7 @@ def dion_step_stats(
     mesh: jax.sharding.Mesh, mats: MatrixSet, rank_fraction: float, replicate_sync: bool = True
 ) -> list[comms.CollectiveStat]:
   """Collectives of one compiled Dion update of ``mats`` on ``mesh``."""
-  tx = core.scale_by_dion(
+  tx = transform.scale_by_dion(
       rank_fraction=rank_fraction, partition_specs=mats.specs, mesh=mesh,
       replicate_sync=replicate_sync, backend="xla",
   )  # fmt: skip

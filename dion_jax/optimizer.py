@@ -22,7 +22,7 @@ from typing import Any, Callable
 import jax
 import optax
 
-from dion_jax import core as dion_lib
+from dion_jax import transform
 from dion_jax import frame as frame_lib
 
 LABELS = ("dion", "adamw", "lion", "lm_head", "muon")
@@ -122,7 +122,7 @@ def dion(
   Returns:
     An optax ``GradientTransformation``.
   """
-  dion_lib.check_hyperparams(learning_rate=learning_rate, weight_decay=weight_decay)
+  transform.check_hyperparams(learning_rate=learning_rate, weight_decay=weight_decay)
   _check_scalar_hyperparams(
       scalar_learning_rate=scalar_learning_rate, b1=b1, b2=b2, lm_head_lr_scale=lm_head_lr_scale
   )
@@ -139,7 +139,7 @@ def dion(
     return (lambda count: lr(count) * factor) if callable(lr) else lr * factor
 
   matrix = optax.chain(
-      dion_lib.scale_by_dion(
+      transform.scale_by_dion(
           rank_fraction=rank_fraction, rank_multiple_of=rank_multiple_of, mu=mu,
           epsilon=epsilon, qr_method=qr_method, cqr_warmup_steps=cqr_warmup_steps,
           oversample=oversample, power_iters=power_iters, scale_rule=scale_rule,

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dion_jax import core as dion_lib
+from dion_jax import core
 from dion_jax import frame as frame_lib
 from dion_jax import mesh as mesh_lib
 
@@ -119,11 +119,11 @@ class Layout:
   def constrain_q(self, fr: frame_lib.MatrixFrame, Q: jax.Array) -> jax.Array:
     return self._constrain(Q, self.q_spec(fr))
 
-  def collectives(self, fr: frame_lib.MatrixFrame) -> dion_lib.Collectives:
+  def collectives(self, fr: frame_lib.MatrixFrame) -> core.Collectives:
     rows = _names([fr.spec[fr.row_axis]])
     cols = _names([fr.spec[fr.col_axis]])
     replica = (REPLICA_AXIS,) if self.compressed(fr) else ()
-    return dion_lib.Collectives(
+    return core.Collectives(
         rows=rows or None,
         cols=cols or None,
         replica=replica or None,
@@ -145,7 +145,7 @@ class Layout:
     def local(M, g, Q, seeds, use_cqr):
       if per_replica:
         g = g[0] if compressed else jax.lax.pmean(g[0], REPLICA_AXIS)
-      M, Q, U = dion_lib.update_batched(fr, M[0] if compressed else M, g, Q, seeds, use_cqr, scale, hp, axes)
+      M, Q, U = core.update_batched(fr, M[0] if compressed else M, g, Q, seeds, use_cqr, scale, hp, axes)
       return (M[None] if compressed else M), Q, U
 
     mspec, qspec = self.momentum_spec(fr), self.q_spec(fr)

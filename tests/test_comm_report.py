@@ -1,10 +1,8 @@
 """Dion's measured communication: (m + n)·r values per matrix over rp instead of m·n."""
 
 import jax
-import pytest
 
 from dion_jax import comm_report
-from dion_jax import comms
 from dion_jax import mesh as mesh_lib
 
 
