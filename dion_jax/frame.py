@@ -100,10 +100,6 @@ class MatrixFrame:
     """Q: (*batch, cols, r); cols = fan_in, or fan_out when transposed."""
     return self.batch_shape + (self.cols, self.rank)
 
-  def axis_names(self, axis: int) -> tuple[str, ...]:
-    """Mesh axes that shard parameter axis ``axis`` (empty without a spec)."""
-    return () if self.spec is None else _spec_axes(self.spec[axis])
-
   @property
   def rows_last(self) -> bool:
     """Whether the row axis comes after the column axis in the parameter's layout."""

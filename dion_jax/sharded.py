@@ -62,7 +62,10 @@ def partition_specs_of(tree: Any) -> Any:
   def spec(x):
     sharding = getattr(x, "sharding", None)
     if not isinstance(sharding, NamedSharding):
-      raise ValueError(f"cannot read a PartitionSpec from {type(x).__name__} with sharding {sharding}; pass partition_specs explicitly")
+      raise ValueError(
+          f"cannot read a PartitionSpec from a {type(x).__name__} with sharding {sharding};"
+          " pass partition_specs explicitly"
+      )
     return sharding.spec
 
   return jax.tree.map(spec, tree)
@@ -71,9 +74,8 @@ def partition_specs_of(tree: Any) -> Any:
 class Layout:
   """How Dion's state and collectives lie on ``mesh`` (see the module docstring)."""
 
-  def __init__(self, mesh: jax.sharding.Mesh, replicate_sync: bool, spread: bool = True):
+  def __init__(self, mesh: jax.sharding.Mesh, replicate_sync: bool):
     self.mesh = mesh
-    self.spread = spread
     self.replicas = dict(mesh.shape).get(REPLICA_AXIS, 1)
     self.per_replica = replicate_sync and self.replicas > 1
 
@@ -128,7 +130,7 @@ class Layout:
         cols=cols or None,
         replica=replica or None,
         everywhere=(rows + cols + replica) or None,
-        spread=self.spread and self._local_batch(fr) % self._size(cols + replica) == 0,
+        spread=self._local_batch(fr) % self._size(cols + replica) == 0,
     )
 
   def _size(self, axes: tuple[str, ...]) -> int:
@@ -210,17 +212,3 @@ def average_replicas(momentum: Any, replicas: int) -> Any:
       lambda m: jnp.broadcast_to(m.mean(0, keepdims=True), (replicas,) + m.shape[1:]).astype(m.dtype),
       momentum,
   )
-
-
-def dion_labels_per_replica(labels: Any) -> Any:
-  """``per_replica`` tree for :func:`value_and_grad_per_replica` from optimizer labels."""
-  return jax.tree.map(lambda label: label == "dion", labels)
-
-
-__all__ = [
-    "Layout",
-    "average_replicas",
-    "dion_labels_per_replica",
-    "partition_specs_of",
-    "value_and_grad_per_replica",
-]
