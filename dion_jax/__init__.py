@@ -1,5 +1,15 @@
 """Dion (Distributed Orthonormalized Updates) for JAX and optax."""
 
+import os
+
+import numpy as _np  # noqa: F401  numpy's own OpenBLAS starts first, with its default threads.
+
+# jaxlib's CPU LAPACK kernels call scipy's OpenBLAS, which loads on the first LAPACK
+# call. Its worker threads then compete with XLA's thread pool for the same cores:
+# one OpenBLAS thread made Dion's CPU step 1.56x faster here (rank 1/4, 6 layers at
+# d=512: 156.5 -> 100.5 ms, benchmarks/dion_step.py). A value the user set wins.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 from dion_jax.core import Collectives, DionHyperParams, dion_matrix_step
 from dion_jax.comms import CollectiveStat, bytes_by_axes, collective_stats, format_table
 from dion_jax.frame import SCALE_RULES, DionDimensionNumbers, MatrixFrame, dion_rank, matrix_frame

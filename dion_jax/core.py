@@ -12,8 +12,8 @@ see ``dion_jax.frame``), one step on gradient G is:
     Q ← R / (‖R‖_col + eps)                      column norms in float32
     U ← scale(fan_out, fan_in) · P Qᵀ            the returned update direction
 
-with a guard: if M is all zero, P = 0 and R = Q (the state is left alone), else
-NaN/Inf in P and R are replaced by finite values. ``power_iters > 1`` repeats the
+with a guard: if M is all zero (seen as B Q = 0), P = 0 and R = Q (the state is
+left alone), else NaN/Inf in P and R are replaced by finite values. ``power_iters > 1`` repeats the
 P/R products with Q ← R. Weight decay and the learning rate are applied by the
 transformations chained after ``scale_by_dion`` (``dion_jax.optimizer``), which gives the
 reference's ``X ← (1 − lr·wd) X − lr·scale·P Qᵀ``.
@@ -162,11 +162,15 @@ def dion_matrix_step(
   M = M + G.astype(dtype)
   Q0_bxcxr = Q_bxcxr.astype(dtype)
   R_bxcxr = Q0_bxcxr
-  for _ in range(hp.power_iters):
-    P_bxrxr = _power_left(B_times(R_bxcxr), seeds_b, use_cqr, hp, axes).astype(dtype)
+  for i in range(hp.power_iters):
+    BQ_bxrxr = B_times(R_bxcxr)
+    if i == 0:
+      # M = 0 exactly when B Q0 = 0 for a Q0 of full rank r spanning M's row space
+      # (Q is B's last image): testing the (rows x r) product spares a pass over M.
+      nonzero_b = orthogonalize.psum(jnp.any(BQ_bxrxr != 0, axis=(1, 2)).astype(jnp.int32), axes.everywhere) > 0
+    P_bxrxr = _power_left(BQ_bxrxr, seeds_b, use_cqr, hp, axes).astype(dtype)
     R_bxcxr = _sum_then_mean(Bt_times(P_bxrxr), axes.rows, axes.replica).astype(dtype)
 
-  nonzero_b = orthogonalize.psum(jnp.any(M != 0, axis=(1, 2)).astype(jnp.int32), axes.everywhere) > 0
   nonzero_b = nonzero_b[:, None, None]
   P_bxrxr = jnp.where(nonzero_b, jnp.nan_to_num(P_bxrxr), 0)
   R_bxcxr = jnp.where(nonzero_b, jnp.nan_to_num(R_bxcxr), Q0_bxcxr)
