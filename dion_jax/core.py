@@ -167,7 +167,9 @@ def dion_matrix_step(
     if i == 0:
       # M = 0 exactly when B Q0 = 0 for a Q0 of full rank r spanning M's row space
       # (Q is B's last image): testing the (rows x r) product spares a pass over M.
-      nonzero_b = orthogonalize.psum(jnp.any(BQ_bxrxr != 0, axis=(1, 2)).astype(jnp.int32), axes.everywhere) > 0
+      # max |.| is one fused reduction; jnp.any(x != 0) materializes a boolean array on CPU.
+      largest_b = jnp.max(jnp.abs(BQ_bxrxr), axis=(1, 2))
+      nonzero_b = orthogonalize.psum((largest_b != 0).astype(jnp.int32), axes.everywhere) > 0
     P_bxrxr = _power_left(BQ_bxrxr, seeds_b, use_cqr, hp, axes).astype(dtype)
     R_bxcxr = _sum_then_mean(Bt_times(P_bxrxr), axes.rows, axes.replica).astype(dtype)
 
