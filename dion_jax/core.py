@@ -177,11 +177,12 @@ def dion_matrix_step(
   P_bxrxr = jnp.where(nonzero_b, jnp.nan_to_num(P_bxrxr), 0)
   R_bxcxr = jnp.where(nonzero_b, jnp.nan_to_num(R_bxcxr), Q0_bxcxr)
 
-  M = M - ((1 - hp.mu) * mm(f"bmr,bnr->{mat}", P_bxrxr, R_bxcxr)).astype(dtype)
+  # Scalars multiply the small factor, not the (rows x cols) product: one pass fewer.
+  M = M - mm(f"bmr,bnr->{mat}", (1 - hp.mu) * P_bxrxr, R_bxcxr).astype(dtype)
   R32_bxcxr = R_bxcxr.astype(jnp.float32)
   col_norm_bx1xr = jnp.sqrt(orthogonalize.psum(jnp.sum(R32_bxcxr**2, axis=1, keepdims=True), axes.cols))
   Q_bxcxr = (R32_bxcxr / (col_norm_bx1xr + hp.epsilon)).astype(dtype)
-  U = scale * mm(f"bmr,bnr->{mat}", P_bxrxr, Q_bxcxr)
+  U = mm(f"bmr,bnr->{mat}", scale * P_bxrxr, Q_bxcxr)
   return M, Q_bxcxr, U.astype(dtype)
 
 
