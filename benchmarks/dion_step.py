@@ -4,8 +4,9 @@
 
 Parameters: per layer qkv (d, 3d), out (d, d), fc1 (d, 4d), fc2 (4d, d) as Flax kernels,
 stacked over layers as (L, fan_in, fan_out). Every optimizer step is jitted and timed as
-the median of ``--repeats`` runs after a warm-up, all in one process, and reported as a
-ratio to Muon. Dion's achieved GFLOP/s counts 8·m·n·r per matrix (P = B Q, R = Bᵀ P,
+the median over ``--rounds`` rounds of the median of ``--repeats`` calls, every case
+(the plain matmul included) timed in every round, all in one process, and reported as
+a ratio to Muon. Dion's achieved GFLOP/s counts 8·m·n·r per matrix (P = B Q, R = Bᵀ P,
 P Rᵀ and P Qᵀ) plus RCQR's 2·k·m·r (sketch product) + 4·m·r² (two solves and a Gram),
 and is set against a plain float32 matmul measured in the same run. ``--profile`` times
 the pieces of one Dion step at one rank fraction.
@@ -38,9 +39,7 @@ def gpt_matrices(layers: int, d: int) -> dict[str, jax.Array]:
 
 
 def time_fn(fn, args, repeats: int) -> float:
-  """Median wall time of ``fn(*args)`` in seconds, after two warm-up calls."""
-  for _ in range(2):
-    jax.block_until_ready(fn(*args))
+  """Median wall time of ``fn(*args)`` in seconds over ``repeats`` calls."""
   times = []
   for _ in range(repeats):
     t0 = time.perf_counter()
@@ -49,8 +48,25 @@ def time_fn(fn, args, repeats: int) -> float:
   return statistics.median(times)
 
 
-def step_time(tx, params, repeats: int) -> tuple[float, int]:
-  """Median time of one jitted update + apply, and the optimizer state's bytes."""
+def interleaved_times(cases: dict, rounds: int, repeats: int) -> dict[str, float]:
+  """Median over ``rounds`` of each case's median time, the cases taking turns.
+
+  The machines here are shared: their speed drifts by ±10% over seconds. Timing
+  every case in every round, the plain matmul included, makes the ratios between
+  cases (what the table reports) robust to that drift.
+  """
+  for fn, args in cases.values():
+    for _ in range(2):  # Compile and warm up.
+      jax.block_until_ready(fn(*args))
+  per_round = {name: [] for name in cases}
+  for _ in range(rounds):
+    for name, (fn, args) in cases.items():
+      per_round[name].append(time_fn(fn, args, repeats))
+  return {name: statistics.median(ts) for name, ts in per_round.items()}
+
+
+def jitted_step(tx, params):
+  """A jitted update + apply, its arguments, and the optimizer state's bytes."""
   grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(1), p.shape, p.dtype) * 1e-2, params)
   state = tx.init(params)
 
@@ -60,7 +76,7 @@ def step_time(tx, params, repeats: int) -> tuple[float, int]:
     return optax.apply_updates(params, updates), state
 
   state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
-  return time_fn(step, (params, state, grads), repeats), state_bytes
+  return step, (params, state, grads), state_bytes
 
 
 def dion_flops(params, rank_fraction: float, oversample: float = 1.25) -> float:
@@ -84,11 +100,10 @@ def muon_flops(params, ns_steps: int = 5) -> float:
   return total
 
 
-def matmul_rate(n: int, repeats: int) -> float:
+def matmul_case(n: int):
   a = jax.random.normal(jax.random.key(2), (n, n), jnp.float32)
   b = jax.random.normal(jax.random.key(3), (n, n), jnp.float32)
-  t = time_fn(jax.jit(jnp.matmul), (a, b), repeats)
-  return 2 * n**3 / t / 1e9
+  return jax.jit(jnp.matmul), (a, b)
 
 
 def profile_pieces(params, rank_fraction: float, repeats: int) -> list[tuple[str, float]]:
@@ -96,7 +111,7 @@ def profile_pieces(params, rank_fraction: float, repeats: int) -> list[tuple[str
   pieces: dict[str, float] = {}
 
   def add(name, fn, *args):
-    pieces[name] = pieces.get(name, 0.0) + time_fn(jax.jit(fn), args, repeats)
+    pieces[name] = pieces.get(name, 0.0) + interleaved_times({name: (jax.jit(fn), args)}, 1, repeats)[name]
 
   for p in params.values():
     L, fan_in, fan_out = p.shape
@@ -135,7 +150,8 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--layers", type=int, default=6)
   parser.add_argument("--d-model", type=int, default=512)
-  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--repeats", type=int, default=5, help="timed calls per case and round")
+  parser.add_argument("--rounds", type=int, default=5, help="rounds in which every case is timed in turn")
   parser.add_argument("--rank-fractions", type=str, default="1,0.25,0.0625")
   parser.add_argument("--matmul-size", type=int, default=1024)
   parser.add_argument("--profile", type=float, default=None, metavar="RANK_FRACTION",
@@ -146,15 +162,20 @@ def main():
   all_dion = lambda p: jax.tree.map(lambda _: "dion", p)
   muon_dims = optax.contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2)
 
-  rate = matmul_rate(args.matmul_size, args.repeats)
-  t_adamw, bytes_adamw = step_time(optax.adamw(1e-3), params, args.repeats)
   muon = optax.contrib.muon(1e-3, muon_weight_dimension_numbers=lambda p: jax.tree.map(lambda _: muon_dims, p))
-  t_muon, bytes_muon = step_time(muon, params, args.repeats)
-  rows = [("optax.adamw", t_adamw, bytes_adamw, None), ("optax.contrib.muon", t_muon, bytes_muon, muon_flops(params))]
+  txs = {"optax.adamw": (optax.adamw(1e-3), None), "optax.contrib.muon": (muon, muon_flops(params))}
   for f in fractions:
     tx = dion_jax.dion(1e-3, rank_fraction=f, labels=all_dion, backend="xla")
-    t, nbytes = step_time(tx, params, args.repeats)
-    rows.append((f"dion rank_fraction={f:g}", t, nbytes, dion_flops(params, f)))
+    txs[f"dion rank_fraction={f:g}"] = (tx, dion_flops(params, f))
+  cases = {"matmul": matmul_case(args.matmul_size)}
+  state_bytes = {}
+  for name, (tx, _) in txs.items():
+    step, step_args, state_bytes[name] = jitted_step(tx, params)
+    cases[name] = (step, step_args)
+  times = interleaved_times(cases, args.rounds, args.repeats)
+  rate = 2 * args.matmul_size**3 / times["matmul"] / 1e9
+  t_muon, bytes_adamw = times["optax.contrib.muon"], state_bytes["optax.adamw"]
+  rows = [(name, times[name], state_bytes[name], flops) for name, (_, flops) in txs.items()]
 
   n_params = sum(p.size for p in params.values())
   print(f"\n{args.layers} layers, d_model {args.d_model}: {n_params / 1e6:.1f}M matrix parameters, "
