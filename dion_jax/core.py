@@ -27,7 +27,6 @@ and ``dion_jax.transform`` wraps it as the optax transformation ``scale_by_dion`
 """
 
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -80,17 +79,17 @@ def _sum_then_mean(x: jax.Array, sum_axes: AxisName, mean_axes: AxisName) -> jax
   return x / jax.lax.psum(1, mean_axes) if mean_axes else x
 
 
-def _orthonormalize_batch(P_bxrxr, seeds_b, use_cqr, hp: DionHyperParams, axes: Collectives):
+def _orthonormalize_batch(P_bxrxr, seed, use_cqr, hp: DionHyperParams, axes: Collectives):
   ortho = lambda P, seed: orthogonalize.orthonormalize(
       P, method=hp.qr_method, seed=seed, oversample=hp.oversample, use_cqr=use_cqr,
       axis_name=axes.rows, backend=hp.backend,
   )  # fmt: skip
   if P_bxrxr.shape[0] == 1:  # One matrix (the CPU loop): no batched call to unroll.
-    return ortho(P_bxrxr[0], seeds_b[0])[None]
-  return jax.vmap(ortho)(P_bxrxr, seeds_b)
+    return ortho(P_bxrxr[0], seed)[None]
+  return jax.vmap(ortho, in_axes=(0, None))(P_bxrxr, seed)
 
 
-def _power_left(MR_partial_bxrxr, seeds_b, use_cqr, hp: DionHyperParams, axes: Collectives):
+def _power_left(MR_partial_bxrxr, seed, use_cqr, hp: DionHyperParams, axes: Collectives):
   """Reduces the partial products B Q over columns (and replicas), orthonormalizes them.
 
   With ``axes.spread``, the reduction is a reduce-scatter along the batch, so each
@@ -101,13 +100,11 @@ def _power_left(MR_partial_bxrxr, seeds_b, use_cqr, hp: DionHyperParams, axes: C
   group = _names(axes.cols) + _names(axes.replica)
   if not (axes.spread and group):
     P = _sum_then_mean(MR_partial_bxrxr, axes.cols, axes.replica)
-    return _orthonormalize_batch(P, seeds_b, use_cqr, hp, axes)
+    return _orthonormalize_batch(P, seed, use_cqr, hp, axes)
   P_local = jax.lax.psum_scatter(MR_partial_bxrxr, group, scatter_dimension=0, tiled=True)
   if axes.replica:
     P_local = P_local / jax.lax.psum(1, axes.replica)
-  share = P_local.shape[0]
-  seeds_local = jax.lax.dynamic_slice_in_dim(seeds_b, jax.lax.axis_index(group) * share, share)
-  P_local = _orthonormalize_batch(P_local, seeds_local, use_cqr, hp, axes)
+  P_local = _orthonormalize_batch(P_local, seed, use_cqr, hp, axes)
   return jax.lax.all_gather(P_local, group, axis=0, tiled=True, to="invarying")
 
 
@@ -128,7 +125,7 @@ def _contract(M: jax.Array, X: jax.Array, over_last: bool) -> jax.Array:
   return jnp.swapaxes(out_bxrxc, 1, 2)
 
 
-def _factors(M, G, Q_bxcxr, seeds_b, use_cqr, hp: DionHyperParams, axes: Collectives, rows_last: bool):
+def _factors(M, G, Q_bxcxr, seed, use_cqr, hp: DionHyperParams, axes: Collectives, rows_last: bool):
   """The step's low-rank factors ``(P, R)`` (B × rows × r, B × cols × r) in M's dtype.
 
   Power iteration on B = M + G warm-started from Q, with the all-zero guard applied.
@@ -147,7 +144,7 @@ def _factors(M, G, Q_bxcxr, seeds_b, use_cqr, hp: DionHyperParams, axes: Collect
       # max |.| is one fused reduction; jnp.any(x != 0) materializes a boolean array on CPU.
       largest_b = jnp.max(jnp.abs(BQ_bxrxr), axis=(1, 2))
       nonzero_b = orthogonalize.psum((largest_b != 0).astype(jnp.int32), axes.everywhere) > 0
-    P_bxrxr = _power_left(BQ_bxrxr, seeds_b, use_cqr, hp, axes).astype(dtype)
+    P_bxrxr = _power_left(BQ_bxrxr, seed, use_cqr, hp, axes).astype(dtype)
     R_bxcxr = _sum_then_mean(Bt_times(P_bxrxr), axes.rows, axes.replica).astype(dtype)
 
   nonzero_b = nonzero_b[:, None, None]
@@ -171,7 +168,7 @@ def dion_matrix_step(
     M: jax.Array,
     G: jax.Array,
     Q_bxcxr: jax.Array,
-    seeds_b: jax.Array,
+    seed: jax.Array,
     use_cqr: jax.Array,
     scale: float,
     hp: DionHyperParams,
@@ -185,7 +182,9 @@ def dion_matrix_step(
       are read in the parameter's own layout, never transposed in memory.
     G: gradient, same layout.
     Q_bxcxr: right factor, (B, cols, r), rows split like M's columns.
-    seeds_b: uint32 seeds of this step's RCQR sketches, (B,), the same on every replica.
+    seed: uint32 seed of this step's RCQR sketch, the same on every replica. One
+      sketch serves every matrix of the step: each needs a subspace embedding of its
+      own P, which a shared sketch is, and on a CPU it is then generated once.
     use_cqr: whether ``"cqr"`` may run (after warmup).
     scale: the shape-dependent update scale.
     hp: hyper-parameters.
@@ -196,12 +195,12 @@ def dion_matrix_step(
     ``(M, Q, U)``: the new momentum and Q, and the update ``scale·P Qᵀ`` in M's
     layout and dtype.
   """
-  factors = functools.partial(_factors, use_cqr=use_cqr, hp=hp, axes=axes, rows_last=rows_last)
+  factors = functools.partial(_factors, seed=seed, use_cqr=use_cqr, hp=hp, axes=axes, rows_last=rows_last)
   if _one_matrix_at_a_time(axes):
     first = lambda tree: jax.tree.map(lambda x: x[0], tree)
-    P_bxrxr, R_bxcxr = jax.lax.map(lambda xs: first(factors(*(x[None] for x in xs))), (M, G, Q_bxcxr, seeds_b))
+    P_bxrxr, R_bxcxr = jax.lax.map(lambda xs: first(factors(*(x[None] for x in xs))), (M, G, Q_bxcxr))
   else:
-    P_bxrxr, R_bxcxr = factors(M, G, Q_bxcxr, seeds_b)
+    P_bxrxr, R_bxcxr = factors(M, G, Q_bxcxr)
 
   mat = "bnm" if rows_last else "bmn"  # m: rows of B, n: its columns, r: rank.
   mm = lambda spec, a, b: jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
@@ -216,10 +215,9 @@ def dion_matrix_step(
   return M, Q_bxcxr, U.astype(dtype)
 
 
-def step_seeds(base_seed: int, step: jax.Array, leaf_id: int, batch_shape: tuple[int, ...]) -> jax.Array:
-  """uint32 sketch seeds, one per matrix of a stacked parameter, for this step."""
-  batch_index = jnp.arange(math.prod(batch_shape), dtype=jnp.uint32)
-  return sketch.mix_seed(base_seed, step, leaf_id, batch_index).reshape(batch_shape)
+def step_seed(base_seed: int, step: jax.Array) -> jax.Array:
+  """The uint32 seed of this step's RCQR sketch."""
+  return sketch.mix_seed(base_seed, step)
 
 
 def update_batched(
@@ -227,7 +225,7 @@ def update_batched(
     M: jax.Array,
     G: jax.Array,
     Q: jax.Array,
-    seeds: jax.Array,
+    seed: jax.Array,
     use_cqr: jax.Array,
     scale: float,
     hp: DionHyperParams,
@@ -236,14 +234,14 @@ def update_batched(
   """:func:`dion_matrix_step` on every matrix of a (stacked) parameter.
 
   ``M`` and ``G`` are in the parameter's layout (or this device's block of it),
-  ``Q`` is (*batch, cols, r) and ``seeds`` is (*batch,). Returns ``(M, Q, U)`` with
+  ``Q`` is (*batch, cols, r) and ``seed`` a uint32 scalar. Returns ``(M, Q, U)`` with
   ``U`` in the parameter's layout.
   """
   M, G = fr.to_batch_first(M), fr.to_batch_first(G)
   batch = M.shape[:-2]
   flat = lambda x: x.reshape((-1,) + x.shape[len(batch):])
   M, Q, U = dion_matrix_step(
-      flat(M), flat(G), flat(Q), seeds.reshape(-1), use_cqr, scale, hp, axes, fr.rows_last
+      flat(M), flat(G), flat(Q), seed, use_cqr, scale, hp, axes, fr.rows_last
   )
   unflat = lambda x: x.reshape(batch + x.shape[1:])
   return fr.from_batch_first(unflat(M)), unflat(Q), fr.from_batch_first(unflat(U))

@@ -108,9 +108,6 @@ class Layout:
     fr = self._checked(fr)
     return P(*_spec_entries(fr, fr.batch_axes), fr.spec[fr.col_axis], None)
 
-  def seeds_spec(self, fr: frame_lib.MatrixFrame) -> P:
-    return P(*_spec_entries(fr, fr.batch_axes))
-
   def _constrain(self, x: jax.Array, spec: P) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
@@ -139,24 +136,24 @@ class Layout:
   def _local_batch(self, fr: frame_lib.MatrixFrame) -> int:
     return math.prod(n // self._size(_names([fr.spec[a]])) for a, n in zip(fr.batch_axes, fr.batch_shape))
 
-  def update(self, fr, M, g, Q, seeds, use_cqr, scale, hp):
+  def update(self, fr, M, g, Q, seed, use_cqr, scale, hp):
     """Sharded :func:`dion_jax.core.update_batched`; returns ``(M, Q, U)`` with U like the parameter."""
     compressed, per_replica = self.compressed(fr), self.per_replica
     axes = self.collectives(fr)
 
-    def local(M, g, Q, seeds, use_cqr):
+    def local(M, g, Q, seed, use_cqr):
       if per_replica:
         g = g[0] if compressed else jax.lax.pmean(g[0], REPLICA_AXIS)
-      M, Q, U = core.update_batched(fr, M[0] if compressed else M, g, Q, seeds, use_cqr, scale, hp, axes)
+      M, Q, U = core.update_batched(fr, M[0] if compressed else M, g, Q, seed, use_cqr, scale, hp, axes)
       return (M[None] if compressed else M), Q, U
 
     mspec, qspec = self.momentum_spec(fr), self.q_spec(fr)
     return jax.shard_map(
         local,
         mesh=self.mesh,
-        in_specs=(mspec, self.grad_spec(fr), qspec, self.seeds_spec(fr), P()),
+        in_specs=(mspec, self.grad_spec(fr), qspec, P(), P()),
         out_specs=(mspec, qspec, P(*fr.spec)),
-    )(M, g, Q, seeds, use_cqr)
+    )(M, g, Q, seed, use_cqr)
 
 
 def value_and_grad_per_replica(

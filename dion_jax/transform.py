@@ -214,13 +214,13 @@ def scale_by_dion(
     count = optax.safe_increment(state.count)
     use_cqr = count > cqr_warmup_steps
     new_m, new_q, out = [], [], []
-    for i, (g, M, Q0, fr) in enumerate(zip(leaves, momentum, q, frames)):
-      seeds = core.step_seeds(seed, count, i, fr.batch_shape)
+    sketch_seed = core.step_seed(seed, count)
+    for g, M, Q0, fr in zip(leaves, momentum, q, frames):
       scale = scale_of(fr.fan_out, fr.fan_in)
       if mesh is None:
-        M, Q, U = core.update_batched(fr, M, g, Q0, seeds, use_cqr, scale, hp)
+        M, Q, U = core.update_batched(fr, M, g, Q0, sketch_seed, use_cqr, scale, hp)
       else:
-        M, Q, U = layout.update(fr, M, g, Q0, seeds, use_cqr, scale, hp)
+        M, Q, U = layout.update(fr, M, g, Q0, sketch_seed, use_cqr, scale, hp)
       new_m.append(M)
       new_q.append(Q.astype(Q0.dtype))
       out.append(U.astype(g.dtype))

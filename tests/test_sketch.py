@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dion_jax import orthogonalize, sketch
+from dion_jax import core, orthogonalize, sketch
 
 K, M_ROWS = 128, 4096
 
@@ -85,11 +85,9 @@ def test_sketch_product_is_the_same_under_any_row_split():
   np.testing.assert_allclose(full, _S(4, rows=512).astype(np.float32) @ np.asarray(P_mxr), rtol=1e-4, atol=1e-4)
 
 
-def test_mix_seed_separates_steps_leaves_and_batch_entries():
-  seeds = {
-      int(sketch.mix_seed(0, step, leaf, b)) for step in range(8) for leaf in range(8) for b in range(8)
-  }
-  assert len(seeds) == 512
-  assert int(sketch.mix_seed(0, 1, 2, 3)) == int(sketch.mix_seed(0, 1, 2, 3))
-  batch = sketch.mix_seed(5, 3, 1, jnp.arange(4, dtype=jnp.uint32))
+def test_step_seeds_differ_across_steps_and_base_seeds():
+  seeds = {int(core.step_seed(base, step)) for base in range(16) for step in range(64)}
+  assert len(seeds) == 16 * 64
+  assert int(core.step_seed(3, 7)) == int(core.step_seed(3, jnp.int32(7)))
+  batch = sketch.mix_seed(5, jnp.arange(4, dtype=jnp.uint32))
   assert batch.shape == (4,) and len(set(np.asarray(batch).tolist())) == 4
