@@ -26,7 +26,6 @@ all are identities; ``dion_jax.sharded`` runs the same function inside ``shard_m
 and ``dion_jax.transform`` wraps it as the optax transformation ``scale_by_dion``.
 """
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -84,8 +83,6 @@ def _orthonormalize_batch(P_bxrxr, seed, use_cqr, hp: DionHyperParams, axes: Col
       P, method=hp.qr_method, seed=seed, oversample=hp.oversample, use_cqr=use_cqr,
       axis_name=axes.rows, backend=hp.backend,
   )  # fmt: skip
-  if P_bxrxr.shape[0] == 1:  # One matrix (the CPU loop): no batched call to unroll.
-    return ortho(P_bxrxr[0], seed)[None]
   return jax.vmap(ortho, in_axes=(0, None))(P_bxrxr, seed)
 
 
@@ -125,45 +122,6 @@ def _contract(M: jax.Array, X: jax.Array, over_last: bool) -> jax.Array:
   return jnp.swapaxes(out_bxrxc, 1, 2)
 
 
-def _factors(M, G, Q_bxcxr, seed, use_cqr, hp: DionHyperParams, axes: Collectives, rows_last: bool):
-  """The step's low-rank factors ``(P, R)`` (B × rows × r, B × cols × r) in M's dtype.
-
-  Power iteration on B = M + G warm-started from Q, with the all-zero guard applied.
-  """
-  dtype = M.dtype
-  B = M + G.astype(dtype)
-  B_times = lambda X: _contract(B, X, over_last=not rows_last)  # B X
-  Bt_times = lambda X: _contract(B, X, over_last=rows_last)  # Bᵀ X
-  Q0_bxcxr = Q_bxcxr.astype(dtype)
-  R_bxcxr = Q0_bxcxr
-  for i in range(hp.power_iters):
-    BQ_bxrxr = B_times(R_bxcxr)
-    if i == 0:
-      # M = 0 exactly when B Q0 = 0 for a Q0 of full rank r spanning M's row space
-      # (Q is B's last image): testing the (rows x r) product spares a pass over M.
-      # max |.| is one fused reduction; jnp.any(x != 0) materializes a boolean array on CPU.
-      largest_b = jnp.max(jnp.abs(BQ_bxrxr), axis=(1, 2))
-      nonzero_b = orthogonalize.psum((largest_b != 0).astype(jnp.int32), axes.everywhere) > 0
-    P_bxrxr = _power_left(BQ_bxrxr, seed, use_cqr, hp, axes).astype(dtype)
-    R_bxcxr = _sum_then_mean(Bt_times(P_bxrxr), axes.rows, axes.replica).astype(dtype)
-
-  nonzero_b = nonzero_b[:, None, None]
-  P_bxrxr = jnp.where(nonzero_b, jnp.nan_to_num(P_bxrxr), 0)
-  R_bxcxr = jnp.where(nonzero_b, jnp.nan_to_num(R_bxcxr), Q0_bxcxr)
-  return P_bxrxr, R_bxcxr
-
-
-def _one_matrix_at_a_time(axes: Collectives) -> bool:
-  """Whether to loop over the batch for P and R instead of running it batched.
-
-  On a CPU, one matrix's B, P and R fit in the last-level cache, so the products
-  B Q and Bᵀ P and the orthonormalization in between read B from cache; batched,
-  each reads the whole stack from memory. With collectives the batch stays whole
-  (spreading splits it over devices, and a loop would hide them from HLO accounting).
-  """
-  return jax.default_backend() == "cpu" and not any(axes[:4])
-
-
 def dion_matrix_step(
     M: jax.Array,
     G: jax.Array,
@@ -195,19 +153,31 @@ def dion_matrix_step(
     ``(M, Q, U)``: the new momentum and Q, and the update ``scale·P Qᵀ`` in M's
     layout and dtype.
   """
-  factors = functools.partial(_factors, seed=seed, use_cqr=use_cqr, hp=hp, axes=axes, rows_last=rows_last)
-  if _one_matrix_at_a_time(axes):
-    first = lambda tree: jax.tree.map(lambda x: x[0], tree)
-    P_bxrxr, R_bxcxr = jax.lax.map(lambda xs: first(factors(*(x[None] for x in xs))), (M, G, Q_bxcxr))
-  else:
-    P_bxrxr, R_bxcxr = factors(M, G, Q_bxcxr)
-
   mat = "bnm" if rows_last else "bmn"  # m: rows of B, n: its columns, r: rank.
   mm = lambda spec, a, b: jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+  B_times = lambda X: _contract(M, X, over_last=not rows_last)  # B X
+  Bt_times = lambda X: _contract(M, X, over_last=rows_last)  # Bᵀ X
   dtype = M.dtype
+  M = M + G.astype(dtype)
+  Q0_bxcxr = Q_bxcxr.astype(dtype)
+  R_bxcxr = Q0_bxcxr
+  for i in range(hp.power_iters):
+    BQ_bxrxr = B_times(R_bxcxr)
+    if i == 0:
+      # M = 0 exactly when B Q0 = 0 for a Q0 of full rank r spanning M's row space
+      # (Q is B's last image): testing the (rows x r) product spares a pass over M.
+      # max |.| is one fused reduction; jnp.any(x != 0) materializes a boolean array on CPU.
+      largest_b = jnp.max(jnp.abs(BQ_bxrxr), axis=(1, 2))
+      nonzero_b = orthogonalize.psum((largest_b != 0).astype(jnp.int32), axes.everywhere) > 0
+    P_bxrxr = _power_left(BQ_bxrxr, seed, use_cqr, hp, axes).astype(dtype)
+    R_bxcxr = _sum_then_mean(Bt_times(P_bxrxr), axes.rows, axes.replica).astype(dtype)
+
+  nonzero_b = nonzero_b[:, None, None]
+  P_bxrxr = jnp.where(nonzero_b, jnp.nan_to_num(P_bxrxr), 0)
+  R_bxcxr = jnp.where(nonzero_b, jnp.nan_to_num(R_bxcxr), Q0_bxcxr)
+
   # Scalars multiply the small factor, not the (rows x cols) product: one pass fewer.
-  # M + G is recomputed here rather than kept: one fused pass with the subtraction.
-  M = M + G.astype(dtype) - mm(f"bmr,bnr->{mat}", (1 - hp.mu) * P_bxrxr, R_bxcxr).astype(dtype)
+  M = M - mm(f"bmr,bnr->{mat}", (1 - hp.mu) * P_bxrxr, R_bxcxr).astype(dtype)
   R32_bxcxr = R_bxcxr.astype(jnp.float32)
   col_norm_bx1xr = jnp.sqrt(orthogonalize.psum(jnp.sum(R32_bxcxr**2, axis=1, keepdims=True), axes.cols))
   Q_bxcxr = (R32_bxcxr / (col_norm_bx1xr + hp.epsilon)).astype(dtype)
