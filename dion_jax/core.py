@@ -83,6 +83,8 @@ def _orthonormalize_batch(P_bxrxr, seed, use_cqr, hp: DionHyperParams, axes: Col
       P, method=hp.qr_method, seed=seed, oversample=hp.oversample, use_cqr=use_cqr,
       axis_name=axes.rows, backend=hp.backend,
   )  # fmt: skip
+  if P_bxrxr.shape[0] == 1:  # One matrix (the CPU scan): no batched call to unroll.
+    return ortho(P_bxrxr[0], seed)[None]
   return jax.vmap(ortho, in_axes=(0, None))(P_bxrxr, seed)
 
 
@@ -122,6 +124,44 @@ def _contract(M: jax.Array, X: jax.Array, over_last: bool) -> jax.Array:
   return jnp.swapaxes(out_bxrxc, 1, 2)
 
 
+def _factors(B, Q_bxcxr, seed, use_cqr, hp: DionHyperParams, axes: Collectives, rows_last: bool):
+  """The low-rank factors ``(P, R)`` of one step: power iteration on the momentum B
+  (B x rows x cols, or B x cols x rows when ``rows_last``) warm-started from Q, with
+  the all-zero guard applied. Both are returned in B's dtype."""
+  dtype = B.dtype
+  B_times = lambda X: _contract(B, X, over_last=not rows_last)  # B X
+  Bt_times = lambda X: _contract(B, X, over_last=rows_last)  # Bᵀ X
+  Q0_bxcxr = Q_bxcxr.astype(dtype)
+  R_bxcxr = Q0_bxcxr
+  for i in range(hp.power_iters):
+    BQ_bxrxr = B_times(R_bxcxr)
+    if i == 0:
+      # M = 0 exactly when B Q0 = 0 for a Q0 of full rank r spanning M's row space
+      # (Q is B's last image): testing the (rows x r) product spares a pass over M.
+      # max |.| is one fused reduction; jnp.any(x != 0) materializes a boolean array on CPU.
+      largest_b = jnp.max(jnp.abs(BQ_bxrxr), axis=(1, 2))
+      nonzero_b = orthogonalize.psum((largest_b != 0).astype(jnp.int32), axes.everywhere) > 0
+    P_bxrxr = _power_left(BQ_bxrxr, seed, use_cqr, hp, axes).astype(dtype)
+    R_bxcxr = _sum_then_mean(Bt_times(P_bxrxr), axes.rows, axes.replica).astype(dtype)
+
+  nonzero_b = nonzero_b[:, None, None]
+  P_bxrxr = jnp.where(nonzero_b, jnp.nan_to_num(P_bxrxr), 0)
+  R_bxcxr = jnp.where(nonzero_b, jnp.nan_to_num(R_bxcxr), Q0_bxcxr)
+  return P_bxrxr, R_bxcxr
+
+
+def _matrix_by_matrix(axes: Collectives) -> bool:
+  """Whether to run the batch's power iteration and error feedback one matrix at a time.
+
+  On a CPU that keeps one matrix of B in cache from B Q through Bᵀ P to the error
+  feedback, which overwrites it in place (a ``scan`` carrying B): two passes over
+  the momentum fewer than the batched step, ~5% of a GPT step here. With collectives
+  the batch stays whole: spreading splits it over devices, and collectives inside a
+  loop would be hidden from the HLO accounting of ``dion_jax.comms``.
+  """
+  return jax.default_backend() == "cpu" and not any(axes[:4])
+
+
 def dion_matrix_step(
     M: jax.Array,
     G: jax.Array,
@@ -155,29 +195,24 @@ def dion_matrix_step(
   """
   mat = "bnm" if rows_last else "bmn"  # m: rows of B, n: its columns, r: rank.
   mm = lambda spec, a, b: jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
-  B_times = lambda X: _contract(M, X, over_last=not rows_last)  # B X
-  Bt_times = lambda X: _contract(M, X, over_last=rows_last)  # Bᵀ X
   dtype = M.dtype
-  M = M + G.astype(dtype)
-  Q0_bxcxr = Q_bxcxr.astype(dtype)
-  R_bxcxr = Q0_bxcxr
-  for i in range(hp.power_iters):
-    BQ_bxrxr = B_times(R_bxcxr)
-    if i == 0:
-      # M = 0 exactly when B Q0 = 0 for a Q0 of full rank r spanning M's row space
-      # (Q is B's last image): testing the (rows x r) product spares a pass over M.
-      # max |.| is one fused reduction; jnp.any(x != 0) materializes a boolean array on CPU.
-      largest_b = jnp.max(jnp.abs(BQ_bxrxr), axis=(1, 2))
-      nonzero_b = orthogonalize.psum((largest_b != 0).astype(jnp.int32), axes.everywhere) > 0
-    P_bxrxr = _power_left(BQ_bxrxr, seed, use_cqr, hp, axes).astype(dtype)
-    R_bxcxr = _sum_then_mean(Bt_times(P_bxrxr), axes.rows, axes.replica).astype(dtype)
-
-  nonzero_b = nonzero_b[:, None, None]
-  P_bxrxr = jnp.where(nonzero_b, jnp.nan_to_num(P_bxrxr), 0)
-  R_bxcxr = jnp.where(nonzero_b, jnp.nan_to_num(R_bxcxr), Q0_bxcxr)
-
+  factors = lambda B, Q: _factors(B, Q, seed, use_cqr, hp, axes, rows_last)
   # Scalars multiply the small factor, not the (rows x cols) product: one pass fewer.
-  M = M - mm(f"bmr,bnr->{mat}", (1 - hp.mu) * P_bxrxr, R_bxcxr).astype(dtype)
+  feedback = lambda B, P, R: B - mm(f"bmr,bnr->{mat}", (1 - hp.mu) * P, R).astype(dtype)
+  B = M + G.astype(dtype)
+  if _matrix_by_matrix(axes):
+
+    def one_matrix(B, i_and_Q):
+      i, Q_cxr = i_and_Q
+      B_i = jax.lax.dynamic_index_in_dim(B, i)
+      P_i, R_i = factors(B_i, Q_cxr[None])
+      return jax.lax.dynamic_update_index_in_dim(B, feedback(B_i, P_i, R_i), i, 0), (P_i[0], R_i[0])
+
+    M, (P_bxrxr, R_bxcxr) = jax.lax.scan(one_matrix, B, (jnp.arange(B.shape[0]), Q_bxcxr))
+  else:
+    P_bxrxr, R_bxcxr = factors(B, Q_bxcxr)
+    M = feedback(B, P_bxrxr, R_bxcxr)
+
   R32_bxcxr = R_bxcxr.astype(jnp.float32)
   col_norm_bx1xr = jnp.sqrt(orthogonalize.psum(jnp.sum(R32_bxcxr**2, axis=1, keepdims=True), axes.cols))
   Q_bxcxr = (R32_bxcxr / (col_norm_bx1xr + hp.epsilon)).astype(dtype)
