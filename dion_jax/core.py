@@ -150,7 +150,7 @@ def _factors(B, Q_bxcxr, seed, use_cqr, hp: DionHyperParams, axes: Collectives, 
   return P_bxrxr, R_bxcxr
 
 
-def _matrix_by_matrix(axes: Collectives) -> bool:
+def _matrix_by_matrix(axes: Collectives, batch: int) -> bool:
   """Whether to run the batch's power iteration and error feedback one matrix at a time.
 
   On a CPU that keeps one matrix of B in cache from B Q through Bᵀ P to the error
@@ -159,7 +159,7 @@ def _matrix_by_matrix(axes: Collectives) -> bool:
   the batch stays whole: spreading splits it over devices, and collectives inside a
   loop would be hidden from the HLO accounting of ``dion_jax.comms``.
   """
-  return jax.default_backend() == "cpu" and not any(axes[:4])
+  return batch > 1 and jax.default_backend() == "cpu" and not any(axes[:4])
 
 
 def dion_matrix_step(
@@ -200,7 +200,7 @@ def dion_matrix_step(
   # Scalars multiply the small factor, not the (rows x cols) product: one pass fewer.
   feedback = lambda B, P, R: B - mm(f"bmr,bnr->{mat}", (1 - hp.mu) * P, R).astype(dtype)
   B = M + G.astype(dtype)
-  if _matrix_by_matrix(axes):
+  if _matrix_by_matrix(axes, B.shape[0]):
 
     def one_matrix(B, i_and_Q):
       i, Q_cxr = i_and_Q

@@ -146,7 +146,7 @@ def test_matrix_by_matrix_and_batched_steps_agree(shape, monkeypatch):
     return np.stack(outs), state
 
   scanned, scanned_state = run()
-  monkeypatch.setattr(dion_jax.core, "_matrix_by_matrix", lambda axes: False)
+  monkeypatch.setattr(dion_jax.core, "_matrix_by_matrix", lambda axes, batch: False)
   batched, batched_state = run()
   np.testing.assert_allclose(scanned, batched, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(scanned[:, 1], 0)
