@@ -85,6 +85,11 @@ def _orthonormalize_batch(P_bxrxr, seed, use_cqr, hp: DionHyperParams, axes: Col
   )  # fmt: skip
   if P_bxrxr.shape[0] == 1:  # One matrix (the CPU scan): no batched call to unroll.
     return ortho(P_bxrxr[0], seed)[None]
+  if hp.qr_method == "cqr":
+    return orthogonalize.cholesky_qr_batch(
+        P_bxrxr, seed, use_cqr=use_cqr, oversample=hp.oversample, axis_name=axes.rows,
+        backend=hp.backend,
+    )  # fmt: skip
   return jax.vmap(ortho, in_axes=(0, None))(P_bxrxr, seed)
 
 

@@ -200,6 +200,35 @@ def cholesky_qr(
   )
 
 
+def cholesky_qr_batch(
+    P_bxmxr: jax.Array,
+    seed: jax.Array,
+    *,
+    use_cqr: jax.Array | bool = True,
+    oversample: float = 1.25,
+    axis_name: AxisName = None,
+    backend: Backend = "auto",
+) -> jax.Array:
+  """:func:`cholesky_qr` of a batch of matrices, with one decision for the whole batch.
+
+  Under ``vmap``, :func:`cholesky_qr`'s ``lax.cond`` becomes a select that computes
+  both branches; deciding once keeps Cholesky QR's saving. When a single Cholesky
+  fails (or ``use_cqr`` is false), the whole batch runs :func:`rcqr`. Both return the
+  Q factor of P up to the signs of its columns, which Dion's update does not see
+  (P Rᵀ and P Qᵀ with R = Bᵀ P are unchanged when a column of P flips).
+  """
+  P32_bxmxr = P_bxmxr.astype(jnp.float32)
+  gram_bxrxr = jnp.einsum("bmr,bms->brs", P32_bxmxr, P32_bxmxr)
+  R_bxrxr = jax.vmap(_cholesky_upper)(psum(gram_bxrxr, axis_name))
+  ok = jnp.logical_and(jnp.all(jnp.isfinite(R_bxrxr)), use_cqr)
+  rcqr_one = lambda P: rcqr(P, seed, oversample=oversample, axis_name=axis_name, backend=backend)
+  return lax.cond(
+      ok,
+      lambda: jax.vmap(_passes(backend)[2])(P32_bxmxr, R_bxrxr),
+      lambda: jax.vmap(rcqr_one)(P32_bxmxr),
+  )
+
+
 def orthonormalize(
     P_mxr: jax.Array,
     *,

@@ -128,8 +128,9 @@ def test_stacked_matrices_are_independent():
     np.testing.assert_allclose(np.asarray(params["w"][layer]).T, ref[-1][0], rtol=0, atol=2e-4)
 
 
+@pytest.mark.parametrize("qr_method", ["rcqr", "cqr"])
 @pytest.mark.parametrize("shape", [(3, 24, 40), (3, 40, 24)], ids=["rows_last", "rows_first"])
-def test_matrix_by_matrix_and_batched_steps_agree(shape, monkeypatch):
+def test_matrix_by_matrix_and_batched_steps_agree(shape, qr_method, monkeypatch):
   """The CPU's in-place scan over a stack and the batched step (GPU, sharded) are the same
   algebra; a zero matrix in the stack exercises the per-matrix guard."""
   rng = np.random.default_rng(2)
@@ -138,7 +139,7 @@ def test_matrix_by_matrix_and_batched_steps_agree(shape, monkeypatch):
   params = {"w": jnp.asarray(rng.normal(size=shape).astype(np.float32))}
 
   def run():
-    tx = dion_jax.scale_by_dion(rank_fraction=0.5, backend="xla")
+    tx = dion_jax.scale_by_dion(rank_fraction=0.5, qr_method=qr_method, cqr_warmup_steps=1, backend="xla")
     state, outs = tx.init(params), []
     for g in grads:
       upd, state = jax.jit(tx.update)({"w": jnp.asarray(g)}, state, params)
@@ -150,8 +151,10 @@ def test_matrix_by_matrix_and_batched_steps_agree(shape, monkeypatch):
   batched, batched_state = run()
   np.testing.assert_allclose(scanned, batched, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(scanned[:, 1], 0)
-  for a, b in zip(jax.tree.leaves(scanned_state), jax.tree.leaves(batched_state)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(scanned_state.momentum["w"], batched_state.momentum["w"], rtol=1e-5, atol=1e-6)
+  # With "cqr", the zero matrix sends the batched step's whole stack to RCQR, whose Q
+  # columns may have other signs than Cholesky QR's (the update does not see signs).
+  np.testing.assert_allclose(np.abs(scanned_state.q["w"]), np.abs(batched_state.q["w"]), rtol=1e-5, atol=1e-6)
 
 
 def test_zero_gradient_leaves_state_alone():

@@ -89,6 +89,24 @@ def test_cqr_falls_back_to_rcqr_when_cholesky_fails(P_kind):
   assert _span_residual(Q_cqr, P_mxr) < (1e-5 if P_kind == "ill_conditioned" else 2e-3)
 
 
+def test_batched_cqr_decides_once_for_the_batch():
+  good = [_with_condition(10.0, seed=s)[0] for s in range(3)]
+  bad, _ = _with_condition(1e6, seed=3)
+  assert _cholesky_fails(bad) and not any(_cholesky_fails(p) for p in good)
+  batch = lambda Ps, **kw: orthogonalize.cholesky_qr_batch(jnp.stack(Ps), 11, backend="xla", **kw)
+  # All Cholesky factorizations succeed: each matrix gets Cholesky QR.
+  np.testing.assert_allclose(batch(good), jnp.stack([_ortho(p, "cqr") for p in good]), atol=1e-6)
+  # One fails: the whole batch gets RCQR, which spans the same columns.
+  rcqr_batch = jax.vmap(lambda P: _ortho(P, "rcqr"))
+  mixed = good + [bad]
+  np.testing.assert_array_equal(batch(mixed), rcqr_batch(jnp.stack(mixed)))
+  np.testing.assert_array_equal(batch(good, use_cqr=False), rcqr_batch(jnp.stack(good)))
+  # One conditional for the batch, not a select between two computed branches.
+  jaxpr = jax.make_jaxpr(lambda P: orthogonalize.cholesky_qr_batch(P, 11, backend="xla"))(jnp.stack(good))
+  assert [e.primitive.name for e in jaxpr.eqns].count("cond") == 1
+  assert "select_n" not in {e.primitive.name for e in jaxpr.eqns}
+
+
 def test_cqr_during_warmup_is_rcqr():
   P_mxr, _ = _with_condition(1.0)
   np.testing.assert_array_equal(_ortho(P_mxr, "cqr", use_cqr=False), _ortho(P_mxr, "rcqr"))
