@@ -74,6 +74,9 @@ def one_matrix_at_a_time_on_cpu(f):
 
   @g.def_vmap
   def _(axis_size, in_batched, *args):
+    if axis_size == 1:  # No loop for one matrix.
+      out = g(*(a[0] if batched else a for a, batched in zip(args, in_batched)))
+      return jax.tree.map(lambda x: x[None], out), jax.tree.map(lambda _: True, out)
     args = [a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape) for a, batched in zip(args, in_batched)]
     if jax.default_backend() == "cpu":  # Decided when traced, not at import.
       out = lax.map(lambda xs: g(*xs), tuple(args))
@@ -180,26 +183,6 @@ def rcqr(
   return solve(P1_mxr, R2_rxr)
 
 
-def cholesky_qr(
-    P_mxr: jax.Array,
-    seed: jax.Array,
-    *,
-    use_cqr: jax.Array | bool = True,
-    oversample: float = 1.25,
-    axis_name: AxisName = None,
-    backend: Backend = "auto",
-) -> jax.Array:
-  """Cholesky QR, falling back to :func:`rcqr` when disabled or when Cholesky fails."""
-  P32_mxr = P_mxr.astype(jnp.float32)
-  R_rxr = _cholesky_upper(psum(P32_mxr.T @ P32_mxr, axis_name))
-  ok = jnp.logical_and(jnp.all(jnp.isfinite(R_rxr)), use_cqr)
-  return lax.cond(
-      ok,
-      lambda: _passes(backend)[2](P32_mxr, R_rxr),
-      lambda: rcqr(P32_mxr, seed, oversample=oversample, axis_name=axis_name, backend=backend),
-  )
-
-
 def cholesky_qr_batch(
     P_bxmxr: jax.Array,
     seed: jax.Array,
@@ -211,8 +194,8 @@ def cholesky_qr_batch(
 ) -> jax.Array:
   """:func:`cholesky_qr` of a batch of matrices, with one decision for the whole batch.
 
-  Under ``vmap``, :func:`cholesky_qr`'s ``lax.cond`` becomes a select that computes
-  both branches; deciding once keeps Cholesky QR's saving. When a single Cholesky
+  A per-matrix ``lax.cond`` under ``vmap`` becomes a select that computes both
+  branches; deciding once keeps Cholesky QR's saving. When a single Cholesky
   fails (or ``use_cqr`` is false), the whole batch runs :func:`rcqr`. Both return the
   Q factor of P up to the signs of its columns, which Dion's update does not see
   (P Rᵀ and P Qᵀ with R = Bᵀ P are unchanged when a column of P flips).
@@ -227,6 +210,20 @@ def cholesky_qr_batch(
       lambda: jax.vmap(_passes(backend)[2])(P32_bxmxr, R_bxrxr),
       lambda: jax.vmap(rcqr_one)(P32_bxmxr),
   )
+
+
+def cholesky_qr(
+    P_mxr: jax.Array,
+    seed: jax.Array,
+    *,
+    use_cqr: jax.Array | bool = True,
+    oversample: float = 1.25,
+    axis_name: AxisName = None,
+    backend: Backend = "auto",
+) -> jax.Array:
+  """Cholesky QR, falling back to :func:`rcqr` when disabled or when Cholesky fails."""
+  kwargs = dict(use_cqr=use_cqr, oversample=oversample, axis_name=axis_name, backend=backend)
+  return cholesky_qr_batch(P_mxr[None], seed, **kwargs)[0]
 
 
 def orthonormalize(
