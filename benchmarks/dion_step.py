@@ -8,12 +8,15 @@ the median over ``--rounds`` rounds of the median of ``--repeats`` calls, every 
 (the plain matmul included) timed in every round, all in one process, and reported as
 a ratio to Muon. Dion's achieved GFLOP/s counts 8·m·n·r per matrix (P = B Q, R = Bᵀ P,
 P Rᵀ and P Qᵀ) plus RCQR's 2·k·m·r (sketch product) + 4·m·r² (two solves and a Gram),
-and is set against a plain float32 matmul measured in the same run. ``--profile`` times
-the pieces of one Dion step at one rank fraction.
+and is set against a plain float32 matmul measured in the same run. The last columns
+count the page faults and kernel CPU time of one step: the allocator maps each step's
+fresh buffers anew, a cost the matmul baseline does not pay. ``--profile`` times the
+pieces of one Dion step at one rank fraction.
 """
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
@@ -46,6 +49,21 @@ def time_fn(fn, args, repeats: int) -> float:
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - t0)
   return statistics.median(times)
+
+
+def kernel_cost_per_call(fn, args, calls: int = 5) -> tuple[float, float]:
+  """Minor page faults and kernel (system) CPU seconds per call of ``fn(*args)``.
+
+  A fault is a first touch of memory the allocator got fresh from the kernel, which
+  zeroes it: output and temporary buffers of tens of MB are mapped anew on every
+  call here (glibc maps blocks over 32 MB directly, and trims freed ones), and the
+  step's wall time includes that work.
+  """
+  before = resource.getrusage(resource.RUSAGE_SELF)
+  for _ in range(calls):
+    jax.block_until_ready(fn(*args))
+  after = resource.getrusage(resource.RUSAGE_SELF)
+  return (after.ru_minflt - before.ru_minflt) / calls, (after.ru_stime - before.ru_stime) / calls
 
 
 def interleaved_times(cases: dict, rounds: int, repeats: int) -> dict[str, float]:
@@ -183,6 +201,7 @@ def main():
     step, step_args, state_bytes[name] = jitted_step(tx, params)
     cases[name] = (step, step_args)
   times = interleaved_times(cases, args.rounds, args.repeats)
+  kernel = {name: kernel_cost_per_call(fn, fn_args) for name, (fn, fn_args) in cases.items()}
   rate = 2 * args.matmul_size**3 * args.matmul_count / times["matmul"] / 1e9
   t_muon, bytes_adamw = times["optax.contrib.muon"], state_bytes["optax.adamw"]
   rows = [(name, times[name], state_bytes[name], flops) for name, (_, flops) in txs.items()]
@@ -190,15 +209,16 @@ def main():
   n_params = sum(p.size for p in params.values())
   print(f"\n{args.layers} layers, d_model {args.d_model}: {n_params / 1e6:.1f}M matrix parameters, "
         f"{jax.devices()[0].device_kind}, jax {jax.__version__}")  # fmt: skip
-  print(f"plain float32 matmul {args.matmul_size}³ ({args.matmul_count} per call): {rate:.1f} GFLOP/s\n")
-  print("| optimizer | step (ms) | / Muon | GFLOP | GFLOP/s | / matmul | state (MB) | / AdamW state |")
-  print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+  print(f"plain float32 matmul {args.matmul_size}³ ({args.matmul_count} per call): {rate:.1f} GFLOP/s, "
+        f"{kernel['matmul'][0]:.0f} page faults per call\n")  # fmt: skip
+  print("| optimizer | step (ms) | / Muon | GFLOP | GFLOP/s | / matmul | state (MB) | / AdamW state | page faults | kernel ms |")
+  print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
   for name, t, nbytes, flops in rows:
     gf = f"{flops / 1e9:.2f}" if flops else "–"
     gfs = f"{flops / t / 1e9:.1f}" if flops else "–"
     frac = f"{flops / t / 1e9 / rate:.0%}" if flops else "–"
     print(f"| {name} | {t * 1e3:.1f} | {t / t_muon:.3f} | {gf} | {gfs} | {frac} | "
-          f"{nbytes / 2**20:.1f} | {nbytes / bytes_adamw:.2f} |")  # fmt: skip
+          f"{nbytes / 2**20:.1f} | {nbytes / bytes_adamw:.2f} | {kernel[name][0]:.0f} | {kernel[name][1] * 1e3:.1f} |")  # fmt: skip
   print(f"\ncommand: python benchmarks/dion_step.py {' '.join(sys.argv[1:])}".rstrip())
 
   if args.profile is not None:
