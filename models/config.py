@@ -1,0 +1,106 @@
+"""The GPT's configuration and its presets, in one place.
+
+    cfg = models.preset("tiny")                        # 4 x 128, seq 128
+    cfg = models.preset("small", num_layers=6)         # any field can be overridden
+
+The presets follow microsoft/dion's GPT: pre-norm RMSNorm, rotary embeddings, QK-norm,
+ReLU² MLP (4x), untied embedding and LM head, no biases.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+  """Shape and numerics of the GPT.
+
+  Attributes:
+    vocab_size: tokens the data can hold; the embedding and LM head are padded to
+      a multiple of 128 (:attr:`padded_vocab`).
+    num_layers, d_model, num_heads: depth, width, attention heads (d_model / num_heads
+      per head, even for the rotary embedding).
+    seq_len: tokens per training sequence.
+    mlp_ratio: hidden width of the MLP over d_model.
+    dtype: compute dtype, ``"float32"`` or ``"bfloat16"``; parameters and optimizer
+      state stay float32, softmax and the loss run in float32.
+    remat: recompute each layer's activations in the backward pass.
+    rope_base: base of the rotary embedding's frequencies.
+  """
+
+  vocab_size: int = 257
+  num_layers: int = 4
+  d_model: int = 128
+  num_heads: int = 4
+  seq_len: int = 128
+  mlp_ratio: int = 4
+  dtype: str = "float32"
+  remat: bool = False
+  rope_base: float = 10000.0
+
+  def __post_init__(self):
+    for name in ("vocab_size", "num_layers", "d_model", "num_heads", "seq_len", "mlp_ratio"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+    if self.d_model % self.num_heads:
+      raise ValueError(
+          f"GPTConfig: d_model {self.d_model} is not divisible by num_heads {self.num_heads};"
+          " choose num_heads that divides d_model")
+    if self.head_dim % 2:
+      raise ValueError(
+          f"GPTConfig: head size d_model/num_heads = {self.head_dim} must be even for the"
+          " rotary embedding; change d_model or num_heads")
+    if self.dtype not in COMPUTE_DTYPES:
+      raise ValueError(f"GPTConfig.dtype must be one of {COMPUTE_DTYPES}, got {self.dtype!r}")
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+  @property
+  def d_mlp(self) -> int:
+    return self.mlp_ratio * self.d_model
+
+  @property
+  def padded_vocab(self) -> int:
+    """The vocabulary rounded up to a multiple of 128 (which every power-of-two tp divides)."""
+    return math.ceil(self.vocab_size / 128) * 128
+
+  def num_params(self, embeddings: bool = True) -> int:
+    """Parameters of the model; without the embedding table when ``embeddings`` is False."""
+    d, v = self.d_model, self.padded_vocab
+    per_layer = 4 * d * d + 2 * d * self.d_mlp + 2 * d
+    return self.num_layers * per_layer + d + d * v + (d * v if embeddings else 0)
+
+  def flops_per_token(self) -> float:
+    """Training flops per token: 6·N (N without the embedding lookup) + attention.
+
+    Attention scores and their weighted sum cost 2·2·T·d multiply-adds per token and
+    layer forward, times 3 with the backward pass: 12·L·T·d (the PaLM count, which
+    counts the causal mask's zeros too).
+    """
+    return 6 * self.num_params(embeddings=False) + 12 * self.num_layers * self.seq_len * self.d_model
+
+
+PRESETS: dict[str, dict] = {
+    # Trains visibly in a few minutes on 2 CPU cores.
+    "tiny": dict(num_layers=4, d_model=128, num_heads=4, seq_len=128),
+    # microsoft/dion's GPT-small (GPT-2 124M shape with 6 heads of 128).
+    "small": dict(num_layers=12, d_model=768, num_heads=6, seq_len=1024, vocab_size=50257),
+    "350m": dict(num_layers=24, d_model=1024, num_heads=16, seq_len=1024, vocab_size=50257),
+    "1b": dict(num_layers=24, d_model=2048, num_heads=16, seq_len=2048, vocab_size=50257),
+}
+
+
+def preset(name: str, **overrides) -> GPTConfig:
+  """The preset ``name`` with ``overrides`` (fields of :class:`GPTConfig`) applied."""
+  if name not in PRESETS:
+    raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+  unknown = set(overrides) - {f.name for f in dataclasses.fields(GPTConfig)}
+  if unknown:
+    raise ValueError(f"unknown GPTConfig fields {sorted(unknown)}; see models.GPTConfig")
+  return GPTConfig(**{**PRESETS[name], **overrides})

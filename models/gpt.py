@@ -1,0 +1,292 @@
+"""A GPT in Flax NNX, its layers stacked for a scan and for pipeline stages.
+
+Like microsoft/dion's ``models/gpt_model.py``: pre-norm RMSNorm, rotary embeddings,
+QK-norm, causal attention, ReLU² MLP, untied embedding and LM head, no biases. Query,
+key and value are three kernels, so Dion orthonormalizes each as its own matrix.
+
+NNX modules define the parameters and one layer's math. Training works on the pure
+dict of arrays (``nnx.split`` then ``to_pure_dict``), which optax, Dion's labels and
+Orbax take as they are; :func:`loss` merges it back with the graph definition:
+
+    graphdef, params = models.init(cfg, par, seed=0)     # params: nested dict of arrays
+    loss = models.loss(graphdef, params, batch, par)     # batch: "inputs", "targets" [B, T]
+
+Parameter tree (Flax layout, blocks stacked ``(stages, layers_per_stage, ...)``)::
+
+    embed/embedding                 [V, D]
+    blocks/attn_norm/scale          [S, Ls, D]
+    blocks/attn/{query,key,value}   [S, Ls, D, D]      column-parallel
+    blocks/attn/out/kernel          [S, Ls, D, D]      row-parallel
+    blocks/mlp_norm/scale           [S, Ls, D]
+    blocks/mlp/up/kernel            [S, Ls, D, 4D]     column-parallel
+    blocks/mlp/down/kernel          [S, Ls, 4D, D]     row-parallel
+    final_norm/scale                [D]
+    lm_head/kernel                  [D, V]             vocab-parallel
+
+Parallelism is in ``models/sharding.py`` (TP, SP, FS by annotation) and
+``models/pipeline.py`` (PP by ``shard_map``).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import dion_jax
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from models import pipeline
+from models.config import GPTConfig
+from models.sharding import Parallelism, param_specs, shardings, to_layers, to_stages
+
+_NORM_EPS = 1e-6
+
+
+def _rms_norm(x: jax.Array) -> jax.Array:
+  x32 = x.astype(jnp.float32)
+  return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + _NORM_EPS)).astype(x.dtype)
+
+
+class Dense(nnx.Module):
+  """A bias-free kernel (fan_in, fan_out), column- or row-parallel.
+
+  Initialized N(0, σ²) with σ = min(1, sqrt(fan_out/fan_in)) / sqrt(fan_in)
+  (arXiv 2310.17813, as the reference).
+  """
+
+  def __init__(self, fan_in: int, fan_out: int, layout: str, *, rngs: nnx.Rngs):
+    std = min(1.0, math.sqrt(fan_out / fan_in)) / math.sqrt(fan_in)
+    self.kernel = nnx.Param(std * jax.random.normal(rngs.params(), (fan_in, fan_out), jnp.float32))
+    self.layout = layout
+
+  def __call__(self, x: jax.Array, par: Parallelism) -> jax.Array:
+    kernel = par.weight(self.kernel[...], self.layout)
+    return jnp.einsum("...i,io->...o", x, kernel.astype(x.dtype))
+
+
+class Attention(nnx.Module):
+  """Causal self-attention with rotary embeddings and QK-norm; heads split over tp."""
+
+  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    d = cfg.d_model
+    self.query = Dense(d, d, "column", rngs=rngs)
+    self.key = Dense(d, d, "column", rngs=rngs)
+    self.value = Dense(d, d, "column", rngs=rngs)
+    self.out = Dense(d, d, "row", rngs=rngs)
+    self.num_heads = cfg.num_heads
+
+  def __call__(self, x_BxTxD: jax.Array, rope: tuple[jax.Array, jax.Array],
+               par: Parallelism) -> jax.Array:
+    B, T, D = x_BxTxD.shape
+    N = self.num_heads
+
+    def heads(dense):
+      return par.constrain(dense(x_BxTxD, par).reshape(B, T, N, D // N), "batch", None, "heads", None)
+
+    # Rotary first, then QK-norm, as the reference orders them.
+    q_BxTxNxH = _rms_norm(_rotary(heads(self.query), *rope))
+    k_BxTxNxH = _rms_norm(_rotary(heads(self.key), *rope))
+    v_BxTxNxH = heads(self.value)
+    o_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, is_causal=True)
+    o_BxTxNxH = par.constrain(o_BxTxNxH, "batch", None, "heads", None)
+    return self.out(o_BxTxNxH.reshape(B, T, D), par)
+
+
+def _rotary(x_BxTxNxH: jax.Array, cos_TxH2: jax.Array, sin_TxH2: jax.Array) -> jax.Array:
+  x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
+  cos, sin = cos_TxH2[:, None, :], sin_TxH2[:, None, :]
+  return jnp.concatenate([x1 * cos + x2 * sin, x2 * cos - x1 * sin], -1).astype(x_BxTxNxH.dtype)
+
+
+def rotary_tables(cfg: GPTConfig, seq_len: int) -> tuple[jax.Array, jax.Array]:
+  """cos and sin of the rotary angles, [seq_len, head_dim / 2] in float32."""
+  half = cfg.head_dim // 2
+  inv_freq_H2 = 1.0 / cfg.rope_base ** (jnp.arange(half, dtype=jnp.float32) / half)
+  angles_TxH2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq_H2[None, :]
+  return jnp.cos(angles_TxH2), jnp.sin(angles_TxH2)
+
+
+class MLP(nnx.Module):
+  """Column-parallel up, ReLU², row-parallel down."""
+
+  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    self.up = Dense(cfg.d_model, cfg.d_mlp, "column", rngs=rngs)
+    self.down = Dense(cfg.d_mlp, cfg.d_model, "row", rngs=rngs)
+
+  def __call__(self, x_BxTxD: jax.Array, par: Parallelism) -> jax.Array:
+    h_BxTxF = par.constrain(self.up(x_BxTxD, par), "batch", None, "mlp")
+    return self.down(jnp.square(jax.nn.relu(h_BxTxF)), par)
+
+
+class Block(nnx.Module):
+  """One pre-norm transformer layer. The residual stream stays float32."""
+
+  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    self.attn_norm = nnx.RMSNorm(cfg.d_model, epsilon=_NORM_EPS, rngs=rngs)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.mlp_norm = nnx.RMSNorm(cfg.d_model, epsilon=_NORM_EPS, rngs=rngs)
+    self.mlp = MLP(cfg, rngs=rngs)
+    self.dtype = jnp.dtype(cfg.dtype)
+
+  def __call__(self, x_BxTxD: jax.Array, rope, par: Parallelism) -> jax.Array:
+    # With SP the norms run on sequence shards; the constraint to a full sequence before
+    # each column-parallel product is the all-gather, the one after each row-parallel
+    # product the reduce-scatter.
+    h = par.constrain(self.attn_norm(x_BxTxD).astype(self.dtype), "batch", None, None)
+    x_BxTxD += par.constrain(self.attn(h, rope, par).astype(jnp.float32), "batch", "seq", None)
+    h = par.constrain(self.mlp_norm(x_BxTxD).astype(self.dtype), "batch", None, None)
+    return x_BxTxD + par.constrain(self.mlp(h, par).astype(jnp.float32), "batch", "seq", None)
+
+
+class GPT(nnx.Module):
+  """Embedding, ``num_layers`` stacked :class:`Block` s (leading layer axis), final norm, LM head."""
+
+  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    V, D = cfg.padded_vocab, cfg.d_model
+    self.embed = nnx.Embed(V, D, embedding_init=nnx.initializers.normal(1.0), rngs=rngs)
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def stack(rngs):
+      return Block(cfg, rngs=rngs)
+
+    self.blocks = stack(rngs)
+    self.final_norm = nnx.RMSNorm(D, epsilon=_NORM_EPS, rngs=rngs)
+    self.lm_head = Dense(D, V, "column", rngs=rngs)
+
+  def embed_tokens(self, tokens_BxT: jax.Array, par: Parallelism) -> jax.Array:
+    table_VxD = par.weight(self.embed.embedding[...], "row")
+    return par.constrain(jnp.take(table_VxD, tokens_BxT, axis=0), "batch", "seq", None)
+
+  def token_losses(self, x_BxTxD: jax.Array, targets_BxT: jax.Array, par: Parallelism) -> jax.Array:
+    """Cross-entropy of each position [B, T], float32, never gathering the vocabulary.
+
+    The logits stay vocab-parallel over tp: the log-sum-exp and the target's logit
+    (a one-hot contraction, not a gather) reduce over tp as [B, T] partial results.
+    """
+    h = par.constrain(self.final_norm(x_BxTxD).astype(self.cfg.dtype), "batch", None, None)
+    logits_BxTxV = par.constrain(self.lm_head(h, par).astype(jnp.float32), "batch", None, "vocab")
+    onehot_BxTxV = jax.nn.one_hot(targets_BxT, logits_BxTxV.shape[-1], dtype=jnp.float32)
+    onehot_BxTxV = par.constrain(onehot_BxTxV, "batch", None, "vocab")
+    target_logit_BxT = jnp.sum(logits_BxTxV * onehot_BxTxV, -1)
+    return jax.nn.logsumexp(logits_BxTxV, -1) - target_logit_BxT
+
+
+def apply_layers(block_graphdef: Any, layers: Any, x_BxTxD: jax.Array, rope,
+                 par: Parallelism, remat: bool) -> jax.Array:
+  """Runs the layers ``layers`` (leaves [L, ...], in order) over ``x`` with a scan."""
+
+  def layer(x, params):
+    return nnx.merge(block_graphdef, params)(x, rope, par), None
+
+  if remat:
+    layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
+  return jax.lax.scan(layer, x_BxTxD, layers)[0]
+
+
+def init(cfg: GPTConfig, par: Parallelism = Parallelism(), seed: int = 0) -> tuple[Any, Any]:
+  """Creates the GPT: ``(graphdef, params)``, params a pure dict sharded on ``par.mesh``.
+
+  Layers are drawn in layer order from ``seed`` and then stacked into ``par``'s stages,
+  so every mesh starts from the same model.
+  """
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(seed))))
+
+  def create():
+    params = nnx.state(GPT(cfg, rngs=nnx.Rngs(seed))).to_pure_dict()
+    params["blocks"] = to_stages(params["blocks"], par.pp, par.virtual_stages)
+    return params
+
+  if par.mesh is None:
+    return graphdef, jax.jit(create)()
+  specs = param_specs(jax.eval_shape(create))
+  dion_jax.tree_check_divisible(jax.eval_shape(create), specs, par.mesh)
+  return graphdef, jax.jit(create, out_shardings=shardings(par.mesh, specs))()
+
+
+def loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], par: Parallelism = Parallelism()) -> jax.Array:
+  """Mean next-token cross-entropy of ``batch`` ("inputs", "targets": int [B, T]).
+
+  With pp > 1 the batch is split into ``par.microbatches`` micro-batches that flow
+  through the pipeline; otherwise the whole batch goes through the layer scan at once.
+  On a mesh, call it under ``jax.set_mesh(par.mesh)``.
+  """
+  if par.mesh is not None and jax.sharding.get_abstract_mesh().empty:
+    raise ValueError("models.loss on a mesh must run under `with jax.set_mesh(par.mesh):`")
+  if par.pp > 1:
+    return _pipeline_loss(graphdef, params, batch, par)
+  model = nnx.merge(graphdef, params)
+  rope = rotary_tables(model.cfg, batch["inputs"].shape[1])
+  layers = to_layers(params["blocks"], 1)
+  x = model.embed_tokens(batch["inputs"], par)
+  x = apply_layers(nnx.graphdef(model.blocks), layers, x, rope, par, model.cfg.remat)
+  return jnp.mean(model.token_losses(x, batch["targets"], par))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def _pipeline_loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], par: Parallelism) -> jax.Array:
+  """:func:`loss` with the layers in a pipeline over ``pp`` (``shard_map`` manual over pp only).
+
+  Embedding, final norm, LM head and loss run inside the same ``shard_map``: device 0
+  embeds each micro-batch as it enters, and the last stage's outputs are scattered
+  over pp so that each device computes the loss of M/pp micro-batches.
+
+  The gradient is taken inside the ``shard_map`` and handed out by this ``custom_vjp``:
+  on jax 0.10 differentiating a ``shard_map`` nested in another one (the per-replica
+  gradient's, manual over rp) fails to lower, while this form nests at any depth.
+  """
+  return _pipeline_call(graphdef, params, batch, par, with_grad=False)
+
+
+def _pipeline_fwd(graphdef, params, batch, par):
+  return _pipeline_call(graphdef, params, batch, par, with_grad=True)
+
+
+def _pipeline_bwd(graphdef, par, grads, cotangent):
+  del graphdef, par
+  return jax.tree.map(lambda g: cotangent * g, grads), None
+
+
+_pipeline_loss.defvjp(_pipeline_fwd, _pipeline_bwd)
+
+
+def _pipeline_call(graphdef, params, batch, par: Parallelism, with_grad: bool):
+  M, pp, v = par.microbatches, par.pp, par.virtual_stages
+  B, T = batch["inputs"].shape
+  if B % M:
+    raise ValueError(f"batch of {B} sequences does not split into {M} micro-batches;"
+                     " choose a batch that the number of micro-batches divides")
+
+  def microbatched(x_BxT):  # micro-batch i = rows i, i + M, ...: keeps the batch sharding
+    return x_BxT.reshape(B // M, M, T).swapaxes(0, 1)
+
+  def local_loss(params, inputs_MxbxT, targets_MxbxT):
+    model = nnx.merge(graphdef, params)
+    rope = rotary_tables(model.cfg, T)
+    block_graphdef = nnx.graphdef(model.blocks)
+
+    def stage(layers, x):
+      return apply_layers(block_graphdef, layers, x, rope, par, model.cfg.remat)
+
+    outputs = pipeline.circular(stage, params["blocks"], lambda i: model.embed_tokens(inputs_MxbxT[i], par),
+                                M, pp, v)
+    x_mxbxTxD = pipeline.scatter_from_last(outputs, pp)
+    m = M // pp
+    targets_mxbxT = jax.lax.dynamic_slice_in_dim(targets_MxbxT, jax.lax.axis_index(pipeline.AXIS) * m, m)
+    x_BxTxD = x_mxbxTxD.reshape(-1, T, x_mxbxTxD.shape[-1])
+    losses = model.token_losses(x_BxTxD, targets_mxbxT.reshape(-1, T), par)
+    return jax.lax.psum(jnp.sum(losses), pipeline.AXIS) / (B * T)
+
+  specs = jax.tree.map(lambda _: P(), params)
+  specs["blocks"] = jax.tree.map(lambda _: P(pipeline.AXIS), params["blocks"])
+  return jax.shard_map(
+      jax.value_and_grad(local_loss) if with_grad else local_loss,
+      mesh=jax.sharding.get_abstract_mesh(),
+      in_specs=(specs, P(), P()),
+      out_specs=(P(), specs) if with_grad else P(),
+      axis_names={pipeline.AXIS},
+  )(params, microbatched(batch["inputs"]), microbatched(batch["targets"]))

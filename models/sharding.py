@@ -1,0 +1,191 @@
+"""How the GPT lies on the (rp, fs, tp, pp) mesh: logical axes, parameter specs, layer stacks.
+
+TP, SP and FS are sharding annotations that XLA's SPMD partitioner turns into
+collectives; PP is explicit (``models/pipeline.py``: a ``shard_map`` manual over ``pp``).
+
+- Parameters carry the PartitionSpecs of :func:`param_specs` (Megatron's layouts in Flax's
+  (fan_in, fan_out) kernel order): column-parallel ``P('fs', 'tp')`` for query, key, value,
+  MLP-up and the LM head (vocab-parallel), row-parallel ``P('tp', 'fs')`` for attention-out
+  and MLP-down, the embedding ``P('tp', 'fs')`` (vocab-parallel), norm scales replicated.
+  Stacked block parameters have leading (stage, layer) axes, the stage axis on ``pp``.
+- FS (ZeRO-3): inside the layer scan, :meth:`Parallelism.weight` constrains each layer's
+  kernel to its tp sharding alone, so the partitioner all-gathers that one layer over
+  ``fs`` where it is used (and reduce-scatters its gradient in the backward pass).
+- TP: activations between the column- and row-parallel products are constrained to
+  heads or MLP features over ``tp``; the row-parallel product's partial sums are reduced
+  where its output is constrained back to the residual layout.
+- SP (``sequence_parallel``): the residual stream is constrained to the sequence over
+  ``tp``, so that reduction becomes a reduce-scatter and the input of the next
+  column-parallel product an all-gather (Megatron's sequence parallelism).
+- DP: the batch over ``rp`` and ``fs``.
+
+Logical names map to mesh axes in one table (:data:`LOGICAL_AXES`); axes that are manual
+in the surrounding ``shard_map`` (``rp`` under per-replica gradients, ``pp`` in the
+pipeline) are dropped from activation constraints there.
+
+Layer stacks. Block parameters are stored ``(stages, layers_per_stage, ...)`` with
+``stages = pp · virtual_stages``; with a circular schedule, execution stage
+``s = repeat·pp + device`` lives on ``device``, so storage position
+``device·virtual_stages + repeat`` holds execution stage s, and the stage axis shards on
+``pp`` in contiguous blocks. :func:`to_stages` and :func:`to_layers` convert between that
+and the canonical layer order ``(num_layers, ...)``, which is the same on every mesh.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import dion_jax
+
+# Logical activation axes -> mesh axes. "seq" is on tp only with sequence parallelism.
+LOGICAL_AXES = {
+    "batch": ("rp", "fs"),
+    "heads": "tp",
+    "mlp": "tp",
+    "vocab": "tp",
+    "seq": "tp",
+}
+
+# Each kernel's Megatron layout, and the sharding it is used in (gathered over fs).
+KERNEL_LAYOUTS = {
+    "column": (dion_jax.column_parallel(), P(None, "tp")),
+    "row": (dion_jax.row_parallel(), P("tp", None)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallelism:
+  """The mesh and the parallel options of one model.
+
+  Attributes:
+    mesh: the (rp, fs, tp, pp) mesh, or None for one device without annotations.
+    sequence_parallel: shard the residual stream's sequence over ``tp`` (needs tp > 1
+      to matter).
+    microbatches: micro-batches per step of the pipeline (pp > 1); a multiple of pp.
+    virtual_stages: stages per device of a circular pipeline (1: GPipe).
+  """
+
+  mesh: jax.sharding.Mesh | None = None
+  sequence_parallel: bool = False
+  microbatches: int = 1
+  virtual_stages: int = 1
+
+  def __post_init__(self):
+    if self.microbatches < 1 or self.virtual_stages < 1:
+      raise ValueError(
+          f"microbatches ({self.microbatches}) and virtual_stages ({self.virtual_stages})"
+          " must be positive")
+    if self.pp > 1 and self.microbatches % self.pp:
+      raise ValueError(
+          f"the pipeline needs micro-batches in multiples of pp={self.pp}, got"
+          f" {self.microbatches}; change the micro-batch size or the global batch")
+    if self.pp == 1 and self.virtual_stages > 1:
+      raise ValueError("virtual_stages > 1 needs a pipeline (pp > 1); drop it or set pp")
+
+  def size(self, axis: str) -> int:
+    return 1 if self.mesh is None else dict(self.mesh.shape)[axis]
+
+  @property
+  def pp(self) -> int:
+    return self.size("pp")
+
+  @property
+  def tp(self) -> int:
+    return self.size("tp")
+
+  @property
+  def stages(self) -> int:
+    """Stages of the layer stack: pp · virtual_stages."""
+    return self.pp * self.virtual_stages
+
+  def spec(self, *names: str | None) -> P:
+    """The PartitionSpec of an activation with logical axes ``names`` here.
+
+    Axes that the surrounding ``shard_map`` made manual are left out.
+    """
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+
+    def resolve(name):
+      if name is None or (name == "seq" and not self.sequence_parallel):
+        return None
+      axes = LOGICAL_AXES[name]
+      axes = (axes,) if isinstance(axes, str) else axes
+      axes = tuple(a for a in axes if a not in manual)
+      return axes[0] if len(axes) == 1 else (axes or None)
+
+    return P(*(resolve(n) for n in names))
+
+  def constrain(self, x: jax.Array, *names: str | None) -> jax.Array:
+    """``x`` with the sharding of the logical axes ``names`` (nothing on one device)."""
+    if self.mesh is None:
+      return x
+    return jax.lax.with_sharding_constraint(x, self.spec(*names))
+
+  def weight(self, kernel: jax.Array, layout: str) -> jax.Array:
+    """A layer's kernel where it is used: its tp sharding, gathered over fs."""
+    if self.mesh is None:
+      return kernel
+    return jax.lax.with_sharding_constraint(kernel, KERNEL_LAYOUTS[layout][1])
+
+
+def param_specs(params: Any) -> Any:
+  """The PartitionSpec of every parameter of the GPT's pure-dict tree."""
+
+  def spec(path, leaf):
+    names = [str(getattr(k, "key", k)) for k in path]
+    if names[0] == "embed":
+      return dion_jax.embedding()
+    if names[0] == "lm_head":
+      return KERNEL_LAYOUTS["column"][0]
+    if names[-1] == "scale":
+      base = dion_jax.vector()
+    else:
+      base = KERNEL_LAYOUTS[_layout_of(names)][0]
+    return dion_jax.stacked(base, 2) if names[0] == "blocks" else base
+
+  return jax.tree_util.tree_map_with_path(spec, params)
+
+
+_ROW_PARALLEL = ("out", "down")
+
+
+def _layout_of(names: list[str]) -> str:
+  return "row" if any(n in _ROW_PARALLEL for n in names) else "column"
+
+
+def shardings(mesh: jax.sharding.Mesh, specs: Any) -> Any:
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def _stage_permutation(pp: int, virtual_stages: int) -> np.ndarray:
+  """perm[storage position] = execution stage (see the module docstring)."""
+  device, repeat = np.divmod(np.arange(pp * virtual_stages), virtual_stages)
+  return repeat * pp + device
+
+
+def to_stages(layers: Any, pp: int, virtual_stages: int = 1) -> Any:
+  """Leaves ``(num_layers, ...)`` in layer order -> ``(stages, layers_per_stage, ...)``."""
+  stages = pp * virtual_stages
+  perm = _stage_permutation(pp, virtual_stages)
+
+  def f(x):
+    if x.shape[0] % stages:
+      raise ValueError(
+          f"{x.shape[0]} layers do not split into {stages} pipeline stages"
+          f" (pp={pp} x virtual_stages={virtual_stages}); choose sizes that divide it")
+    return x.reshape(stages, x.shape[0] // stages, *x.shape[1:])[perm]
+
+  return jax.tree.map(f, layers)
+
+
+def to_layers(stacked: Any, pp: int, virtual_stages: int = 1) -> Any:
+  """Inverse of :func:`to_stages`: ``(stages, layers_per_stage, ...)`` -> layer order."""
+  order = np.argsort(_stage_permutation(pp, virtual_stages))
+  return jax.tree.map(lambda x: x[order].reshape(math.prod(x.shape[:2]), *x.shape[2:]), stacked)
