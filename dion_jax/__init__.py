@@ -12,7 +12,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from dion_jax.core import Collectives, DionHyperParams, dion_matrix_step
 from dion_jax.comms import CollectiveStat, bytes_by_axes, collective_stats, format_table
-from dion_jax.frame import SCALE_RULES, DionDimensionNumbers, MatrixFrame, dion_rank, matrix_frame
+from dion_jax.frame import SCALE_RULE_ALIASES, SCALE_RULES, DionDimensionNumbers, MatrixFrame, dion_rank, matrix_frame
 from dion_jax.mesh import (
     AXES,
     check_divisible,
@@ -25,12 +25,27 @@ from dion_jax.mesh import (
     tree_check_divisible,
     vector,
 )
-from dion_jax.optimizer import LABELS, STATIC_ARGS, default_labels, dion
+from dion_jax.optimizer import LABELS, STATIC_ARGS, add_decayed_weights, default_labels, dion, matrix_optimizer
+from dion_jax.family import ScaleByOrthogonalState, scale_by_orthogonal
+from dion_jax.family_optimizer import DION2_STATIC_ARGS, MUON_STATIC_ARGS, NORMUON_STATIC_ARGS, dion2, muon, normuon
+from dion_jax.polar import orthogonalize
 from dion_jax.orthogonalize import orthonormalize
 from dion_jax.transform import ScaleByDionState, leaf_frames, scale_by_dion
 from dion_jax.sharded import average_replicas, partition_specs_of, value_and_grad_per_replica
 
 __all__ = [
+    "DION2_STATIC_ARGS",
+    "MUON_STATIC_ARGS",
+    "NORMUON_STATIC_ARGS",
+    "SCALE_RULE_ALIASES",
+    "ScaleByOrthogonalState",
+    "add_decayed_weights",
+    "dion2",
+    "matrix_optimizer",
+    "muon",
+    "normuon",
+    "orthogonalize",
+    "scale_by_orthogonal",
     "AXES",
     "CollectiveStat",
     "Collectives",

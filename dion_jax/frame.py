@@ -32,6 +32,8 @@ SCALE_RULES: dict[str, Callable[[int, int], float]] = {
     "max_one": lambda fan_out, fan_in: math.sqrt(max(1.0, fan_out / fan_in)),
     "none": lambda fan_out, fan_in: 1.0,
 }
+# microsoft/dion's adjust_lr names for the same rules (its None is "none").
+SCALE_RULE_ALIASES = {"spectral_norm": "fan_ratio", "rms_norm": "spectral"}
 
 
 class DionDimensionNumbers(NamedTuple):

@@ -10,6 +10,10 @@
 - ``"muon"``: ``optax.contrib.muon``, to compare both on one model; stacked matrices get
   Muon per matrix, with the fan_in/fan_out axes of ``dimension_numbers``.
 
+Muon, NorMuon and Dion2 (``dion_jax.family_optimizer``) are the same skeleton
+(:func:`matrix_optimizer`) with another matrix transformation: there too ``"dion"``
+labels the matrices that get the package's orthonormal update.
+
 The default labels (:func:`default_labels`) send every parameter with >= 2 dims to
 Dion except embeddings and the LM head, which a Flax model names ``embed*`` /
 ``*embedding`` / ``wte`` and ``lm_head`` / ``head`` / ``unembed``; vectors, scalars,
@@ -40,7 +44,7 @@ _HEAD_NAMES = ("lm_head", "head", "unembed", "output_layer")
 STATIC_ARGS = (
     "rank_fraction", "rank_multiple_of", "oversample", "power_iters", "cqr_warmup_steps",
     "seed", "lm_head_lr_scale", "labels", "scale_rule", "dimension_numbers",
-    "momentum_dtype", "q_dtype",
+    "momentum_dtype", "q_dtype", "cautious_wd",
 )  # fmt: skip
 
 
@@ -76,6 +80,7 @@ def dion(
     rank_multiple_of: int = 1,
     mu: float = 0.95,
     weight_decay: float = 0.01,
+    cautious_wd: bool = False,
     epsilon: float = 1e-8,
     qr_method: str = "rcqr",
     cqr_warmup_steps: int = 150,
@@ -109,6 +114,8 @@ def dion(
       :func:`dion_jax.scale_by_dion`.
     weight_decay: decoupled weight decay, multiplied by the base learning rate, for
       Dion and the scalar optimizer alike.
+    cautious_wd: decay a matrix weight only where it agrees in sign with its update
+      (:func:`add_decayed_weights`).
     scalar_optimizer: ``"adamw"`` or ``"lion"`` for non-matrix parameters,
       embeddings and the LM head.
     scalar_learning_rate: its learning rate (default: ``learning_rate``).
@@ -122,6 +129,58 @@ def dion(
   Returns:
     An optax ``GradientTransformation``.
   """
+  matrix = transform.scale_by_dion(
+      rank_fraction=rank_fraction, rank_multiple_of=rank_multiple_of, mu=mu,
+      epsilon=epsilon, qr_method=qr_method, cqr_warmup_steps=cqr_warmup_steps,
+      oversample=oversample, power_iters=power_iters, scale_rule=scale_rule,
+      momentum_dtype=momentum_dtype, q_dtype=q_dtype, seed=seed,
+      dimension_numbers=dimension_numbers, partition_specs=partition_specs,
+      mesh=mesh, replicate_sync=replicate_sync, backend=backend,
+  )  # fmt: skip
+  return matrix_optimizer(
+      matrix, learning_rate, weight_decay=weight_decay, cautious_wd=cautious_wd, mu=mu,
+      scalar_optimizer=scalar_optimizer, scalar_learning_rate=scalar_learning_rate, b1=b1, b2=b2,
+      scalar_epsilon=scalar_epsilon, lm_head_lr_scale=lm_head_lr_scale, labels=labels,
+      dimension_numbers=dimension_numbers,
+  )  # fmt: skip
+
+
+def add_decayed_weights(weight_decay: optax.ScalarOrSchedule, cautious: bool = False) -> optax.GradientTransformation:
+  """``u + wd·X``, or with ``cautious`` only where u and X agree in sign (u·X >= 0):
+  the reference's ``cautious_wd`` (arXiv 2510.12402), which decays a weight only when
+  the update moves it towards zero as well."""
+  if not cautious:
+    return optax.add_decayed_weights(weight_decay)
+
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError("cautious_wd needs the parameters: call update(updates, state, params)")
+    decay = lambda u, p: u + weight_decay * p * (u * p >= 0).astype(p.dtype)
+    return jax.tree.map(decay, updates, params), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def matrix_optimizer(
+    matrix_direction: optax.GradientTransformation,
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    weight_decay: float,
+    cautious_wd: bool = False,
+    mu: float = 0.95,
+    scalar_optimizer: str = "adamw",
+    scalar_learning_rate: optax.ScalarOrSchedule | None = None,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    scalar_epsilon: float = 1e-8,
+    lm_head_lr_scale: float | None = None,
+    labels: Any = None,
+    dimension_numbers=None,
+) -> optax.GradientTransformation:
+  """The skeleton every optimizer of the package shares: ``optax.partition`` by labels of
+  ``chain(matrix_direction, weight decay, scale_by_learning_rate)`` for ``"dion"``
+  leaves and the scalar optimizers for the rest (module docstring); ``mu`` and
+  ``dimension_numbers`` also serve the ``"muon"`` label (optax.contrib.muon)."""
   transform.check_hyperparams(learning_rate=learning_rate, weight_decay=weight_decay)
   _check_scalar_hyperparams(
       scalar_learning_rate=scalar_learning_rate, b1=b1, b2=b2, lm_head_lr_scale=lm_head_lr_scale
@@ -139,15 +198,8 @@ def dion(
     return (lambda count: lr(count) * factor) if callable(lr) else lr * factor
 
   matrix = optax.chain(
-      transform.scale_by_dion(
-          rank_fraction=rank_fraction, rank_multiple_of=rank_multiple_of, mu=mu,
-          epsilon=epsilon, qr_method=qr_method, cqr_warmup_steps=cqr_warmup_steps,
-          oversample=oversample, power_iters=power_iters, scale_rule=scale_rule,
-          momentum_dtype=momentum_dtype, q_dtype=q_dtype, seed=seed,
-          dimension_numbers=dimension_numbers, partition_specs=partition_specs,
-          mesh=mesh, replicate_sync=replicate_sync, backend=backend,
-      ),  # fmt: skip
-      optax.add_decayed_weights(weight_decay),
+      matrix_direction,
+      add_decayed_weights(weight_decay, cautious_wd),
       optax.scale_by_learning_rate(learning_rate),
   )
 

@@ -74,10 +74,11 @@ def partition_specs_of(tree: Any) -> Any:
 class Layout:
   """How Dion's state and collectives lie on ``mesh`` (see the module docstring)."""
 
-  def __init__(self, mesh: jax.sharding.Mesh, replicate_sync: bool):
+  def __init__(self, mesh: jax.sharding.Mesh, replicate_sync: bool, compress: bool = True):
     self.mesh = mesh
     self.replicas = dict(mesh.shape).get(REPLICA_AXIS, 1)
     self.per_replica = replicate_sync and self.replicas > 1
+    self.compress = compress  # False for optimizers that need the whole gradient (Muon).
 
   def _checked(self, fr: frame_lib.MatrixFrame) -> frame_lib.MatrixFrame:
     if fr.spec is None:
@@ -90,7 +91,7 @@ class Layout:
 
   def compressed(self, fr: frame_lib.MatrixFrame) -> bool:
     """Whether P and R are averaged over replicas instead of the gradient."""
-    return self.per_replica and (fr.rows + fr.cols) * fr.rank < fr.rows * fr.cols
+    return self.compress and self.per_replica and (fr.rows + fr.cols) * fr.rank < fr.rows * fr.cols
 
   def param_struct(self, g: jax.Array) -> jax.ShapeDtypeStruct:
     """The parameter's shape, from its gradient (which may have a replica axis)."""

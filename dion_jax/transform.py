@@ -33,12 +33,17 @@ class ScaleByDionState(NamedTuple):
   q: optax.Updates
 
 
-def scale_rule_fn(scale_rule: str | Callable[[int, int], float]) -> Callable[[int, int], float]:
+def scale_rule_fn(scale_rule: str | Callable[[int, int], float] | None) -> Callable[[int, int], float]:
+  """The rule ``(fan_out, fan_in) -> scale`` named by ``scale_rule`` (one of
+  ``frame.SCALE_RULES``, an alias from ``frame.SCALE_RULE_ALIASES``, None for
+  ``"none"``), or ``scale_rule`` itself when it is a callable."""
   if callable(scale_rule):
     return scale_rule
-  if scale_rule not in frame_lib.SCALE_RULES:
-    raise ValueError(f"scale_rule must be one of {tuple(frame_lib.SCALE_RULES)} or a callable, got {scale_rule!r}")
-  return frame_lib.SCALE_RULES[scale_rule]
+  name = "none" if scale_rule is None else frame_lib.SCALE_RULE_ALIASES.get(scale_rule, scale_rule)
+  if name not in frame_lib.SCALE_RULES:
+    accepted = tuple(frame_lib.SCALE_RULES) + tuple(frame_lib.SCALE_RULE_ALIASES)
+    raise ValueError(f"scale_rule={scale_rule!r} is not supported; use one of {accepted}, None or a callable")
+  return frame_lib.SCALE_RULES[name]
 
 
 def _by_path(tree, is_leaf) -> dict[str, Any]:

@@ -1,0 +1,83 @@
+"""Whole matrices from sharded blocks, one device per matrix, inside ``shard_map``.
+
+Muon-like optimizers need each matrix whole. A batch of B same-shaped matrices whose
+two matrix axes are split over mesh axes ``names_a`` (N_a devices) and ``names_b``
+(N_b devices) lies as a (B, a/N_a, b/N_b) block on each device of the group of
+N = N_a·N_b devices. :func:`gather` pads B to a multiple of N with zero matrices and
+runs two all-to-alls,
+
+    (B, a/N_a, b/N_b) --all_to_all(names_a)--> (B/N_a, a, b/N_b)
+                      --all_to_all(names_b)--> (B/N, a, b),
+
+so each device of the group holds B/N whole matrices: each device sends and receives
+(N−1)/N of its block, never every matrix (an all-gather would put all B on every
+device and repeat the work N times). :func:`scatter` is the inverse. This is
+microsoft/dion's "megabatch" communication, written with JAX collectives.
+
+Zero matrices (the padding) stay zero under the polar iterations of ``dion_jax.polar``.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+Names = tuple[str, ...]
+
+
+def group_size(names: Names) -> int:
+  """The number of devices along ``names`` (inside ``shard_map``); 1 for none."""
+  return jax.lax.psum(1, names) if names else 1
+
+
+def padded(batch: int, n: int) -> int:
+  return math.ceil(batch / n) * n
+
+
+def gather(x_bxaxb: jax.Array, names_a: Names, names_b: Names) -> jax.Array:
+  """This device's share of whole matrices: (ceil(B/N), a, b) (module docstring)."""
+  n = group_size(names_a) * group_size(names_b)
+  pad = padded(x_bxaxb.shape[0], n) - x_bxaxb.shape[0]
+  x = jnp.pad(x_bxaxb, ((0, pad), (0, 0), (0, 0))) if pad else x_bxaxb
+  if names_a:
+    x = jax.lax.all_to_all(x, names_a, 0, 1, tiled=True)
+  if names_b:
+    x = jax.lax.all_to_all(x, names_b, 0, 2, tiled=True)
+  return x
+
+
+def scatter(y: jax.Array, names_a: Names, names_b: Names, batch: int) -> jax.Array:
+  """Inverse of :func:`gather`: whole matrices back to (batch, a/N_a, b/N_b) blocks."""
+  if names_b:
+    y = jax.lax.all_to_all(y, names_b, 2, 0, tiled=True)
+  if names_a:
+    y = jax.lax.all_to_all(y, names_a, 1, 0, tiled=True)
+  return y[:batch]
+
+
+def reduce_to_owner(x_bxkxl: jax.Array, names_sum: Names, names_l: Names) -> jax.Array:
+  """Whole (k x l) matrices from blocks that are *parts of a sum* over ``names_sum``.
+
+  Each device of ``names_sum`` holds the rows it owns and zeros elsewhere (Dion2's
+  globally selected rows); a reduce-scatter along the batch adds the parts (exactly:
+  every row is nonzero on one device) and an all-to-all over ``names_l`` assembles the
+  columns: (B, k, l/N_l) -> (ceil(B/N), k, l).
+  """
+  n = group_size(names_sum) * group_size(names_l)
+  pad = padded(x_bxkxl.shape[0], n) - x_bxkxl.shape[0]
+  x = jnp.pad(x_bxkxl, ((0, pad), (0, 0), (0, 0))) if pad else x_bxkxl
+  if names_sum:
+    x = jax.lax.psum_scatter(x, names_sum, scatter_dimension=0, tiled=True)
+  if names_l:
+    x = jax.lax.all_to_all(x, names_l, 0, 2, tiled=True)
+  return x
+
+
+def broadcast_from_owner(y: jax.Array, names_sum: Names, names_l: Names, batch: int) -> jax.Array:
+  """Inverse direction of :func:`reduce_to_owner`: every device of ``names_sum`` gets
+  every matrix's (k x l/N_l) block, (batch, k, l/N_l), and keeps the rows it owns."""
+  if names_l:
+    y = jax.lax.all_to_all(y, names_l, 2, 0, tiled=True)
+  if names_sum:
+    y = jax.lax.all_gather(y, names_sum, axis=0, tiled=True)
+  return y[:batch]
