@@ -197,12 +197,14 @@ def init(cfg: GPTConfig, par: Parallelism = Parallelism(), seed: int = 0) -> tup
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(seed))))
 
   def create():
-    params = nnx.state(GPT(cfg, rngs=nnx.Rngs(seed))).to_pure_dict()
+    params = nnx.to_pure_dict(nnx.state(GPT(cfg, rngs=nnx.Rngs(seed))))
     params["blocks"] = to_stages(params["blocks"], par.pp, par.virtual_stages)
     return params
 
   if par.mesh is None:
     return graphdef, jax.jit(create)()
+  if cfg.num_heads % par.tp:
+    raise ValueError(f"tp={par.tp} does not divide num_heads={cfg.num_heads}; choose a tp that divides it")
   specs = param_specs(jax.eval_shape(create))
   dion_jax.tree_check_divisible(jax.eval_shape(create), specs, par.mesh)
   return graphdef, jax.jit(create, out_shardings=shardings(par.mesh, specs))()

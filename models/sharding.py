@@ -6,7 +6,10 @@ collectives; PP is explicit (``models/pipeline.py``: a ``shard_map`` manual over
 - Parameters carry the PartitionSpecs of :func:`param_specs` (Megatron's layouts in Flax's
   (fan_in, fan_out) kernel order): column-parallel ``P('fs', 'tp')`` for query, key, value,
   MLP-up and the LM head (vocab-parallel), row-parallel ``P('tp', 'fs')`` for attention-out
-  and MLP-down, the embedding ``P('tp', 'fs')`` (vocab-parallel), norm scales replicated.
+  and MLP-down, the embedding vocab-parallel; norm scales replicated. The embedding and
+  the LM head are used whole on every stage of a pipeline, so their d_model dimension is
+  sharded over ``pp`` as well as ``fs`` (``P('tp', ('fs', 'pp'))``, ``P(('fs', 'pp'), 'tp')``):
+  gathered where used like any FS weight, they cost 1/pp of the memory on each stage.
   Stacked block parameters have leading (stage, layer) axes, the stage axis on ``pp``.
 - FS (ZeRO-3): inside the layer scan, :meth:`Parallelism.weight` constrains each layer's
   kernel to its tp sharding alone, so the partitioner all-gathers that one layer over
@@ -140,9 +143,9 @@ def param_specs(params: Any) -> Any:
   def spec(path, leaf):
     names = [str(getattr(k, "key", k)) for k in path]
     if names[0] == "embed":
-      return dion_jax.embedding()
+      return P("tp", ("fs", "pp"))
     if names[0] == "lm_head":
-      return KERNEL_LAYOUTS["column"][0]
+      return P(("fs", "pp"), "tp")
     if names[-1] == "scale":
       base = dion_jax.vector()
     else:

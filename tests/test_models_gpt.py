@@ -1,0 +1,252 @@
+"""The GPT against a float64 NumPy reference, and every mesh against one device."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dion_jax
+import models
+from dion_jax import comms
+
+CFG = models.preset("tiny", num_layers=4, d_model=64, num_heads=4, seq_len=16)
+BATCH = 8
+
+
+def _batch(seed=0, cfg=CFG):
+  tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (BATCH, cfg.seq_len + 1))
+  return {"inputs": jnp.asarray(tokens[:, :-1], jnp.int32), "targets": jnp.asarray(tokens[:, 1:], jnp.int32)}
+
+
+def _mesh(spec):
+  sizes = dion_jax.parse_mesh_spec(spec)
+  return dion_jax.make_mesh(spec, jax.devices()[: int(np.prod(list(sizes.values())))])
+
+
+def _in_layer_order(tree, par):
+  tree = dict(tree)
+  tree["blocks"] = models.to_layers(tree["blocks"], par.pp, par.virtual_stages)
+  return tree
+
+
+# --- an independent float64 implementation of the forward pass ------------------------
+
+
+def _np_rms(x, scale=None, eps=1e-6):
+  y = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps)
+  return y if scale is None else y * scale
+
+
+def _np_loss(params, cfg, inputs, targets):
+  p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+  blocks = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), p["blocks"])
+  B, T = inputs.shape
+  N, H = cfg.num_heads, cfg.head_dim
+  x = p["embed"]["embedding"][inputs]
+  half = H // 2
+  inv_freq = 1.0 / cfg.rope_base ** (np.arange(half) / half)
+  ang = np.arange(T)[:, None] * inv_freq[None]
+  cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
+
+  def rotary(z):
+    z1, z2 = z[..., :half], z[..., half:]
+    return np.concatenate([z1 * cos + z2 * sin, z2 * cos - z1 * sin], -1)
+
+  causal = np.tril(np.ones((T, T), bool))
+  for l in range(cfg.num_layers):
+    w = jax.tree.map(lambda a: a[l], blocks)
+    h = _np_rms(x, w["attn_norm"]["scale"])
+    q, k, v = (h @ w["attn"][n]["kernel"] for n in ("query", "key", "value"))
+    q, k, v = (z.reshape(B, T, N, H) for z in (q, k, v))
+    q, k = _np_rms(rotary(q)), _np_rms(rotary(k))
+    s = np.einsum("bqnh,bknh->bnqk", q, k) / np.sqrt(H)
+    s = np.where(causal, s, -np.inf)
+    a = np.exp(s - s.max(-1, keepdims=True))
+    a /= a.sum(-1, keepdims=True)
+    o = np.einsum("bnqk,bknh->bqnh", a, v).reshape(B, T, N * H)
+    x = x + o @ w["attn"]["out"]["kernel"]
+    h = _np_rms(x, w["mlp_norm"]["scale"])
+    x = x + np.square(np.maximum(h @ w["mlp"]["up"]["kernel"], 0)) @ w["mlp"]["down"]["kernel"]
+  logits = _np_rms(x, p["final_norm"]["scale"]) @ p["lm_head"]["kernel"]
+  m = logits.max(-1, keepdims=True)
+  lse = np.log(np.exp(logits - m).sum(-1)) + m[..., 0]
+  return np.mean(lse - np.take_along_axis(logits, targets[..., None], -1)[..., 0])
+
+
+def test_loss_matches_float64_numpy():
+  graphdef, params = models.init(CFG, seed=1)
+  batch = _batch()
+  # Non-trivial norm scales, so a missing scale would show.
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, x: x * 1.5 if "scale" in jax.tree_util.keystr(path) else x, params)
+  got = float(models.loss(graphdef, params, batch))
+  want = _np_loss(params, CFG, np.asarray(batch["inputs"]), np.asarray(batch["targets"]))
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_initial_loss_is_near_uniform():
+  graphdef, params = models.init(CFG)
+  loss = float(models.loss(graphdef, params, _batch()))
+  assert abs(loss - np.log(CFG.padded_vocab)) < 1.0
+
+
+# --- every mesh gives one device's loss and gradients ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference():
+  graphdef, params = models.init(CFG)
+  loss, grads = jax.jit(jax.value_and_grad(lambda p, b: models.loss(graphdef, p, b)))(params, _batch())
+  return graphdef, float(loss), _in_layer_order(grads, models.Parallelism())
+
+
+def _assert_close_trees(got, want, rtol):
+  for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+    g, w = np.asarray(g), np.asarray(w)
+    err = np.max(np.abs(g - w)) / np.max(np.abs(w))
+    assert err < rtol, f"{jax.tree_util.keystr(path)}: relative error {err:.2e}"
+
+
+MESHES = [
+    ("tp=2", {}),
+    ("tp=2", {"sequence_parallel": True}),
+    ("fs=2,tp=2", {}),
+    ("pp=2", {"microbatches": 4}),
+    ("pp=2", {"microbatches": 4, "virtual_stages": 2}),
+    ("fs=2,tp=2,pp=2", {"microbatches": 2}),
+    ("rp=2,fs=2,tp=2", {"sequence_parallel": True}),
+    ("rp=2,tp=2,pp=2", {"microbatches": 2, "virtual_stages": 2}),
+]
+
+
+@pytest.mark.parametrize("spec,options", MESHES, ids=[f"{s}{o}" for s, o in MESHES])
+def test_mesh_matches_one_device(reference, spec, options):
+  graphdef, want_loss, want_grads = reference
+  mesh = _mesh(spec)
+  par = models.Parallelism(mesh, **options)
+  _, params = models.init(CFG, par)
+
+  def loss_fn(p, b):
+    return models.loss(graphdef, p, b, par)
+
+  per_replica = jax.tree.map(lambda label: label == "dion", dion_jax.default_labels(params))
+  with jax.set_mesh(mesh):
+    if par.size("rp") > 1:  # per-replica gradients of the Dion matrices, averaged here
+      loss, grads = jax.jit(dion_jax.value_and_grad_per_replica(loss_fn, mesh, per_replica))(params, _batch())
+      grads = jax.tree.map(lambda g, keep: g.mean(0) if keep else g, grads, per_replica)
+    else:
+      loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params, _batch())
+  np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
+  _assert_close_trees(_in_layer_order(grads, par), want_grads, rtol=1e-5)
+
+
+def test_remat_and_bfloat16():
+  graphdef, params = models.init(CFG)
+  batch = _batch()
+  grad = jax.jit(jax.value_and_grad(lambda p: models.loss(graphdef, p, batch)))
+  loss, grads = grad(params)
+  remat_graphdef, _ = models.init(models.preset("tiny", **{**CFG.__dict__, "remat": True}))
+  loss_r, grads_r = jax.jit(jax.value_and_grad(lambda p: models.loss(remat_graphdef, p, batch)))(params)
+  np.testing.assert_allclose(float(loss_r), float(loss), rtol=1e-6)
+  _assert_close_trees(grads_r, grads, rtol=1e-5)
+  bf16_graphdef, _ = models.init(models.preset("tiny", **{**CFG.__dict__, "dtype": "bfloat16"}))
+  np.testing.assert_allclose(float(models.loss(bf16_graphdef, params, batch)), float(loss), rtol=2e-2)
+
+
+# --- training with Dion on a mesh ---------------------------------------------------
+
+
+def _train(spec, options, steps=3):
+  mesh = None if spec is None else _mesh(spec)
+  par = models.Parallelism(mesh, **options)
+  graphdef, params = models.init(CFG, par)
+  # The specs name each matrix's tp dimension, which is the one Dion orthonormalizes:
+  # one device needs them too to run the same algorithm (for square matrices).
+  tx = dion_jax.dion(0.02, rank_fraction=0.25, mesh=mesh, partition_specs=models.param_specs(params))
+  opt_state = tx.init(params)
+
+  @jax.jit
+  def step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(lambda p: models.loss(graphdef, p, batch, par))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  losses = []
+  with jax.set_mesh(mesh) if mesh is not None else _nullcontext():
+    for i in range(steps):
+      params, opt_state, loss = step(params, opt_state, _batch(seed=i))
+      losses.append(float(loss))
+  return losses, _in_layer_order(params, par)
+
+
+class _nullcontext:
+  def __enter__(self):
+    return None
+
+  def __exit__(self, *exc):
+    return False
+
+
+def test_dion_training_on_fs_tp_pp_matches_one_device():
+  want_losses, want_params = _train(None, {})
+  losses, params = _train("fs=2,tp=2,pp=2", {"microbatches": 2})
+  assert want_losses[-1] < want_losses[0]
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  _assert_close_trees(params, want_params, rtol=1e-5)
+
+
+# --- what each device holds, and what the compiled step communicates --------------------
+
+
+def _device_bytes(params):
+  return sum(shard.data.nbytes for x in jax.tree.leaves(params) for shard in x.addressable_shards
+             if shard.device == jax.devices()[0])
+
+
+def test_parameter_bytes_per_device_scale_with_the_mesh():
+  cfg = models.preset("tiny", num_layers=4, d_model=64, num_heads=4, seq_len=16, vocab_size=512)
+  total = _device_bytes(models.init(cfg)[1])
+  for spec in ("fs=2", "tp=2", "pp=2", "fs=2,tp=2", "fs=2,tp=2,pp=2", "fs=4,tp=2"):
+    sizes = dion_jax.parse_mesh_spec(spec)
+    shards = sizes["fs"] * sizes["tp"] * sizes["pp"]
+    par = models.Parallelism(_mesh(spec), microbatches=sizes["pp"])
+    per_device = _device_bytes(models.init(cfg, par)[1])
+    # Replicated vectors (norm scales) are the only padding: under 2% here.
+    assert total / shards <= per_device <= total / shards * 1.02, spec
+
+
+def _compiled_step(spec, cfg=CFG, **options):
+  mesh = _mesh(spec)
+  par = models.Parallelism(mesh, **options)
+  graphdef, params = models.init(cfg, par)
+  with jax.set_mesh(mesh):
+    compiled = jax.jit(jax.value_and_grad(lambda p, b: models.loss(graphdef, p, b, par))).lower(
+        params, _batch(cfg=cfg)).compile()
+  return mesh, compiled
+
+
+def test_full_vocabulary_logits_never_on_one_device():
+  cfg = models.preset("tiny", num_layers=2, d_model=64, num_heads=4, seq_len=16, vocab_size=300)
+  assert cfg.padded_vocab == 384
+  _, compiled = _compiled_step("tp=2", cfg)
+  hlo = compiled.as_text()
+  # Only vocab shards exist on a device: no array has a dimension of the full vocabulary.
+  assert re.search(r"\[[0-9,]*\b192\b[0-9,]*\]", hlo)
+  assert not re.search(r"\[[0-9,]*\b384\b[0-9,]*\]", hlo)
+
+
+def test_fs_tp_step_gathers_one_layer_at_a_time():
+  mesh, compiled = _compiled_step("fs=2,tp=2", sequence_parallel=True)
+  stats = dion_jax.collective_stats(compiled, mesh)
+  ops = {(s.op, s.axes) for s in stats}
+  # Expected: weight gathers over fs, activation gathers/reductions over tp (vocab-parallel
+  # loss, SP), weight-gradient reductions over fs; nothing over rp or pp, no all-to-all.
+  assert ("all-gather", ("fs",)) in ops and ("all-gather", ("tp",)) in ops
+  assert all(not set(s.axes) & {"rp", "pp"} and s.op != "all-to-all" for s in stats), stats
+  D, F, V = CFG.d_model, CFG.d_mlp, CFG.padded_vocab
+  largest_layer_kernel = D * F // 2 * 4  # MLP kernels, tp-sharded, gathered over fs
+  table = V // 2 * D * 4  # embedding / LM head, tp-sharded, gathered over fs
+  for shape in re.findall(r"= (f32\[[0-9,]*\])\{[^}]*\} all-gather", compiled.as_text()):
+    assert comms.shape_bytes(shape) <= max(largest_layer_kernel, table), shape
