@@ -1,0 +1,185 @@
+"""Orbax checkpoints that restore onto any mesh.
+
+A checkpoint (one Orbax ``CheckpointManager`` step, written asynchronously and renamed
+into place when complete, so a crash mid-save leaves the previous one intact) holds:
+
+- ``state``: parameters and optimizer state as nested dicts of arrays (optax's named
+  tuples flattened to their field names), in the mesh-independent layout: stacked block
+  leaves in layer order ``(num_layers, ...)`` (``models.to_layers``), and Dion's
+  per-replica momentum with its leading rp axis as it is;
+- ``meta`` (JSON): step, optimizer updates applied, the data iterator's state;
+- ``config`` (JSON): the run's Config and the model's GPTConfig.
+
+Restoring reads every array with the new mesh's sharding of its non-stacked dimensions,
+then one jitted function re-stacks the layers into the new mesh's pipeline stages and
+fits the replica axis to the new rp: kept as it is when rp is unchanged (a bit-identical
+resume), else averaged and broadcast (``dion_jax.average_replicas``: only the replicas'
+mean momentum matters to the trajectory).
+
+The data iterator's state is saved once as JSON rather than with
+``grain.checkpoint.CheckpointSave``, whose files are keyed by the process count: the
+loader's state counts global steps (``data/loader.py``), the same on every process, so
+one copy restores on any number of processes.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import dion_jax
+import models
+from train.config import UsageError
+
+REPLICA_AXIS = "rp"
+
+
+def _names(path) -> list[str]:
+  return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+
+
+def _is_stacked(path) -> bool:
+  return "blocks" in _names(path)
+
+
+def _has_replica_axis(x: jax.Array) -> bool:
+  spec = x.sharding.spec
+  return len(spec) > 0 and spec[0] == REPLICA_AXIS
+
+
+def _nest(pairs) -> dict:
+  out: dict = {}
+  for path, leaf in pairs:
+    *head, last = _names(path)
+    node = out
+    for name in head:
+      node = node.setdefault(name, {})
+    node[last] = leaf
+  return out
+
+
+def _lookup(nested: dict, path) -> Any:
+  for name in _names(path):
+    nested = nested[name]
+  return nested
+
+
+def to_saved(tree: Any, pp: int, virtual_stages: int) -> dict:
+  """The mesh-independent nested dict of ``tree`` (fresh arrays: safe from donation)."""
+  paths, leaves = zip(*jax.tree_util.tree_leaves_with_path(tree))
+  replicas = [_has_replica_axis(x) for x in leaves]
+
+  def leaf(path, x, replica):
+    if not _is_stacked(path):
+      return jnp.copy(x)
+    if replica:
+      return jax.vmap(lambda m: models.to_layers(m, pp, virtual_stages))(x)
+    return models.to_layers(x, pp, virtual_stages)
+
+  @jax.jit
+  def convert(leaves):
+    return _nest((p, leaf(p, x, r)) for p, x, r in zip(paths, leaves, replicas))
+
+  return convert(leaves)
+
+
+def _saved_struct(path, x: jax.Array, saved_shape: tuple[int, ...] | None) -> jax.ShapeDtypeStruct:
+  """What to read for live leaf ``x``: the saved shape, sharded like x's non-stacked dims."""
+  spec = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+  shape = x.shape
+  if _has_replica_axis(x):
+    shape, spec = shape[1:], spec[1:]
+  if _is_stacked(path):
+    shape, spec = (shape[0] * shape[1],) + shape[2:], (None,) + spec[2:]
+  name = "/".join(_names(path))
+  if saved_shape is None or tuple(saved_shape[-len(shape):] if shape else ()) != shape or \
+      len(saved_shape) not in (len(shape), len(shape) + 1):
+    raise UsageError(f"the checkpoint's {name} has shape {saved_shape} but this run needs {shape};"
+                     " it was saved by another model or optimizer: pass the flags it was saved"
+                     " with (--resume reuses them when left off) or start a new --run-dir")
+  if len(saved_shape) > len(shape):
+    spec = (None,) + spec
+  return jax.ShapeDtypeStruct(tuple(saved_shape), x.dtype, sharding=NamedSharding(x.sharding.mesh, P(*spec)))
+
+
+def from_saved(saved: dict, like: Any, pp: int, virtual_stages: int) -> Any:
+  """Inverse of :func:`to_saved` onto the layout and shardings of the live tree ``like``."""
+
+  paths, targets = zip(*jax.tree_util.tree_leaves_with_path(like))
+  replicas = [_has_replica_axis(t) for t in targets]
+
+  def leaf(path, x, target, live_replicas):
+    saved_replicas = x.ndim > target.ndim - live_replicas - _is_stacked(path)
+    if saved_replicas and not live_replicas:
+      x = x.mean(0)
+    elif live_replicas and not saved_replicas:
+      x = jnp.broadcast_to(x[None], (target.shape[0],) + x.shape)
+    elif live_replicas and x.shape[0] != target.shape[0]:
+      x = dion_jax.average_replicas(x, target.shape[0])
+    if _is_stacked(path):
+      to_stages = lambda m: models.to_stages(m, pp, virtual_stages)  # noqa: E731
+      x = jax.vmap(to_stages)(x) if live_replicas else to_stages(x)
+    return x.astype(target.dtype)
+
+  def convert(saved):
+    leaves = [leaf(p, _lookup(saved, p), t, r) for p, t, r in zip(paths, targets, replicas)]
+    return jax.tree.unflatten(jax.tree.structure(like), leaves)
+
+  shardings = jax.tree.map(lambda t: t.sharding, like)
+  return jax.jit(convert, out_shardings=shardings)(saved)
+
+
+class Checkpoints:
+  """The run's ``CheckpointManager``: async saves, the newest ``keep`` kept."""
+
+  def __init__(self, directory: str, keep: int, create: bool):
+    self.directory = directory
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create,
+                                           enable_async_checkpointing=True)
+    self.manager = ocp.CheckpointManager(directory, options=options,
+                                         item_names=("state", "meta", "config"))
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def save(self, step: int, state: dict, meta: dict, config: dict) -> None:
+    self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
+        config=ocp.args.JsonSave(config)))
+
+  def read_json(self, step: int) -> tuple[dict, dict]:
+    """The ``meta`` and ``config`` of checkpoint ``step``."""
+    out = self.manager.restore(step, args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore(), config=ocp.args.JsonRestore()))
+    return out["meta"], out["config"]
+
+  def restore_state(self, step: int, like: Any, pp: int, virtual_stages: int) -> Any:
+    """The saved state laid out like ``like`` (a live tree on the new mesh)."""
+    shapes = self.manager.item_metadata(step)["state"]
+
+    def struct(path, x):
+      try:
+        saved_shape = _lookup(shapes, path).shape
+      except (KeyError, TypeError):
+        saved_shape = None
+      return _saved_struct(path, x, saved_shape)
+
+    target = _nest((p, struct(p, x)) for p, x in jax.tree_util.tree_leaves_with_path(like))
+    saved = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+    return from_saved(saved["state"], like, pp, virtual_stages)
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+def existing_steps(directory: str) -> list[int]:
+  """Complete checkpoint steps in ``directory`` without creating it (none if it is missing)."""
+  if not os.path.isdir(directory):
+    return []
+  return [int(n) for n in os.listdir(directory) if n.isdigit()]

@@ -1,0 +1,277 @@
+"""The trainer's one configuration: a frozen dataclass, its command line, its JSON.
+
+Every flag of ``python -m train.gpt`` is a field of :class:`Config` with the same name
+(``--lr-warmup-steps`` is ``lr_warmup_steps``); its default lives in the dataclass, its
+help text in :data:`HELP`. With ``--resume``, flags left off the command line keep the
+values saved in the run's ``config.json``, so ``--resume --run-dir DIR`` alone continues
+a run as it was started.
+
+Nothing here imports jax: the entry point must know the mesh (how many host devices to
+create) and the multi-host flags before JAX starts.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+PRESET_NAMES = ("tiny", "small", "350m", "1b")
+OPTIMIZERS = ("dion", "adamw", "lion", "muon")
+# Base learning rates that train the tiny preset well; --lr overrides.
+DEFAULT_LR = {"dion": 0.01, "muon": 0.02, "adamw": 3e-3, "lion": 3e-4}
+DECAY_STYLES = ("constant", "linear", "cosine", "wsd")
+
+
+class UsageError(ValueError):
+  """Bad input the user can fix: printed as one ``error: ...`` line, exit code 2."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  # model
+  preset: str = "tiny"
+  num_layers: int | None = None
+  hidden_size: int | None = None
+  num_attention_heads: int | None = None
+  seq_len: int | None = None
+  dtype: str | None = None
+  remat: bool = False
+  sequence_parallel: bool = False
+  virtual_stages: int = 1
+  # data
+  data: tuple[str, ...] = ("stdlib",)
+  valid_data: str | None = None
+  vocab_size: int | None = None
+  # optimizer
+  optimizer: str = "dion"
+  lr: float | None = None
+  min_lr: float = 0.0
+  lr_warmup_steps: int | None = None
+  lr_decay_style: str = "cosine"
+  lr_decay_steps: int | None = None
+  lr_wsd_decay_steps: int | None = None
+  weight_decay: float = 0.01
+  clip_grad: float = 1.0
+  max_skipped: int = 10
+  dion_rank_fraction: float = 1.0
+  dion_momentum: float = 0.95
+  dion_qr_method: str = "rcqr"
+  dion_scale_rule: str = "fan_ratio"
+  dion_scalar_optimizer: str = "adamw"
+  dion_replicate_sync: bool = True
+  # batch and steps
+  global_batch_size: int = 16
+  micro_batch_size: int | None = None
+  steps: int = 200
+  seed: int = 0
+  # parallelism
+  mesh: str | None = None
+  # logging and evaluation
+  log_interval: int = 10
+  eval_every: int = 100
+  eval_tokens: int = 16384
+  # run directory and checkpoints
+  name: str | None = None
+  run_dir: str | None = None
+  ckpt_dir: str | None = None
+  save_every: int = 100
+  keep: int = 2
+  resume: bool = False
+  # multi-host
+  coordinator: str | None = None
+  num_processes: int | None = None
+  process_id: int | None = None
+  distributed: bool = False
+
+  @property
+  def learning_rate(self) -> float:
+    return DEFAULT_LR[self.optimizer] if self.lr is None else self.lr
+
+  @property
+  def decay_steps(self) -> int:
+    return self.steps if self.lr_decay_steps is None else self.lr_decay_steps
+
+  @property
+  def warmup_steps(self) -> int:
+    return self.decay_steps // 20 if self.lr_warmup_steps is None else self.lr_warmup_steps
+
+  @property
+  def run_path(self) -> str:
+    name = self.name or f"{self.preset}-{self.optimizer}"
+    return os.path.abspath(self.run_dir or os.path.join("runs", name))
+
+  @property
+  def ckpt_path(self) -> str:
+    return os.path.abspath(self.ckpt_dir or os.path.join(self.run_path, "checkpoints"))
+
+  @property
+  def data_spec(self) -> str:
+    """``--data`` as a ``data.load_source`` spec (a Megatron-style blend ``W1 S1 W2 S2``
+    becomes ``W1:S1,W2:S2``; ``fineweb:`` and ``megatron:`` prefixes are dropped, the
+    loader tells the formats apart)."""
+    parts = [_strip_format(p) for p in self.data]
+    if len(parts) == 1:
+      return parts[0]
+    if len(parts) % 2:
+      raise UsageError(f"--data {' '.join(self.data)}: a blend is pairs of WEIGHT SOURCE,"
+                       " e.g. --data 0.7 fineweb:'dir/*.bin' 0.3 stdlib")
+    return ",".join(f"{w}:{s}" for w, s in zip(parts[::2], parts[1::2]))
+
+  @property
+  def valid_spec(self) -> str | None:
+    if self.valid_data is not None:
+      return _strip_format(self.valid_data) or None
+    return "stdlib:val" if self.data_spec in ("stdlib", "stdlib:train") else None
+
+  def check(self) -> None:
+    """Range checks that need no devices; raises :class:`UsageError`."""
+    positive = ("virtual_stages", "global_batch_size", "steps", "log_interval", "keep",
+                "max_skipped", "micro_batch_size", "num_layers", "hidden_size",
+                "num_attention_heads", "seq_len", "vocab_size", "num_processes")
+    for name in positive:
+      value = getattr(self, name)
+      if value is not None and value < 1:
+        raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    for name in ("eval_every", "eval_tokens", "save_every", "lr_warmup_steps", "clip_grad",
+                 "weight_decay", "min_lr", "lr_decay_steps", "lr_wsd_decay_steps"):
+      if (getattr(self, name) or 0) < 0:
+        raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+    if not 0 < self.dion_rank_fraction <= 1:
+      raise UsageError(f"--dion-rank-fraction must be in (0, 1], got {self.dion_rank_fraction}")
+    if self.lr is not None and self.lr <= 0:
+      raise UsageError(f"--lr must be positive, got {self.lr}")
+    if self.warmup_steps > self.decay_steps:
+      raise UsageError(f"--lr-warmup-steps {self.warmup_steps} exceeds the decay steps"
+                       f" {self.decay_steps}; lower it or raise --lr-decay-steps")
+    multi = (self.coordinator, self.num_processes, self.process_id)
+    if any(v is not None for v in multi) and None in multi:
+      raise UsageError("multi-host runs need all of --coordinator HOST:PORT, --num-processes"
+                       " and --process-id (or --distributed to let JAX detect them)")
+    self.data_spec  # noqa: B018  raises on a malformed blend
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def _strip_format(spec: str) -> str:
+  for prefix in ("fineweb:", "megatron:"):
+    if spec.startswith(prefix):
+      return spec[len(prefix):]
+  return spec
+
+
+HELP = {
+    "preset": "model size: %s (default tiny: 4 layers x 128, seq 128)" % "|".join(PRESET_NAMES),
+    "num_layers": "override the preset's number of transformer layers",
+    "hidden_size": "override the preset's model width d_model",
+    "num_attention_heads": "override the preset's attention heads (must divide the hidden size)",
+    "seq_len": "override the preset's tokens per sequence",
+    "dtype": "compute dtype float32|bfloat16 (default: bfloat16 on GPU, float32 on CPU);"
+             " parameters and optimizer state stay float32",
+    "remat": "recompute each layer's activations in the backward pass (less memory)",
+    "sequence_parallel": "shard activations along the sequence over tp between layers",
+    "virtual_stages": "stages per pp device of a circular (interleaved) pipeline (default 1)",
+    "data": "training data: stdlib (the embedded corpus, default) | fineweb:GLOB |"
+            " megatron:PREFIX | a blend W1 SRC1 W2 SRC2 ... (e.g. 0.7 fineweb:'d/*.bin' 0.3 stdlib)",
+    "valid_data": "validation data spec (default: stdlib:val for the embedded corpus, none otherwise)",
+    "vocab_size": "tokenizer vocabulary size, where the data does not record it (Megatron datasets)",
+    "optimizer": "%s (default dion: Dion on matrices, --dion-scalar-optimizer on the rest;"
+                 " muon: optax's Muon per matrix, AdamW on the rest)" % "|".join(OPTIMIZERS),
+    "lr": "peak learning rate (default: %s)" % ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items()),
+    "min_lr": "learning rate at the end of the decay (default 0)",
+    "lr_warmup_steps": "linear warmup to --lr over this many steps (default: 5%% of the decay steps)",
+    "lr_decay_style": "%s after warmup (default cosine; wsd: constant, then linear decay over"
+                      " --lr-wsd-decay-steps)" % "|".join(DECAY_STYLES),
+    "lr_decay_steps": "steps over which warmup and decay run (default --steps); set it when a"
+                      " run is split over several invocations",
+    "lr_wsd_decay_steps": "final decay steps of wsd (default: a fifth of the decay steps)",
+    "weight_decay": "decoupled weight decay, times the learning rate (default 0.01)",
+    "clip_grad": "clip the gradient to this global norm, 0 for none (default 1.0); with Dion's"
+                 " per-replica gradients the norm of their mean",
+    "max_skipped": "stop after this many consecutive steps with a non-finite loss or"
+                   " gradient (default 10); skipped steps change nothing",
+    "dion_rank_fraction": "Dion's rank r / min(m, n), in (0, 1] (default 1; 0.25 cuts"
+                          " its compute and data-parallel traffic)",
+    "dion_momentum": "Dion's error-feedback momentum mu (default 0.95)",
+    "dion_qr_method": "rcqr|cqr|qr orthonormalization of Dion's power iteration (default rcqr)",
+    "dion_scale_rule": "fan_ratio|spectral|max_one|none shape scale of Dion's update"
+                       " (default fan_ratio, the reference's sqrt(fan_out/fan_in))",
+    "dion_scalar_optimizer": "adamw|lion for embeddings, LM head and norms (default adamw)",
+    "dion_replicate_sync": "with rp > 1 keep per-replica momentum and average only Dion's"
+                           " low-rank factors over rp (default on)",
+    "global_batch_size": "sequences per optimizer step over all devices (default 16)",
+    "micro_batch_size": "sequences per data-parallel rank per micro-step (default: all of"
+                        " them); micro-batches = global / (micro x rp x fs) feed gradient"
+                        " accumulation, or the pipeline when pp > 1",
+    "steps": "optimizer steps of the run, counted from its start (default 200)",
+    "seed": "seed of the initialization, Dion's sketches and the data order (default 0)",
+    "mesh": "device mesh, e.g. rp=1,fs=2,tp=2 (axes rp, fs, tp, pp; missing ones are 1;"
+            " default fs=<all devices>); on CPU the trainer creates the host devices it needs",
+    "log_interval": "steps between log lines (default 10)",
+    "eval_every": "steps between validation evaluations, 0 for only at the end (default 100)",
+    "eval_tokens": "validation tokens per evaluation (default 16384)",
+    "name": "run name: the run directory is runs/NAME (default PRESET-OPTIMIZER)",
+    "run_dir": "run directory for config.json, metrics.jsonl and checkpoints (default runs/NAME)",
+    "ckpt_dir": "checkpoint directory (default RUN_DIR/checkpoints)",
+    "save_every": "steps between checkpoints, 0 for only at the end (default 100)",
+    "keep": "checkpoints to keep, newest first (default 2)",
+    "resume": "continue from the latest complete checkpoint; flags left off keep the values"
+              " saved in the run's config.json",
+    "coordinator": "multi-host: HOST:PORT of process 0's coordinator",
+    "num_processes": "multi-host: number of processes",
+    "process_id": "multi-host: this process's index in [0, --num-processes)",
+    "distributed": "multi-host with jax.distributed.initialize's auto-detection (SLURM, Open MPI, TPU)",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message):
+    raise UsageError(f"{message} (see python -m train.gpt --help)")
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = _Parser(prog="python -m train.gpt", argument_default=argparse.SUPPRESS,
+                   description="Train a GPT with Dion (or AdamW, Lion, Muon) on a device mesh.")
+  choices = {"preset": PRESET_NAMES, "dtype": ("float32", "bfloat16"), "optimizer": OPTIMIZERS,
+             "lr_decay_style": DECAY_STYLES, "dion_qr_method": ("rcqr", "cqr", "qr"),
+             "dion_scale_rule": ("fan_ratio", "spectral", "max_one", "none"),
+             "dion_scalar_optimizer": ("adamw", "lion")}
+  for field in dataclasses.fields(Config):
+    flag = "--" + field.name.replace("_", "-")
+    kind = field.type.split(" |")[0]
+    if kind == "bool":
+      action = argparse.BooleanOptionalAction if field.default else "store_true"
+      parser.add_argument(flag, action=action, help=HELP[field.name])
+    elif field.name == "data":
+      parser.add_argument(flag, nargs="+", metavar="SPEC", help=HELP[field.name])
+    else:
+      parser.add_argument(flag, type={"int": int, "float": float}.get(kind, str),
+                          choices=choices.get(field.name), help=HELP[field.name])
+  return parser
+
+
+def parse(argv: list[str] | None = None) -> Config:
+  """The run's Config from the command line (and, with ``--resume``, its saved config)."""
+  given = vars(_parser().parse_args(argv))
+  if "data" in given:
+    given["data"] = tuple(given["data"])
+  values = dict(given)
+  if given.get("resume"):
+    saved = saved_config(Config(**given).run_path)
+    values = {**saved, **given}
+  return Config(**values)
+
+
+def saved_config(run_path: str) -> dict:
+  """The fields saved in ``run_path/config.json`` (empty when there is none)."""
+  path = os.path.join(run_path, "config.json")
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    saved = json.load(f)["train"]
+  known = {f.name for f in dataclasses.fields(Config)}
+  saved = {k: v for k, v in saved.items() if k in known and k not in ("resume", "run_dir")}
+  if "data" in saved:
+    saved["data"] = tuple(saved["data"])
+  return saved

@@ -1,0 +1,63 @@
+"""Train a GPT: ``python -m train.gpt [--mesh rp=1,fs=2,tp=2] [--preset tiny] ...``.
+
+With no arguments it trains the ``tiny`` preset with Dion on the embedded corpus on
+every device there is, and writes ``config.json``, ``metrics.jsonl`` and checkpoints
+under ``runs/tiny-dion/``. ``--help`` lists the flags (``train/config.py``).
+
+One step, top to bottom: this loop feeds a global batch to ``train/step.py``, whose
+jitted step takes the model's loss and gradients (``models/gpt.py``, per rp replica
+through ``dion_jax.value_and_grad_per_replica``), clips, and applies Dion
+(``dion_jax/optimizer.py`` -> ``dion_jax/sharded.py``: the collectives).
+
+Bad input (flags, mesh, batch, data, checkpoints) ends the run before anything is
+written, with one ``error: ...`` line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+from train import config as config_lib
+from train.config import Config, UsageError
+
+EXIT_USAGE, EXIT_DIVERGED = 2, 3
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def _start_jax(cfg: Config) -> None:
+  """Host devices for the mesh and the multi-host runtime, before JAX's backends start."""
+  import jax
+
+  import dion_jax
+
+  processes = cfg.num_processes or 1
+  if cfg.mesh is not None and _DEVICE_COUNT_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    needed = math.prod(dion_jax.parse_mesh_spec(cfg.mesh).values())
+    if needed > processes and needed % processes == 0:
+      # Only the CPU backend reads it: on CPU the mesh then fits; elsewhere it is inert.
+      os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_COUNT_FLAG}={needed // processes}".strip()
+  if cfg.coordinator is not None or cfg.distributed:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id)
+
+
+def main(argv: list[str] | None = None) -> int:
+  try:
+    cfg = config_lib.parse(argv)
+    cfg.check()
+    _start_jax(cfg)
+    from train import loop  # imports jax, models, dion_jax, data
+
+    run = loop.setup(cfg)
+  except (UsageError, ValueError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return EXIT_USAGE
+  return loop.train(run)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,97 @@
+"""Megatron-style log lines on stdout and the same numbers in ``metrics.jsonl``.
+
+    iteration       10/     200 | consumed tokens: 20480 | elapsed time per iteration (ms): 612.3 |
+    tokens/s: 3345 | TFLOP/s per device: 0.02 | learning rate: 1.000000E-02 |
+    lm loss: 5.123456E+00 | grad norm: 1.234 | skipped iterations: 0 | nan iterations: 0
+
+(one line). MFU appears where the device's peak is known. Only process 0 writes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+# Dense bf16 peak TFLOP/s per device, by jax's device_kind.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "B200": 2250.0, "L40S": 362.0,
+               "L4": 121.0, "A10G": 70.0, "V100": 125.0}
+
+
+def peak_tflops(device_kind: str) -> float | None:
+  for name, peak in PEAK_TFLOPS.items():
+    if name.lower() in device_kind.lower():
+      return peak
+  return None
+
+
+class Logger:
+  """Averages the steps of each log interval and writes them out."""
+
+  def __init__(self, run_path: str, steps: int, tokens_per_step: int, flops_per_token: float,
+               num_devices: int, device_kind: str, primary: bool):
+    self.steps, self.tokens_per_step = steps, tokens_per_step
+    self.flops_per_token, self.num_devices = flops_per_token, num_devices
+    self.peak = peak_tflops(device_kind)
+    self.primary = primary
+    self.metrics = open(os.path.join(run_path, "metrics.jsonl"), "a") if primary else None
+    self._reset(time.perf_counter())
+
+  def _reset(self, now: float) -> None:
+    self.start, self.count = now, 0
+    self.losses, self.nan, self.skipped = [], 0, 0
+    self.grad_norm, self.lr = math.nan, math.nan
+
+  def step(self, loss: float, grad_norm: float, lr: float, skipped: bool) -> None:
+    self.count += 1
+    self.skipped += skipped
+    self.nan += not math.isfinite(loss)
+    if not skipped:
+      self.losses.append(loss)
+      self.grad_norm = grad_norm
+    self.lr = lr
+
+  def flush(self, step: int) -> None:
+    """Writes the line of the interval that ends at ``step``."""
+    now = time.perf_counter()
+    ms = 1e3 * (now - self.start) / max(self.count, 1)
+    tokens_per_s = self.tokens_per_step / (ms / 1e3)
+    tflops = tokens_per_s * self.flops_per_token / self.num_devices / 1e12
+    loss = sum(self.losses) / len(self.losses) if self.losses else math.nan
+    record = {"step": step, "tokens": step * self.tokens_per_step, "ms_per_step": ms,
+              "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
+              "learning_rate": self.lr, "loss": loss, "grad_norm": self.grad_norm,
+              "skipped": self.skipped, "nan": self.nan}
+    fields = [f"iteration {step:8d}/{self.steps:8d}", f"consumed tokens: {record['tokens']}",
+              f"elapsed time per iteration (ms): {ms:.1f}", f"tokens/s: {tokens_per_s:.0f}",
+              f"TFLOP/s per device: {tflops:.3f}"]
+    if self.peak:
+      record["mfu"] = tflops / self.peak
+      fields.append(f"MFU: {100 * record['mfu']:.1f}%")
+    fields += [f"learning rate: {self.lr:.6E}", f"lm loss: {loss:.6E}",
+               f"grad norm: {self.grad_norm:.3f}", f"skipped iterations: {self.skipped}",
+               f"nan iterations: {self.nan}"]
+    self._write(" | ".join(fields), record)
+    self._reset(now)
+
+  def validation(self, step: int, loss: float, tokens: int, seconds: float) -> None:
+    """Logs an evaluation that took ``seconds``, which do not count as training time."""
+    ppl = math.exp(min(loss, 700.0))
+    self._write(f"validation at iteration {step:8d} | validation lm loss: {loss:.6E} |"
+                f" validation lm loss PPL: {ppl:.6E} | tokens: {tokens}",
+                {"step": step, "tokens": step * self.tokens_per_step, "val_loss": loss, "val_ppl": ppl})
+    self.start += seconds
+
+  def message(self, text: str) -> None:
+    if self.primary:
+      print(text, flush=True)
+
+  def _write(self, line: str, record: dict) -> None:
+    if self.primary:
+      print(line, flush=True)
+      self.metrics.write(json.dumps(record) + "\n")
+      self.metrics.flush()
+
+  def close(self) -> None:
+    if self.metrics:
+      self.metrics.close()

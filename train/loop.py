@@ -1,0 +1,260 @@
+"""The training run: setup (mesh, data, model, optimizer, checkpoint) and the loop.
+
+:func:`setup` checks everything a run needs before it writes anything, raising
+``UsageError`` / ``ValueError`` with one line that names the problem and the fix;
+:func:`train` then runs the steps, logs, evaluates and saves.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import data
+import dion_jax
+import models
+from train import checkpoint as ckpt_lib
+from train import optim
+from train import step as step_lib
+from train.config import Config, UsageError
+from train.log import Logger
+
+# Model fields a checkpoint's arrays depend on.
+_SHAPE_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "mlp_ratio")
+
+
+@dataclasses.dataclass
+class Run:
+  cfg: Config
+  model_cfg: models.GPTConfig
+  mesh: jax.sharding.Mesh
+  par: models.Parallelism
+  state: step_lib.TrainState
+  start_step: int
+  train_step: Any
+  eval_step: Any
+  train_batches: Any  # grain iterator of this process's rows
+  valid_source: Any
+  batch_sharding: NamedSharding
+  shard: tuple[int, int]
+  checkpoints: ckpt_lib.Checkpoints
+  saved_config: dict
+
+
+def _mesh(cfg: Config) -> jax.sharding.Mesh:
+  devices = jax.devices()
+  sizes = dion_jax.parse_mesh_spec(cfg.mesh or f"fs={len(devices)}")
+  needed = math.prod(sizes.values())
+  spec = ",".join(f"{a}={n}" for a, n in sizes.items())
+  if needed > len(devices) or (jax.process_count() > 1 and needed != len(devices)):
+    raise UsageError(f"--mesh {spec} needs {needed} devices but {len(devices)}"
+                     f" {devices[0].platform} devices exist; choose axis sizes whose product is"
+                     f" at most {len(devices)}")
+  return dion_jax.make_mesh(sizes, devices[:needed])
+
+
+def _model_config(cfg: Config, vocab_size: int) -> models.GPTConfig:
+  overrides = {"vocab_size": vocab_size, "remat": cfg.remat,
+               "dtype": cfg.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")}
+  for flag, field in (("num_layers", "num_layers"), ("hidden_size", "d_model"),
+                      ("num_attention_heads", "num_heads"), ("seq_len", "seq_len")):
+    if getattr(cfg, flag) is not None:
+      overrides[field] = getattr(cfg, flag)
+  return models.preset(cfg.preset, **overrides)
+
+
+def _batch_split(cfg: Config, mesh: jax.sharding.Mesh) -> int:
+  """Micro-batches per step, after checking that the batch splits over the mesh."""
+  sizes = dict(mesh.shape)
+  dp = sizes["rp"] * sizes["fs"]
+  if cfg.global_batch_size % dp:
+    raise UsageError(f"--global-batch-size {cfg.global_batch_size} does not split over the {dp}"
+                     f" data-parallel ranks (rp x fs = {sizes['rp']} x {sizes['fs']}); choose a"
+                     f" multiple of {dp}")
+  per_rank = cfg.global_batch_size // dp
+  # A pipeline needs micro-batches in multiples of pp: by default exactly pp of them.
+  micro = cfg.micro_batch_size or max(per_rank // sizes["pp"], 1)
+  if per_rank % micro:
+    raise UsageError(f"--micro-batch-size {micro} does not divide the {per_rank} sequences per"
+                     f" data-parallel rank (--global-batch-size {cfg.global_batch_size} over"
+                     f" {dp} ranks); choose a divisor of {per_rank}")
+  return per_rank // micro
+
+
+def _check_resumable(cfg: Config, existing: list[int]) -> None:
+  where = cfg.ckpt_path
+  if cfg.resume and not os.path.isdir(where):
+    raise UsageError(f"--resume: the checkpoint directory {where} does not exist; check"
+                     " --run-dir/--name/--ckpt-dir, or drop --resume to start a new run")
+  if cfg.resume and not existing:
+    raise UsageError(f"--resume: {where} holds no complete checkpoint; drop --resume to start"
+                     " a new run")
+  if not cfg.resume and existing:
+    raise UsageError(f"{where} already holds checkpoints (latest step {max(existing)}); pass"
+                     " --resume to continue that run, or --name/--run-dir for a new one")
+
+
+def _check_same_model(saved: dict, model_cfg: models.GPTConfig, cfg: Config, where: str) -> None:
+  differ = [f"{k}={saved['model'][k]} (now {getattr(model_cfg, k)})" for k in _SHAPE_FIELDS
+            if saved["model"].get(k) != getattr(model_cfg, k)]
+  if differ:
+    raise UsageError(f"the checkpoint in {where} is of another model: {', '.join(differ)}; pass"
+                     " the model flags it was saved with (--resume reuses them when left off)"
+                     " or start a new --run-dir")
+  if saved["train"]["optimizer"] != cfg.optimizer:
+    raise UsageError(f"the checkpoint in {where} holds --optimizer {saved['train']['optimizer']}"
+                     f" state, not {cfg.optimizer}; resume with --optimizer"
+                     f" {saved['train']['optimizer']} or start a new --run-dir")
+
+
+def config_record(cfg: Config, model_cfg: models.GPTConfig) -> dict:
+  train = dataclasses.replace(cfg, run_dir=cfg.run_path,
+                              ckpt_dir=cfg.ckpt_path if cfg.ckpt_dir else None).to_json()
+  return {"train": train, "model": dataclasses.asdict(model_cfg)}
+
+
+def setup(cfg: Config) -> Run:
+  mesh = _mesh(cfg)
+  accum = _batch_split(cfg, mesh)
+  pp = dict(mesh.shape)["pp"]
+  source = data.load_source(cfg.data_spec, progress=jax.process_index() == 0)
+  valid_source = data.load_source(cfg.valid_spec, progress=False) if cfg.valid_spec else None
+  vocab = cfg.vocab_size or source.vocab_size
+  if vocab is None:
+    raise UsageError(f"--data {' '.join(cfg.data)} does not record its vocabulary size; pass"
+                     " --vocab-size (e.g. 50257 for GPT-2 tokens)")
+  model_cfg = _model_config(cfg, vocab)
+  existing = ckpt_lib.existing_steps(cfg.ckpt_path)
+  _check_resumable(cfg, existing)
+  par = models.Parallelism(mesh, sequence_parallel=cfg.sequence_parallel,
+                           microbatches=accum if pp > 1 else 1, virtual_stages=cfg.virtual_stages)
+
+  batch_sharding = NamedSharding(mesh, P(("rp", "fs")))
+  shard = data.process_batch_shard(batch_sharding, (cfg.global_batch_size, model_cfg.seq_len))
+  train_batches = data.make_loader(source, seq_len=model_cfg.seq_len,
+                                   global_batch_size=cfg.global_batch_size, seed=cfg.seed,
+                                   shard_index=shard[0], shard_count=shard[1])
+  with jax.set_mesh(mesh):
+    graphdef, params = models.init(model_cfg, par, cfg.seed)
+    tx = optim.optimizer(cfg, params, mesh, models.param_specs(params))
+    state = step_lib.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+    train_step = step_lib.make_train_step(graphdef, par, tx, optim.schedule(cfg),
+                                          optim.per_replica_mask(cfg, params, mesh),
+                                          1 if pp > 1 else accum, cfg.clip_grad)
+    eval_step = step_lib.make_eval_step(graphdef, par, 1 if pp > 1 else accum)
+
+  checkpoints = ckpt_lib.Checkpoints(cfg.ckpt_path, cfg.keep, create=not cfg.resume)
+  start_step, record = 0, config_record(cfg, model_cfg)
+  if cfg.resume:
+    start_step = checkpoints.latest_step()
+    meta, saved = checkpoints.read_json(start_step)
+    _check_same_model(saved, model_cfg, cfg, cfg.ckpt_path)
+    with jax.set_mesh(mesh):
+      state = checkpoints.restore_state(start_step, state, pp, cfg.virtual_stages)
+    train_batches.set_state(meta["data"])
+    if start_step >= cfg.steps:
+      raise UsageError(f"--resume: the checkpoint is at step {start_step}, which already reaches"
+                       f" --steps {cfg.steps}; pass a larger --steps to train further")
+  if jax.process_index() == 0:
+    os.makedirs(cfg.run_path, exist_ok=True)
+    with open(os.path.join(cfg.run_path, "config.json"), "w") as f:
+      json.dump(record, f, indent=2)
+  return Run(cfg, model_cfg, mesh, par, state, start_step, train_step, eval_step, train_batches,
+             valid_source, batch_sharding, shard, checkpoints, record)
+
+
+def _global_batch(run: Run, local: dict) -> dict:
+  shape = (run.cfg.global_batch_size, run.model_cfg.seq_len)
+  return {k: jax.make_array_from_process_local_data(run.batch_sharding, np.asarray(v), shape)
+          for k, v in local.items()}
+
+
+def evaluate(run: Run, state: step_lib.TrainState) -> tuple[float, int]:
+  """Mean validation loss over the first ``--eval-tokens`` of the validation data (the
+  same batches at every evaluation), and the tokens it covered."""
+  cfg, seq_len = run.cfg, run.model_cfg.seq_len
+  batches = max(1, cfg.eval_tokens // (cfg.global_batch_size * seq_len))
+  it: Iterator = data.make_loader(run.valid_source, seq_len=seq_len,
+                                  global_batch_size=cfg.global_batch_size, seed=0,
+                                  shard_index=run.shard[0], shard_count=run.shard[1], shuffle=False)
+  with jax.set_mesh(run.mesh):
+    losses = [run.eval_step(state.params, _global_batch(run, next(it))) for _ in range(batches)]
+  return float(np.mean(jax.device_get(losses))), batches * cfg.global_batch_size * seq_len
+
+
+def save(run: Run, step: int, state: step_lib.TrainState) -> None:
+  with jax.set_mesh(run.mesh):
+    tree = ckpt_lib.to_saved(state, dict(run.mesh.shape)["pp"], run.cfg.virtual_stages)
+  meta = {"step": step, "data": run.train_batches.get_state()}
+  run.checkpoints.save(step, tree, meta, run.saved_config)
+
+
+def train(run: Run) -> int:
+  cfg = run.cfg
+  tokens_per_step = cfg.global_batch_size * run.model_cfg.seq_len
+  logger = Logger(cfg.run_path, cfg.steps, tokens_per_step, run.model_cfg.flops_per_token(),
+                  run.mesh.size, jax.devices()[0].device_kind, jax.process_index() == 0)
+  mesh_desc = ",".join(f"{a}={n}" for a, n in dict(run.mesh.shape).items())
+  logger.message(f"training {cfg.preset} ({run.model_cfg.num_params() / 1e6:.2f}M parameters,"
+                 f" {run.model_cfg.dtype}) with {cfg.optimizer} on mesh {mesh_desc}"
+                 f" ({jax.process_count()} process(es)), steps {run.start_step + 1}..{cfg.steps},"
+                 f" run directory {cfg.run_path}")
+  state, consecutive = run.state, 0
+  pending = None  # the previous step's metrics, read while the next step runs
+
+  def account(step: int, metrics: step_lib.StepMetrics) -> None:
+    nonlocal consecutive
+    m = jax.device_get(metrics)
+    logger.step(float(m.loss), float(m.grad_norm), float(m.learning_rate), bool(m.skipped))
+    consecutive = consecutive + 1 if m.skipped else 0
+    if step % cfg.log_interval == 0 or step == cfg.steps:
+      logger.flush(step)
+
+  start = time.perf_counter()
+  last_saved = run.start_step
+  for step in range(run.start_step + 1, cfg.steps + 1):
+    with jax.set_mesh(run.mesh):
+      state, metrics = run.train_step(state, _global_batch(run, next(run.train_batches)))
+    if pending is not None:
+      account(*pending)
+    pending = (step, metrics)
+    if consecutive >= cfg.max_skipped:
+      break
+    is_last = step == cfg.steps
+    evaluating = run.valid_source is not None and cfg.eval_tokens > 0 and (
+        is_last or (cfg.eval_every and step % cfg.eval_every == 0))
+    saving = is_last or (cfg.save_every and step % cfg.save_every == 0)
+    if evaluating or saving:
+      account(*pending)
+      pending = None
+      if consecutive >= cfg.max_skipped:
+        break
+    if evaluating:
+      t0 = time.perf_counter()
+      loss, tokens = evaluate(run, state)
+      logger.validation(step, loss, tokens, time.perf_counter() - t0)
+    if saving:
+      save(run, step, state)
+      last_saved = step
+  if pending is not None:
+    account(*pending)
+  run.checkpoints.close()
+  logger.close()
+  if consecutive >= cfg.max_skipped:
+    print(f"error: stopped after {consecutive} consecutive iterations with a non-finite loss or"
+          f" gradient (--max-skipped {cfg.max_skipped}); the last good checkpoint is step"
+          f" {last_saved} in {cfg.ckpt_path}; lower --lr, raise --lr-warmup-steps or check the"
+          " data", file=sys.stderr)
+    return 3
+  logger.message(f"done: {cfg.steps - run.start_step} steps in {time.perf_counter() - start:.1f} s")
+  return 0

@@ -1,0 +1,72 @@
+"""The learning-rate schedule and the optimizer of a run, from its Config.
+
+Schedules are optax's, joined: a linear warmup to the peak ``--lr`` over
+``--lr-warmup-steps`` (starting at lr / warmup, so the first step already moves), then
+``--lr-decay-style`` down to ``--min-lr`` at ``--lr-decay-steps``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+
+import dion_jax
+from train.config import Config
+
+# The scalar optimizer's betas, as the reference's (DESIGN §2).
+B1, B2 = 0.9, 0.95
+
+
+def schedule(cfg: Config) -> optax.Schedule:
+  lr, end, warmup = cfg.learning_rate, cfg.min_lr, cfg.warmup_steps
+  decay = max(cfg.decay_steps - warmup, 1)
+  if cfg.lr_decay_style == "constant":
+    after = optax.constant_schedule(lr)
+  elif cfg.lr_decay_style == "linear":
+    after = optax.linear_schedule(lr, end, decay)
+  elif cfg.lr_decay_style == "cosine":
+    after = optax.cosine_decay_schedule(lr, decay, alpha=end / lr)
+  else:  # wsd: warmup, stable, then a linear decay over the last steps
+    final = min(cfg.lr_wsd_decay_steps or max(decay // 5, 1), decay)
+    after = optax.join_schedules([optax.constant_schedule(lr), optax.linear_schedule(lr, end, final)],
+                                 [decay - final])
+  if warmup == 0:
+    return after
+  return optax.join_schedules([optax.linear_schedule(lr / warmup, lr, warmup - 1), after], [warmup])
+
+
+def per_replica_mask(cfg: Config, params: Any, mesh: jax.sharding.Mesh) -> Any | None:
+  """Which leaves get one gradient per rp replica (Dion's compressed sync), or None."""
+  if cfg.optimizer != "dion" or not cfg.dion_replicate_sync or dict(mesh.shape)["rp"] == 1:
+    return None
+  return jax.tree.map(lambda label: label == "dion", dion_jax.default_labels(params))
+
+
+def optimizer(cfg: Config, params: Any, mesh: jax.sharding.Mesh, specs: Any) -> optax.GradientTransformation:
+  """The update rule of ``--optimizer`` (without clipping: the train step clips)."""
+  lr = schedule(cfg)
+  if cfg.optimizer == "adamw":
+    return optax.adamw(lr, b1=B1, b2=B2, weight_decay=cfg.weight_decay)
+  if cfg.optimizer == "lion":
+    return optax.lion(lr, b1=B1, b2=B2, weight_decay=cfg.weight_decay)
+  if cfg.optimizer == "muon":
+    # Dion's routing with its matrices relabelled: optax's Muon per stacked matrix,
+    # AdamW for embeddings, LM head and norms.
+    def labels(p):
+      return jax.tree.map(lambda label: "muon" if label == "dion" else label, dion_jax.default_labels(p))
+
+    return dion_jax.dion(lr, weight_decay=cfg.weight_decay, labels=labels)
+  return dion_jax.dion(
+      lr,
+      rank_fraction=cfg.dion_rank_fraction,
+      mu=cfg.dion_momentum,
+      weight_decay=cfg.weight_decay,
+      qr_method=cfg.dion_qr_method,
+      scale_rule=cfg.dion_scale_rule,
+      scalar_optimizer=cfg.dion_scalar_optimizer,
+      seed=cfg.seed,
+      mesh=mesh,
+      partition_specs=specs,
+      replicate_sync=cfg.dion_replicate_sync,
+  )
