@@ -56,10 +56,11 @@ class _View:
   heads: int
 
   def split(self, x):
+    """Splits the fan_out axis of a parameter, or of this device's block of it (whole heads)."""
     if self.heads == 1:
       return x
-    o = self.out_axis
-    return x.reshape(x.shape[:o] + (self.heads, x.shape[o] // self.heads) + x.shape[o + 1 :])
+    o, head_dim = self.out_axis, self.frame.shape[self.out_axis + 1]
+    return x.reshape(x.shape[:o] + (x.shape[o] // head_dim, head_dim) + x.shape[o + 1 :])
 
   def merge(self, x):
     if self.heads == 1:
@@ -226,7 +227,7 @@ def scale_by_orthogonal(
 
   def local_update(view, scale, M, g, *V):
     """One parameter's step on this device's block (or the whole parameter)."""
-    axes = view.axes()
+    axes = view.axes() if mesh is not None else family_core.Axes()
     M_b, g_b = view.to_blocks(M), view.to_blocks(g)
     fr = view.frame
     if algorithm == "dion2":
@@ -284,10 +285,9 @@ def _variance_spec(view: _View) -> P:
 def _sharded(layout, view: _View, scale: float, local_update, args, normuon: bool):
   """``local_update`` inside ``shard_map`` over the parameter's own PartitionSpec."""
   layout._checked(view.frame)
-  for names in view.axes():
-    size = math.prod(dict(layout.mesh.shape)[n] for n in names)
-    if view.heads > 1 and names and view.heads % size:
-      raise ValueError(f"num_heads={view.heads} must be divisible by the {size} shards of {view.frame.name}")
+  size = math.prod(dict(layout.mesh.shape)[n] for n in _names(view.frame.spec[view.out_axis]))
+  if view.heads > 1 and view.heads % size:
+    raise ValueError(f"num_heads={view.heads} must be divisible by the {size} shards of {view.frame.name}'s fan_out")
   pspec = P(*_param_spec(view))
   per_replica = layout.per_replica
   gspec = P("rp", *pspec) if per_replica else pspec
