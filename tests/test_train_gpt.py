@@ -66,7 +66,8 @@ def train_losses(run_dir) -> dict[int, float]:
 
 def saved_state(run_dir) -> dict:
   """The latest checkpoint's state, as numpy arrays in the saved (layer-order) layout."""
-  manager = ocp.CheckpointManager(os.path.join(run_dir, "checkpoints"))
+  manager = ocp.CheckpointManager(os.path.join(run_dir, "checkpoints"),
+                                  item_handlers={"state": ocp.PyTreeCheckpointHandler()})
   step = manager.latest_step()
   meta = manager.item_metadata(step)["state"]
   args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
@@ -102,3 +103,51 @@ def test_default_command_trains(compile_cache, tmp_path):
   assert losses[12] < losses[4] - 1.0  # ln 257 = 5.55 at random; a few Dion steps halve it
   assert json.load(open(run_dir / "config.json"))["model"]["num_layers"] == 4
   assert os.listdir(run_dir / "checkpoints") == ["12"]
+
+
+def test_resume_continues_bit_identically(compile_cache, tmp_path):
+  """8 steps straight == 4 steps, then --resume to 8 (per-replica Dion momentum included)."""
+  mesh = ["--mesh", "rp=2,fs=2,tp=2", "--steps", "8", "--save-every", "4"]
+  assert train(tmp_path / "straight", *mesh) == 0
+  assert train(tmp_path / "split", *mesh[:2], "--steps", "4", "--lr-decay-steps", "8") == 0
+  assert gpt.main(["--run-dir", str(tmp_path / "split"), "--resume", "--steps", "8"]) == 0
+  assert_trees_equal(saved_state(tmp_path / "straight"), saved_state(tmp_path / "split"))
+  assert train_losses(tmp_path / "straight") == train_losses(tmp_path / "split")
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_equals_uninterrupted(compile_cache, tmp_path):
+  args = [*SMALL, "--mesh", "fs=2", "--steps", "400", "--save-every", "3", "--eval-every", "0"]
+  killed = tmp_path / "killed"
+  proc = subprocess.Popen([sys.executable, "-m", "train.gpt", *args, "--run-dir", str(killed)],
+                          env=subprocess_env(compile_cache), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE)
+  ckpts = killed / "checkpoints"
+  deadline = time.time() + 240
+  while time.time() < deadline and proc.poll() is None:
+    if ckpts.is_dir() and len([n for n in os.listdir(ckpts) if n.isdigit()]) >= 2:
+      break
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert proc.returncode == -signal.SIGKILL, proc.stderr.read()
+  assert gpt.main(["--run-dir", str(killed), "--resume"]) == 0
+  assert gpt.main([*args[len(SMALL):], *SMALL, "--run-dir", str(tmp_path / "straight")]) == 0
+  assert_trees_equal(saved_state(tmp_path / "straight"), saved_state(killed))
+
+
+def test_reshard_onto_other_meshes(compile_cache, tmp_path):
+  """A save on fs=4,tp=2 resumes on rp=2,fs=2,tp=2, one device and fs=2,tp=2,pp=2: the next
+  steps' losses and gradient norms match the original mesh's within 1e-5."""
+  assert train(tmp_path / "ref", "--mesh", "fs=4,tp=2", "--steps", "6") == 0
+  assert train(tmp_path / "saved", "--mesh", "fs=4,tp=2", "--steps", "3", "--lr-decay-steps", "6") == 0
+  ref = {r["step"]: r for r in records(tmp_path / "ref") if "loss" in r}
+  for mesh in ("rp=2,fs=2,tp=2", "fs=1", "fs=2,tp=2,pp=2"):
+    run_dir = tmp_path / mesh.replace(",", "_")
+    subprocess.run(["cp", "-r", str(tmp_path / "saved"), str(run_dir)], check=True)
+    assert gpt.main(["--run-dir", str(run_dir), "--resume", "--mesh", mesh, "--steps", "6"]) == 0
+    new = {r["step"]: r for r in records(run_dir) if "loss" in r and r["step"] > 3}
+    assert sorted(new) == [4, 5, 6]
+    for step, r in new.items():
+      np.testing.assert_allclose(r["loss"], ref[step]["loss"], rtol=0, atol=1e-5, err_msg=mesh)
+      np.testing.assert_allclose(r["grad_norm"], ref[step]["grad_norm"], rtol=1e-5, err_msg=mesh)

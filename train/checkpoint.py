@@ -141,8 +141,9 @@ class Checkpoints:
     self.directory = directory
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create,
                                            enable_async_checkpointing=True)
-    self.manager = ocp.CheckpointManager(directory, options=options,
-                                         item_names=("state", "meta", "config"))
+    handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
+                "config": ocp.JsonCheckpointHandler()}
+    self.manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()

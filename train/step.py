@@ -73,8 +73,8 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
 
   def applied_norm(grads):
     if per_replica is None:
-      return optax.global_norm(grads)
-    return optax.global_norm(jax.tree.map(lambda g, rep: g.mean(0) if rep else g, grads, per_replica))
+      return optax.tree.norm(grads)
+    return optax.tree.norm(jax.tree.map(lambda g, rep: g.mean(0) if rep else g, grads, per_replica))
 
   def step(state: TrainState, batch: dict) -> tuple[TrainState, StepMetrics]:
     loss, grads = mean_grads(state.params, batch)
