@@ -157,6 +157,10 @@ def main(argv=None) -> int:
       description="Compile one Dion step for a GPT's matrices on a mesh and report the bytes of every "
       "collective by mesh axes (from the compiled HLO), against a gradient all-reduce.",
   )
+  parser.add_argument(
+      "--optimizer", default="dion", choices=("dion", "dion2", "normuon", "muon"),
+      help="dion (default), or dion2/normuon/muon beside Dion at rank 1/4",
+  )  # fmt: skip
   parser.add_argument("--mesh", default="rp=2,fs=2,tp=2", help="mesh spec, e.g. rp=2,fs=2,tp=2 (default)")
   parser.add_argument("--layers", type=int, default=12, help="transformer layers (default 12: GPT-124M)")
   parser.add_argument("--d-model", type=int, default=768, help="model width (default 768)")
@@ -179,7 +183,12 @@ def main(argv=None) -> int:
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  print(_report(mesh, mats, rank_fractions))
+  if args.optimizer == "dion":
+    print(_report(mesh, mats, rank_fractions))
+  else:
+    from dion_jax import family_comm  # It builds on this module.
+
+    print(family_comm.report(mesh, mats, args.optimizer))
   return 0
 
 
