@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dion_jax import orthogonalize, pallas_rcqr, sketch
+from dion_jax import orthogonalize, sketch
+from dion_jax.kernels import rcqr as pallas_rcqr
 
 MS = (4096, 16384, 65536)
 RS = (128, 512, 1024)

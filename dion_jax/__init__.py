@@ -28,7 +28,6 @@ from dion_jax.mesh import (
 from dion_jax.optimizer import LABELS, STATIC_ARGS, add_decayed_weights, default_labels, dion, matrix_optimizer
 from dion_jax.family import ScaleByOrthogonalState, scale_by_orthogonal
 from dion_jax.family_optimizer import DION2_STATIC_ARGS, MUON_STATIC_ARGS, NORMUON_STATIC_ARGS, dion2, muon, normuon
-from dion_jax.polar import orthogonalize
 from dion_jax.orthogonalize import orthonormalize
 from dion_jax.transform import ScaleByDionState, leaf_frames, scale_by_dion
 from dion_jax.sharded import average_replicas, partition_specs_of, value_and_grad_per_replica
@@ -44,7 +43,6 @@ __all__ = [
     "matrix_optimizer",
     "muon",
     "normuon",
-    "orthogonalize",
     "scale_by_orthogonal",
     "AXES",
     "CollectiveStat",

@@ -23,7 +23,7 @@ global row index (``dion_jax.sketch``), so the result does not depend on the num
 of shards.
 
 The three passes over P (sketch, solve + Gram, solve) are the heavy part; they
-dispatch to Pallas GPU kernels (``dion_jax.pallas_rcqr``) or to the XLA composition
+dispatch to Pallas GPU kernels (``dion_jax.kernels.rcqr``) or to the XLA composition
 below, chosen by ``backend``.
 """
 
@@ -141,7 +141,7 @@ def _passes(backend: Backend):
     backend = "pallas" if jax.default_backend() == "gpu" else "xla"
   if backend == "xla":
     return xla_sketch_product, xla_solve_and_gram, xla_solve
-  from dion_jax import pallas_rcqr  # Imported lazily: only the GPU path needs Pallas.
+  from dion_jax.kernels import rcqr as pallas_rcqr  # Imported lazily: only the GPU path needs Pallas.
 
   return pallas_rcqr.sketch_product, pallas_rcqr.solve_and_gram, pallas_rcqr.solve
 

@@ -18,7 +18,7 @@ so that
 - every rp replica that uses the same seed builds the same ``S``;
 - a tp shard holding rows ``[j0, j0 + m_local)`` of ``P`` builds exactly its own
   column block of the global ``S``, whatever the number of shards;
-- a GPU kernel can generate ``S`` tile by tile in registers (``dion_jax.pallas_rcqr``
+- a GPU kernel can generate ``S`` tile by tile in registers (``dion_jax.kernels.rcqr``
   calls :func:`sketch_entries` inside the kernel), never touching memory.
 
 The hash is murmur3's 32-bit finalizer, applied once per row and once per entry;

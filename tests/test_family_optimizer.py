@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 import dion_jax
+import dion_jax.polar
 from tests import family_reference_np as ref
 
 GOLDEN = pathlib.Path(__file__).resolve().parents[2] / "shared" / "golden" / "family_reference.npz"
@@ -140,7 +141,7 @@ def test_bf16_default_is_close_to_float32():
 
 def test_newton_schulz_option():
   G = np.random.default_rng(4).normal(size=(24, 40))
-  got = dion_jax.orthogonalize(jnp.asarray(G, jnp.float32), method="newton_schulz", dtype=jnp.float32)
+  got = dion_jax.polar.orthogonalize(jnp.asarray(G, jnp.float32), method="newton_schulz", dtype=jnp.float32)
   want = ref.polar(G, ref.NEWTON_SCHULZ, safety=1.0)
   np.testing.assert_allclose(np.asarray(got), want, atol=1e-4)
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec
 
-from dion_jax import orthogonalize, pallas_rcqr, sketch
+from dion_jax import orthogonalize, sketch
+from dion_jax.kernels import rcqr as pallas_rcqr
 
 # (m, r, dtype): non-aligned rows and columns; r = 130 takes the unfused solve + Gram path.
 SHAPES = [(100, 8, jnp.float32), (77, 20, jnp.bfloat16), (300, 130, jnp.float32)]
