@@ -67,7 +67,9 @@ def train_losses(run_dir) -> dict[int, float]:
 def saved_state(run_dir) -> dict:
   """The latest checkpoint's state, as numpy arrays in the saved (layer-order) layout."""
   manager = ocp.CheckpointManager(os.path.join(run_dir, "checkpoints"),
-                                  item_handlers={"state": ocp.PyTreeCheckpointHandler()})
+                                  item_handlers={"state": ocp.PyTreeCheckpointHandler(),
+                                                 "meta": ocp.JsonCheckpointHandler(),
+                                                 "config": ocp.JsonCheckpointHandler()})
   step = manager.latest_step()
   meta = manager.item_metadata(step)["state"]
   args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
@@ -117,7 +119,7 @@ def test_resume_continues_bit_identically(compile_cache, tmp_path):
 
 @pytest.mark.slow
 def test_sigkill_then_resume_equals_uninterrupted(compile_cache, tmp_path):
-  args = [*SMALL, "--mesh", "fs=2", "--steps", "400", "--save-every", "3", "--eval-every", "0"]
+  args = [*SMALL, "--mesh", "fs=2", "--steps", "40", "--save-every", "2", "--eval-every", "0"]
   killed = tmp_path / "killed"
   proc = subprocess.Popen([sys.executable, "-m", "train.gpt", *args, "--run-dir", str(killed)],
                           env=subprocess_env(compile_cache), stdout=subprocess.DEVNULL,
@@ -125,12 +127,13 @@ def test_sigkill_then_resume_equals_uninterrupted(compile_cache, tmp_path):
   ckpts = killed / "checkpoints"
   deadline = time.time() + 240
   while time.time() < deadline and proc.poll() is None:
-    if ckpts.is_dir() and len([n for n in os.listdir(ckpts) if n.isdigit()]) >= 2:
+    if ckpts.is_dir() and any(n.isdigit() for n in os.listdir(ckpts)):
       break
     time.sleep(0.05)
-  proc.send_signal(signal.SIGKILL)
+  proc.send_signal(signal.SIGKILL)  # while it trains, with an asynchronous save under way
   proc.wait()
   assert proc.returncode == -signal.SIGKILL, proc.stderr.read()
+  assert max(int(n) for n in os.listdir(ckpts) if n.isdigit()) < 40
   assert gpt.main(["--run-dir", str(killed), "--resume"]) == 0
   assert gpt.main([*args[len(SMALL):], *SMALL, "--run-dir", str(tmp_path / "straight")]) == 0
   assert_trees_equal(saved_state(tmp_path / "straight"), saved_state(killed))
@@ -151,3 +154,37 @@ def test_reshard_onto_other_meshes(compile_cache, tmp_path):
     for step, r in new.items():
       np.testing.assert_allclose(r["loss"], ref[step]["loss"], rtol=0, atol=1e-5, err_msg=mesh)
       np.testing.assert_allclose(r["grad_norm"], ref[step]["grad_norm"], rtol=1e-5, err_msg=mesh)
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(compile_cache, tmp_path):
+  """Two processes x 2 CPU devices (gloo) on fs=2,tp=2 train like one process with 4 devices,
+  and their checkpoint resumes on one process."""
+  args = [*SMALL, "--mesh", "fs=2,tp=2", "--steps", "4", "--lr-decay-steps", "6"]
+  multi = tmp_path / "multi"
+  port = free_port()
+  procs = [subprocess.Popen([sys.executable, "-m", "train.gpt", *args, "--run-dir", str(multi),
+                             "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                             "--process-id", str(i)],
+                            env=subprocess_env(compile_cache), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for i in range(2)]
+  outs = [p.communicate(timeout=300) for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+  assert "2 process(es)" in outs[0][0] and "iteration" not in outs[1][0]  # only process 0 logs
+  assert train(tmp_path / "single", *args[len(SMALL):]) == 0
+  multi_losses, single_losses = train_losses(multi), train_losses(tmp_path / "single")
+  assert sorted(multi_losses) == [1, 2, 3, 4]
+  np.testing.assert_allclose(list(multi_losses.values()), list(single_losses.values()), atol=1e-5)
+  for a, b in zip(jax.tree.leaves(saved_state(multi)), jax.tree.leaves(saved_state(tmp_path / "single"))):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+  # Onto one process (4 of conftest's 8 devices): the next steps continue the data and state.
+  for run_dir in (multi, tmp_path / "single"):
+    assert gpt.main(["--run-dir", str(run_dir), "--resume", "--steps", "6"]) == 0
+  np.testing.assert_allclose([train_losses(multi)[s] for s in (5, 6)],
+                             [train_losses(tmp_path / "single")[s] for s in (5, 6)], atol=1e-5)

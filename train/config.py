@@ -263,6 +263,10 @@ def parse(argv: list[str] | None = None) -> Config:
   return Config(**values)
 
 
+# Flags that describe one invocation, not the run: never taken from a saved config.
+_PER_INVOCATION = ("resume", "run_dir", "coordinator", "num_processes", "process_id", "distributed")
+
+
 def saved_config(run_path: str) -> dict:
   """The fields saved in ``run_path/config.json`` (empty when there is none)."""
   path = os.path.join(run_path, "config.json")
@@ -271,7 +275,7 @@ def saved_config(run_path: str) -> dict:
   with open(path) as f:
     saved = json.load(f)["train"]
   known = {f.name for f in dataclasses.fields(Config)}
-  saved = {k: v for k, v in saved.items() if k in known and k not in ("resume", "run_dir")}
+  saved = {k: v for k, v in saved.items() if k in known and k not in _PER_INVOCATION}
   if "data" in saved:
     saved["data"] = tuple(saved["data"])
   return saved
