@@ -29,6 +29,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from dion_jax.kernels import newton_schulz
+
 # Polar Express, 5 iterations, safety factor 2e-2, cushion 2 (arXiv 2505.16932); the
 # same five triples as microsoft/dion's polar_express.py.
 POLAR_EXPRESS = (
@@ -44,20 +46,10 @@ DTYPES = (jnp.bfloat16, jnp.float32)
 BACKENDS = ("auto", "xla", "pallas")
 
 
-def _xla_products(X_bxsxl: jax.Array, b: float, c: float, precision) -> jax.Array:
-  """``B = b·A + c·A²`` with ``A = X Xᵀ``, by XLA; (B, s, s) in X's dtype."""
-  A = jnp.einsum("bsl,btl->bst", X_bxsxl, X_bxsxl, precision=precision)
-  return b * A + c * jnp.einsum("bst,btu->bsu", A, A, precision=precision)
-
-
 def _products(backend: str):
   if backend == "auto":
     backend = "pallas" if jax.default_backend() == "gpu" else "xla"
-  if backend == "xla":
-    return _xla_products
-  from dion_jax.kernels import newton_schulz  # Imported lazily: only the GPU path needs Pallas.
-
-  return newton_schulz.symmetric_products
+  return newton_schulz.symmetric_products if backend == "pallas" else newton_schulz.xla_symmetric_products
 
 
 def orthogonalize(
