@@ -1,0 +1,72 @@
+"""Optimizer-step time of Dion2, NorMuon and our Muon against optax's Muon and Dion, one CPU device.
+
+    python benchmarks/family_step.py --layers 6 --d-model 512 --rounds 5
+
+The GPT matrices of ``benchmarks/dion_step.py`` (per layer qkv, out, fc1, fc2 as Flax
+kernels stacked over layers), every optimizer jitted, timed in interleaved rounds
+(median over rounds of the median of ``--repeats`` calls; this VM's speed drifts by
+±10%), and reported as a ratio to ``optax.contrib.muon``. Ours run their default
+bf16 Polar Express and, as a second row, float32 (``--float32`` adds those rows):
+optax's Muon iterates in float32 with its Newton–Schulz coefficients. Dion runs at
+rank 1/4 with RCQR, Dion2 at fraction 1/4.
+"""
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import dion_jax  # noqa: E402
+from benchmarks.dion_step import gpt_matrices, interleaved_times, jitted_step  # noqa: E402
+
+
+def optimizers(float32: bool) -> dict:
+  labels = {"labels": lambda params: {k: "dion" for k in params}}
+  out = {
+      "optax.contrib.muon": optax.contrib.muon(
+          0.01, muon_weight_dimension_numbers=optax.contrib.MuonDimensionNumbers(-2, -1)
+      ),
+      "dion (rank 1/4)": dion_jax.dion(0.01, rank_fraction=0.25, **labels),
+      "dion2 (fraction 1/4)": dion_jax.dion2(0.01, fraction=0.25, **labels),
+      "normuon": dion_jax.normuon(0.01, **labels),
+      "muon": dion_jax.muon(0.01, **labels),
+  }
+  if float32:
+    out["dion2 (fraction 1/4), float32"] = dion_jax.dion2(0.01, ortho_dtype=jnp.float32, **labels)
+    out["normuon, float32"] = dion_jax.normuon(0.01, ortho_dtype=jnp.float32, **labels)
+    out["muon, float32"] = dion_jax.muon(0.01, ortho_dtype=jnp.float32, **labels)
+    out["muon, float32 newton_schulz"] = dion_jax.muon(
+        0.01, ortho_dtype=jnp.float32, ortho_method="newton_schulz", **labels
+    )
+  return out
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--layers", type=int, default=6)
+  parser.add_argument("--d-model", type=int, default=512)
+  parser.add_argument("--repeats", type=int, default=3, help="timed calls per case and round")
+  parser.add_argument("--rounds", type=int, default=5, help="rounds in which every case is timed in turn")
+  parser.add_argument("--float32", action="store_true", help="also time our optimizers in float32")
+  args = parser.parse_args()
+  params = gpt_matrices(args.layers, args.d_model)
+  cases = {}
+  for name, tx in optimizers(args.float32).items():
+    step, step_args, _ = jitted_step(tx, params)
+    cases[name] = (step, step_args)
+  times = interleaved_times(cases, args.rounds, args.repeats)
+  base = times["optax.contrib.muon"]
+  print(f"{args.layers} layers, d_model {args.d_model}, one CPU device; median of {args.rounds} interleaved rounds")
+  print("| optimizer | step ms | / optax.contrib.muon |")
+  print("| --- | --- | --- |")
+  for name, t in times.items():
+    print(f"| {name} | {t * 1e3:.1f} | {t / base:.2f}x |")
+
+
+if __name__ == "__main__":
+  main()
