@@ -29,6 +29,8 @@ class GPTConfig:
       state stay float32, softmax and the loss run in float32.
     remat: recompute each layer's activations in the backward pass.
     rope_base: base of the rotary embedding's frequencies.
+    unroll: unroll the layer scan and the pipeline's loop: longer compiles, and XLA's
+      cost analysis (which counts a loop body once) then counts every iteration.
   """
 
   vocab_size: int = 257
@@ -40,6 +42,7 @@ class GPTConfig:
   dtype: str = "float32"
   remat: bool = False
   rope_base: float = 10000.0
+  unroll: bool = False
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "d_model", "num_heads", "seq_len", "mlp_ratio"):

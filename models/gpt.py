@@ -177,15 +177,15 @@ class GPT(nnx.Module):
 
 
 def apply_layers(block_graphdef: Any, layers: Any, x_BxTxD: jax.Array, rope,
-                 par: Parallelism, remat: bool) -> jax.Array:
+                 par: Parallelism, cfg: GPTConfig) -> jax.Array:
   """Runs the layers ``layers`` (leaves [L, ...], in order) over ``x`` with a scan."""
 
   def layer(x, params):
     return nnx.merge(block_graphdef, params)(x, rope, par), None
 
-  if remat:
+  if cfg.remat:
     layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
-  return jax.lax.scan(layer, x_BxTxD, layers)[0]
+  return jax.lax.scan(layer, x_BxTxD, layers, unroll=cfg.unroll)[0]
 
 
 def init(cfg: GPTConfig, par: Parallelism = Parallelism(), seed: int = 0) -> tuple[Any, Any]:
@@ -225,7 +225,7 @@ def loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], par: Paralleli
   rope = rotary_tables(model.cfg, batch["inputs"].shape[1])
   layers = to_layers(params["blocks"], 1)
   x = model.embed_tokens(batch["inputs"], par)
-  x = apply_layers(nnx.graphdef(model.blocks), layers, x, rope, par, model.cfg.remat)
+  x = apply_layers(nnx.graphdef(model.blocks), layers, x, rope, par, model.cfg)
   return jnp.mean(model.token_losses(x, batch["targets"], par))
 
 
@@ -272,10 +272,10 @@ def _pipeline_call(graphdef, params, batch, par: Parallelism, with_grad: bool):
     block_graphdef = nnx.graphdef(model.blocks)
 
     def stage(layers, x):
-      return apply_layers(block_graphdef, layers, x, rope, par, model.cfg.remat)
+      return apply_layers(block_graphdef, layers, x, rope, par, model.cfg)
 
     outputs = pipeline.circular(stage, params["blocks"], lambda i: model.embed_tokens(inputs_MxbxT[i], par),
-                                M, pp, v)
+                                M, pp, v, unroll=model.cfg.unroll)
     x_mxbxTxD = pipeline.scatter_from_last(outputs, pp)
     m = M // pp
     targets_mxbxT = jax.lax.dynamic_slice_in_dim(targets_MxbxT, jax.lax.axis_index(pipeline.AXIS) * m, m)

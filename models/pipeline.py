@@ -36,7 +36,7 @@ def finish_iterations(num_micro: int, pp: int, virtual_stages: int) -> np.ndarra
 
 def circular(stage_fn: Callable[[Any, jax.Array], jax.Array], stage_params: Any,
              inputs_fn: Callable[[jax.Array], jax.Array], num_micro: int, pp: int,
-             virtual_stages: int) -> jax.Array:
+             virtual_stages: int, unroll: bool = False) -> jax.Array:
   """Runs the schedule; returns the last stage's outputs ``[num_micro, ...]``.
 
   Args:
@@ -45,6 +45,7 @@ def circular(stage_fn: Callable[[Any, jax.Array], jax.Array], stage_params: Any,
     inputs_fn: ``inputs_fn(i) -> x``, micro-batch i's input to the first stage.
     num_micro: micro-batches M, a multiple of pp when virtual_stages > 1.
     pp, virtual_stages: the schedule's shape.
+    unroll: unroll the loop over iterations.
 
   Returns:
     The outputs in micro-batch order; meaningful on device pp − 1 only.
@@ -64,7 +65,7 @@ def circular(stage_fn: Callable[[Any, jax.Array], jax.Array], stage_params: Any,
   x0 = inputs_fn(0)
   iterations = jnp.arange(num_micro * v + pp - 1)
   state = jax.lax.pcast(jnp.zeros_like(x0), AXIS, to="varying")
-  _, ys = jax.lax.scan(iteration, state, iterations)
+  _, ys = jax.lax.scan(iteration, state, iterations, unroll=unroll)
   return ys[finish_iterations(num_micro, pp, v)]
 
 
