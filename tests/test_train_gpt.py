@@ -188,3 +188,72 @@ def test_two_processes_match_one(compile_cache, tmp_path):
     assert gpt.main(["--run-dir", str(run_dir), "--resume", "--steps", "6"]) == 0
   np.testing.assert_allclose([train_losses(multi)[s] for s in (5, 6)],
                              [train_losses(tmp_path / "single")[s] for s in (5, 6)], atol=1e-5)
+
+
+def snapshot(path) -> dict:
+  """Every file under ``path`` with its bytes: to check that nothing was written."""
+  out = {}
+  for root, _, files in os.walk(path):
+    for name in files:
+      with open(os.path.join(root, name), "rb") as f:
+        out[os.path.join(root, name)] = f.read()
+  return out
+
+
+def test_bad_input_one_line_exit_2_nothing_written(compile_cache, tmp_path, capsys):
+  done = tmp_path / "done"
+  assert train(done, "--steps", "2") == 0
+  empty = tmp_path / "empty" / "checkpoints"
+  empty.mkdir(parents=True)
+  before = snapshot(tmp_path)
+  fresh = str(tmp_path / "fresh")
+  cases = [
+      (["--preset", "huge", "--run-dir", fresh], "invalid choice: 'huge'"),
+      (["--mesh", "fs=16", "--run-dir", fresh], "needs 16 devices but 8 cpu devices exist"),
+      (["--mesh", "fs=2,tq=2", "--run-dir", fresh], "unknown axis 'tq'"),
+      (["--mesh", "fs=4", "--global-batch-size", "6", "--run-dir", fresh],
+       "--global-batch-size 6 does not split over the 4 data-parallel ranks"),
+      (["--mesh", "fs=2", "--micro-batch-size", "3", "--run-dir", fresh],
+       "--micro-batch-size 3 does not divide the 4 sequences"),
+      (["--data", str(tmp_path / "missing_*.bin"), "--run-dir", fresh], "missing_*.bin"),
+      (["--resume", "--run-dir", fresh], "does not exist"),
+      (["--resume", "--run-dir", str(tmp_path / "empty")], "holds no complete checkpoint"),
+      (["--run-dir", str(done), "--steps", "4"], "already holds checkpoints (latest step 2)"),
+      (["--run-dir", str(done), "--resume", "--steps", "4", "--hidden-size", "64"],
+       "is of another model: d_model=32 (now 64)"),
+      (["--run-dir", str(done), "--resume", "--steps", "4", "--optimizer", "adamw"],
+       "holds --optimizer dion state"),
+      (["--run-dir", str(done), "--resume", "--steps", "2"], "already reaches --steps 2"),
+      (["--steps", "0", "--run-dir", fresh], "--steps must be positive"),
+  ]
+  for args, message in cases:
+    capsys.readouterr()
+    assert train(fresh, *args) == 2, args
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, (args, err)
+  assert snapshot(tmp_path) == before
+  assert not os.path.exists(fresh)
+
+
+def test_megatron_data_needs_a_vocab_size(tmp_path, capsys):
+  from data import megatron
+
+  prefix = str(tmp_path / "toks")
+  megatron.write_dataset(prefix, [np.arange(200, dtype=np.uint16) % 50])
+  assert gpt.main(["--data", f"megatron:{prefix}", "--run-dir", str(tmp_path / "run")]) == 2
+  assert "pass --vocab-size" in capsys.readouterr().err
+
+
+def test_non_finite_steps_change_nothing_and_stop_the_run(compile_cache, tmp_path, capsys):
+  """AdamW at lr 1e30 leaves parameters near 1e30 after step 1, whose gradients overflow: the
+  following steps are skipped (state as after step 1), counted, and the run stops."""
+  blowup = ["--optimizer", "adamw", "--lr", "1e30", "--lr-decay-style", "constant",
+            "--lr-warmup-steps", "0", "--mesh", "fs=2", "--save-every", "1"]
+  assert train(tmp_path / "one", *blowup, "--steps", "1") == 0
+  capsys.readouterr()
+  assert train(tmp_path / "run", *blowup, "--steps", "10", "--max-skipped", "3") == 3
+  err = capsys.readouterr().err
+  assert err.startswith("error: stopped after 3 consecutive iterations") and err.count("\n") == 1
+  assert [(r["step"], r["skipped"]) for r in records(tmp_path / "run") if "loss" in r] == \
+      [(1, 0), (2, 1), (3, 1), (4, 1)]
+  assert_trees_equal(saved_state(tmp_path / "one"), saved_state(tmp_path / "run"))

@@ -14,17 +14,14 @@ written, with one ``error: ...`` line on stderr and exit code 2.
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 import os
 import sys
-import time
 
 from train import config as config_lib
 from train.config import Config, UsageError
 
-EXIT_USAGE, EXIT_DIVERGED = 2, 3
+EXIT_USAGE = 2
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 

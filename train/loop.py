@@ -29,6 +29,7 @@ from train import step as step_lib
 from train.config import Config, UsageError
 from train.log import Logger
 
+EXIT_DIVERGED = 3
 # Model fields a checkpoint's arrays depend on.
 _SHAPE_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "mlp_ratio")
 
@@ -251,10 +252,11 @@ def train(run: Run) -> int:
   run.checkpoints.close()
   logger.close()
   if consecutive >= cfg.max_skipped:
+    kept = (f"the last good checkpoint is step {last_saved} in {cfg.ckpt_path}" if last_saved
+            else "no checkpoint was written")
     print(f"error: stopped after {consecutive} consecutive iterations with a non-finite loss or"
-          f" gradient (--max-skipped {cfg.max_skipped}); the last good checkpoint is step"
-          f" {last_saved} in {cfg.ckpt_path}; lower --lr, raise --lr-warmup-steps or check the"
-          " data", file=sys.stderr)
-    return 3
+          f" gradient (--max-skipped {cfg.max_skipped}); {kept}; lower --lr, raise"
+          " --lr-warmup-steps or check the data", file=sys.stderr)
+    return EXIT_DIVERGED
   logger.message(f"done: {cfg.steps - run.start_step} steps in {time.perf_counter() - start:.1f} s")
   return 0
