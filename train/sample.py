@@ -1,0 +1,179 @@
+"""What a trained GPT writes: ``python -m train.sample RUN_DIR --prompt "def " [...]``.
+
+Restores the parameters of the run's latest (or ``--step``) checkpoint onto one device,
+rebuilds the GPT from that checkpoint's config record, and extends the prompt one byte
+token at a time: greedy with ``--temperature 0`` (the default), else drawn from
+softmax(logits / temperature), optionally among the ``--top-k`` likeliest tokens only.
+
+The context is the last ``seq_len`` tokens (the length the model was trained on),
+padded on the right to that fixed length so that one compiled forward serves every
+step; causal attention keeps the padding from reaching the positions before it. An
+empty prompt starts a document: its context is the end-of-document token.
+
+Bad input (a missing run, checkpoint or step, a bad flag) prints one ``error: ...``
+line on stderr and exits with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+import data
+import models
+from models import gpt
+from train import config as config_lib
+from train.config import UsageError
+
+EXIT_USAGE = 2
+
+
+class Restored(NamedTuple):
+  cfg: models.GPTConfig
+  graphdef: Any
+  params: Any  # pure dict, blocks in layer order [L, ...]: the unstacked module's own layout
+  step: int
+
+
+def checkpoint_path(run_dir: str) -> str:
+  """The run's checkpoint directory: its config's ``--ckpt-dir``, else RUN_DIR/checkpoints."""
+  saved = config_lib.saved_config(run_dir)
+  return config_lib.Config(**{**saved, "run_dir": run_dir}).ckpt_path
+
+
+def restore(run_dir: str, step: int | None = None) -> Restored:
+  """The GPT of checkpoint ``step`` (the latest when None) of ``run_dir``, on one device."""
+  if not os.path.isdir(run_dir):
+    raise UsageError(f"run directory {run_dir} does not exist; pass the --run-dir of a"
+                     " python -m train.gpt run (default runs/PRESET-OPTIMIZER)")
+  where = checkpoint_path(run_dir)
+  if not os.path.isdir(where):
+    raise UsageError(f"{where} does not exist: the run has no checkpoints yet; train it"
+                     " (python -m train.gpt --run-dir RUN_DIR) first")
+  # The state through the PyTree handler: it restores the parameters alone
+  # (partial_restore), without the optimizer state the trainer saved beside them.
+  # train.checkpoint.Checkpoints restores whole states only. "meta" is registered so
+  # that Orbax does not warn about an item it cannot read.
+  manager = ocp.CheckpointManager(
+      where, options=ocp.CheckpointManagerOptions(create=False),
+      item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
+                     "config": ocp.JsonCheckpointHandler()})
+  try:
+    steps = manager.all_steps()
+    if not steps:
+      raise UsageError(f"{where} holds no complete checkpoint; train the run (or let its"
+                       " first --save-every step finish) first")
+    if step is None:
+      step = max(steps)
+    elif step not in steps:
+      raise UsageError(f"--step {step}: {where} has checkpoints at steps"
+                       f" {', '.join(map(str, sorted(steps)))}; pass one of them")
+    record = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+    shapes = manager.item_metadata(step)["state"]["params"]
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), shapes)
+    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item={"params": shapes}, restore_args={"params": as_numpy}, partial_restore=True)))["state"]
+  finally:
+    manager.close()
+  cfg = models.GPTConfig(**record["model"])
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.GPT(cfg, rngs=nnx.Rngs(0))))
+  return Restored(cfg, graphdef, jax.device_put(state["params"]), step)
+
+
+def logits(graphdef: Any, params: Any, tokens_BxT: jax.Array) -> jax.Array:
+  """Next-token logits at every position, float32 [B, T, padded vocab], on one device.
+
+  ``models.loss`` only ever forms the loss (its logits stay vocab-parallel), so the
+  model's final norm and LM head are applied here to the layers' output.
+  """
+  par = models.Parallelism()
+  model = nnx.merge(graphdef, params)
+  rope = gpt.rotary_tables(model.cfg, tokens_BxT.shape[1])
+  x_BxTxD = model.embed_tokens(tokens_BxT, par)
+  x_BxTxD = gpt.apply_layers(nnx.graphdef(model.blocks), params["blocks"], x_BxTxD, rope, par, model.cfg)
+  h_BxTxD = model.final_norm(x_BxTxD).astype(model.cfg.dtype)
+  return model.lm_head(h_BxTxD, par).astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _next_token(graphdef: Any, vocab_size: int, temperature: float, top_k: int | None, params: Any,
+                window_1xT: jax.Array, length: jax.Array, key: jax.Array) -> jax.Array:
+  logits_V = logits(graphdef, params, window_1xT)[0, length - 1]
+  # The padded rows of the LM head are no token: never emit them.
+  logits_V = jnp.where(jnp.arange(logits_V.shape[0]) < vocab_size, logits_V, -jnp.inf)
+  if temperature == 0:
+    return jnp.argmax(logits_V)
+  if top_k is not None:
+    kth_largest = jax.lax.top_k(logits_V, min(top_k, vocab_size))[0][-1]
+    logits_V = jnp.where(logits_V >= kth_largest, logits_V, -jnp.inf)
+  return jax.random.categorical(key, logits_V / temperature)
+
+
+def generate(model: Restored, prompt_P: np.ndarray, max_new_tokens: int, temperature: float = 0.0,
+             top_k: int | None = None, seed: int = 0) -> np.ndarray:
+  """The ``max_new_tokens`` tokens that follow ``prompt_P`` (int [P]), int32 [max_new_tokens]."""
+  T = model.cfg.seq_len
+  tokens = [int(t) for t in prompt_P] or [data.EOD]
+  key = jax.random.key(seed)
+  for i in range(max_new_tokens):
+    context = tokens[-T:]
+    window_1xT = np.zeros((1, T), np.int32)
+    window_1xT[0, :len(context)] = context
+    token = _next_token(model.graphdef, model.cfg.vocab_size, float(temperature), top_k, model.params,
+                        window_1xT, np.int32(len(context)), jax.random.fold_in(key, i))
+    tokens.append(int(token))
+  return np.asarray(tokens[len(tokens) - max_new_tokens:], np.int32)
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message):
+    raise UsageError(f"{message} (see python -m train.sample --help)")
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = _Parser(prog="python -m train.sample",
+                   description="Print what a trained GPT writes after a prompt (byte tokens).")
+  parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of python -m train.gpt")
+  parser.add_argument("--prompt", default="", help="text to continue (default: the start of a document)")
+  parser.add_argument("--max-new-tokens", type=int, default=200, help="bytes to write (default 200)")
+  parser.add_argument("--temperature", type=float, default=0.0,
+                      help="0 for greedy decoding (default), > 0 to sample from softmax(logits / T)")
+  parser.add_argument("--top-k", type=int, default=None,
+                      help="sample among the K likeliest tokens only (with --temperature > 0)")
+  parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
+  parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  try:
+    args = _parser().parse_args(argv)
+    if args.max_new_tokens < 0:
+      raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.temperature < 0:
+      raise UsageError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+      raise UsageError(f"--top-k must be positive, got {args.top_k}")
+    model = restore(os.path.abspath(args.run_dir), args.step)
+    if model.cfg.vocab_size != data.VOCAB_SIZE:
+      raise UsageError(f"the run's vocabulary has {model.cfg.vocab_size} tokens, not the byte"
+                       f" tokenizer's {data.VOCAB_SIZE}: train.sample reads and writes bytes only")
+  except (UsageError, ValueError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return EXIT_USAGE
+  prompt_P = data.encode(args.prompt)
+  new = generate(model, prompt_P, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+  print(data.decode(np.concatenate([prompt_P.astype(np.int32), new])))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
