@@ -220,6 +220,7 @@ def scale_by_orthogonal(
     momentum = [jnp.zeros(p.shape, momentum_dtype or p.dtype) for p in leaves]
     variance = [jnp.zeros(variance_shape(p, v), jnp.float32) for p, v in zip(leaves, views)] if normuon else []
     if mesh is not None:
+      views = [dataclasses.replace(v, frame=layout._checked(v.frame)) for v in views]
       momentum = [layout._constrain(m, P(*_param_spec(v))) for m, v in zip(momentum, views)]
       variance = [layout._constrain(x, _variance_spec(v)) for x, v in zip(variance, views)]
     unflat = lambda xs: jax.tree.unflatten(treedef, xs) if xs else ()
