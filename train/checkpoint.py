@@ -97,12 +97,12 @@ def _saved_struct(path, x: jax.Array, saved_shape: tuple[int, ...] | None) -> ja
   if _is_stacked(path):
     shape, spec = (shape[0] * shape[1],) + shape[2:], (None,) + spec[2:]
   name = "/".join(_names(path))
-  if saved_shape is None or tuple(saved_shape[-len(shape):] if shape else ()) != shape or \
-      len(saved_shape) not in (len(shape), len(shape) + 1):
+  extra = -1 if saved_shape is None else len(saved_shape) - len(shape)  # 1: a replica axis
+  if extra not in (0, 1) or tuple(saved_shape[extra:]) != shape:
     raise UsageError(f"the checkpoint's {name} has shape {saved_shape} but this run needs {shape};"
                      " it was saved by another model or optimizer: pass the flags it was saved"
                      " with (--resume reuses them when left off) or start a new --run-dir")
-  if len(saved_shape) > len(shape):
+  if extra:
     spec = (None,) + spec
   return jax.ShapeDtypeStruct(tuple(saved_shape), x.dtype, sharding=NamedSharding(x.sharding.mesh, P(*spec)))
 
