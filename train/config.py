@@ -17,9 +17,9 @@ import json
 import os
 
 PRESET_NAMES = ("tiny", "small", "350m", "1b")
-OPTIMIZERS = ("dion", "adamw", "lion", "muon")
+OPTIMIZERS = ("dion", "dion2", "normuon", "muon", "adamw", "lion")
 # Base learning rates that train the tiny preset well; --lr overrides.
-DEFAULT_LR = {"dion": 0.01, "muon": 0.02, "adamw": 3e-3, "lion": 3e-4}
+DEFAULT_LR = {"dion": 0.01, "dion2": 0.01, "normuon": 0.02, "muon": 0.02, "adamw": 3e-3, "lion": 3e-4}
 DECAY_STYLES = ("constant", "linear", "cosine", "wsd")
 
 
@@ -60,6 +60,7 @@ class Config:
   dion_scale_rule: str = "fan_ratio"
   dion_scalar_optimizer: str = "adamw"
   dion_replicate_sync: bool = True
+  ortho_dtype: str = "bfloat16"
   # batch and steps
   global_batch_size: int = 16
   micro_batch_size: int | None = None
@@ -177,7 +178,9 @@ HELP = {
     "valid_data": "validation data spec (default: stdlib:val for the embedded corpus, none otherwise)",
     "vocab_size": "tokenizer vocabulary size, where the data does not record it (Megatron datasets)",
     "optimizer": "%s (default dion: Dion on matrices, --dion-scalar-optimizer on the rest;"
-                 " muon: optax's Muon per matrix, AdamW on the rest)" % "|".join(OPTIMIZERS),
+                 " dion2 (fraction 1/4), normuon and muon: dion_jax's, sharded like Dion, with"
+                 " the same scalar optimizer on the rest; adamw, lion: optax's on everything)"
+                 % "|".join(OPTIMIZERS),
     "lr": "peak learning rate (default: %s)" % ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items()),
     "min_lr": "learning rate at the end of the decay (default 0)",
     "lr_warmup_steps": "linear warmup to --lr over this many steps (default: 5%% of the decay steps)",
@@ -198,6 +201,8 @@ HELP = {
     "dion_scale_rule": "fan_ratio|spectral|max_one|none shape scale of Dion's update"
                        " (default fan_ratio, the reference's sqrt(fan_out/fan_in))",
     "dion_scalar_optimizer": "adamw|lion for embeddings, LM head and norms (default adamw)",
+    "ortho_dtype": "bfloat16|float32: dtype of dion2/normuon/muon's orthogonalization (default"
+                   " bfloat16, as the reference; float32 replays exactly on every mesh)",
     "dion_replicate_sync": "with rp > 1 keep per-replica momentum and average only Dion's"
                            " low-rank factors over rp (default on)",
     "global_batch_size": "sequences per optimizer step over all devices (default 16)",
@@ -236,7 +241,7 @@ def _parser() -> argparse.ArgumentParser:
   choices = {"preset": PRESET_NAMES, "dtype": ("float32", "bfloat16"), "optimizer": OPTIMIZERS,
              "lr_decay_style": DECAY_STYLES, "dion_qr_method": ("rcqr", "cqr", "qr"),
              "dion_scale_rule": ("fan_ratio", "spectral", "max_one", "none"),
-             "dion_scalar_optimizer": ("adamw", "lion")}
+             "dion_scalar_optimizer": ("adamw", "lion"), "ortho_dtype": ("bfloat16", "float32")}
   for field in dataclasses.fields(Config):
     flag = "--" + field.name.replace("_", "-")
     kind = field.type.split(" |")[0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 import dion_jax
@@ -50,13 +51,16 @@ def optimizer(cfg: Config, params: Any, mesh: jax.sharding.Mesh, specs: Any) -> 
     return optax.adamw(lr, b1=B1, b2=B2, weight_decay=cfg.weight_decay)
   if cfg.optimizer == "lion":
     return optax.lion(lr, b1=B1, b2=B2, weight_decay=cfg.weight_decay)
-  if cfg.optimizer == "muon":
-    # Dion's routing with its matrices relabelled: optax's Muon per stacked matrix,
-    # AdamW for embeddings, LM head and norms.
-    def labels(p):
-      return jax.tree.map(lambda label: "muon" if label == "dion" else label, dion_jax.default_labels(p))
-
-    return dion_jax.dion(lr, weight_decay=cfg.weight_decay, labels=labels)
+  if cfg.optimizer in ("dion2", "normuon", "muon"):
+    # They orthogonalize whole (or selected parts of) matrices from the averaged
+    # gradient: no per-replica gradients (replicate_sync=False).
+    # Dion2 selects its rows by the exact top-k of the whole matrix ("global"), so that
+    # every mesh trains like one device.
+    family, kw = {"dion2": (dion_jax.dion2, {"selection_scope": "global"}),
+                  "normuon": (dion_jax.normuon, {}), "muon": (dion_jax.muon, {})}[cfg.optimizer]
+    return family(lr, weight_decay=cfg.weight_decay, scale_rule=cfg.dion_scale_rule,
+                  scalar_optimizer=cfg.dion_scalar_optimizer, mesh=mesh, partition_specs=specs,
+                  ortho_dtype=jnp.dtype(cfg.ortho_dtype), replicate_sync=False, **kw)
   return dion_jax.dion(
       lr,
       rank_fraction=cfg.dion_rank_fraction,
