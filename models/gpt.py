@@ -63,8 +63,7 @@ class Dense(nnx.Module):
     self.layout = layout
 
   def __call__(self, x: jax.Array, par: Parallelism) -> jax.Array:
-    kernel = par.weight(self.kernel[...], self.layout)
-    return jnp.einsum("...i,io->...o", x, kernel.astype(x.dtype))
+    return x @ par.weight(self.kernel[...], self.layout).astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -178,14 +177,23 @@ class GPT(nnx.Module):
 
 def apply_layers(block_graphdef: Any, layers: Any, x_BxTxD: jax.Array, rope,
                  par: Parallelism, cfg: GPTConfig) -> jax.Array:
-  """Runs the layers ``layers`` (leaves [L, ...], in order) over ``x`` with a scan."""
+  """Runs the layers ``layers`` (leaves [L, ...], in order) over ``x`` with a scan.
 
-  def layer(x, params):
+  The backward pass keeps only matrix products (``dots_saveable``; nothing with
+  ``remat``): each layer's parameters are sliced from the stack inside the checkpointed
+  body, so their fs-gathered copies are gathered again in the backward pass instead of
+  being kept for all layers at once (ZeRO-3).
+  """
+
+  def layer(x, i):
+    params = jax.tree.map(lambda stack: stack[i], layers)
     return nnx.merge(block_graphdef, params)(x, rope, par), None
 
-  if cfg.remat:
-    layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
-  return jax.lax.scan(layer, x_BxTxD, layers, unroll=cfg.unroll)[0]
+  policies = jax.checkpoint_policies
+  policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
+  layer = jax.checkpoint(layer, policy=policy)
+  num_layers = jax.tree.leaves(layers)[0].shape[0]
+  return jax.lax.scan(layer, x_BxTxD, jnp.arange(num_layers), unroll=cfg.unroll)[0]
 
 
 def init(cfg: GPTConfig, par: Parallelism = Parallelism(), seed: int = 0) -> tuple[Any, Any]:

@@ -11,9 +11,11 @@ collectives; PP is explicit (``models/pipeline.py``: a ``shard_map`` manual over
   sharded over ``pp`` as well as ``fs`` (``P('tp', ('fs', 'pp'))``, ``P(('fs', 'pp'), 'tp')``):
   gathered where used like any FS weight, they cost 1/pp of the memory on each stage.
   Stacked block parameters have leading (stage, layer) axes, the stage axis on ``pp``.
-- FS (ZeRO-3): inside the layer scan, :meth:`Parallelism.weight` constrains each layer's
-  kernel to its tp sharding alone, so the partitioner all-gathers that one layer over
-  ``fs`` where it is used (and reduce-scatters its gradient in the backward pass).
+- FS (ZeRO-3): inside the layer scan, :meth:`Parallelism.weight` pins each layer's kernel
+  to its stored layout and then constrains it to its tp sharding alone, so the partitioner
+  all-gathers that one layer over ``fs`` where it is used, gathers it again in the
+  backward pass (``models.gpt.apply_layers`` keeps only matrix products), and reduces
+  its gradient back to the fs shards.
 - TP: activations between the column- and row-parallel products are constrained to
   heads or MLP features over ``tp``; the row-parallel product's partial sums are reduced
   where its output is constrained back to the residual layout.
@@ -131,10 +133,16 @@ class Parallelism:
     return jax.lax.with_sharding_constraint(x, self.spec(*names))
 
   def weight(self, kernel: jax.Array, layout: str) -> jax.Array:
-    """A layer's kernel where it is used: its tp sharding, gathered over fs."""
+    """A layer's kernel where it is used: its tp sharding, gathered over fs.
+
+    Constraining to the stored layout first keeps the gradient (the transpose of the
+    gather) in that layout: reduced to fs shards, not all-reduced to full copies.
+    """
     if self.mesh is None:
       return kernel
-    return jax.lax.with_sharding_constraint(kernel, KERNEL_LAYOUTS[layout][1])
+    stored, used = KERNEL_LAYOUTS[layout]
+    kernel = jax.lax.with_sharding_constraint(kernel, stored)
+    return jax.lax.with_sharding_constraint(kernel, used)
 
 
 def param_specs(params: Any) -> Any:

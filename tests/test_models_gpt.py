@@ -248,5 +248,11 @@ def test_fs_tp_step_gathers_one_layer_at_a_time():
   D, F, V = CFG.d_model, CFG.d_mlp, CFG.padded_vocab
   largest_layer_kernel = D * F // 2 * 4  # MLP kernels, tp-sharded, gathered over fs
   table = V // 2 * D * 4  # embedding / LM head, tp-sharded, gathered over fs
-  for shape in re.findall(r"= (f32\[[0-9,]*\])\{[^}]*\} all-gather", compiled.as_text()):
+  hlo = compiled.as_text()
+  for shape in re.findall(r"= (f32\[[0-9,]*\])\{[^}]*\} all-gather", hlo):
     assert comms.shape_bytes(shape) <= max(largest_layer_kernel, table), shape
+  # ZeRO-3: the backward pass gathers each of a layer's six kernels again rather than
+  # keeping every layer's gathered kernels from the forward pass.
+  backward_gathers = [line for line in hlo.splitlines()
+                      if re.search(r" all-gather(-start)?\(", line) and "transpose(jvp" in line]
+  assert len(backward_gathers) >= 6
