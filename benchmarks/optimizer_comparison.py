@@ -15,7 +15,7 @@ per optimizer the lr of the lowest final validation loss; draws the best runs wi
 to ``OUT_DIR/optimizer_comparison.{json,md}``.
 
 Optimizer names: ``dion`` (``--dion-rank-fraction 1``), ``dion-1/4`` (rank fraction
-0.25), ``muon``, ``adamw``, ``lion``. A name may carry its own scales,
+0.25), ``dion2`` (fraction 1/4), ``normuon``, ``muon``, ``adamw``, ``lion``. A name may carry its own scales,
 ``dion-1/4:0.5,1,2``, to spend a tight budget where it matters; the rest use
 ``--lrs-scale``. The run directories (checkpoints included, outside OUT_DIR by default)
 are kept; with ``--reuse`` a run whose ``metrics.jsonl`` already holds its final
@@ -41,6 +41,8 @@ from train.config import DEFAULT_LR  # noqa: E402  (imports no jax)
 OPTIMIZERS = {
     "dion": ("dion", ["--dion-rank-fraction", "1"]),
     "dion-1/4": ("dion", ["--dion-rank-fraction", "0.25"]),
+    "dion2": ("dion2", []),
+    "normuon": ("normuon", []),
     "muon": ("muon", []),
     "adamw": ("adamw", []),
     "lion": ("lion", []),
