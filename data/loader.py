@@ -105,6 +105,10 @@ def make_dataset(source: TokenSource | Blend, *, seq_len: int, global_batch_size
   if steps == 0:
     raise DataError(f"{source.name}: {len(ds)} windows of {seq_len + 1} tokens do not fill "
                     f"one global batch of {global_batch_size}")
+  if num_epochs is None:
+    # "Forever" as a count: Grain's endless repeat has length sys.maxsize, which its
+    # batching overflows with one example per batch; 2**48 windows never run out.
+    num_epochs = max(1, 2**48 // (steps * global_batch_size))
   ds = ds[:steps * global_batch_size].repeat(num_epochs)
   ds = ds[shard_index::shard_count].batch(global_batch_size // shard_count)
 

@@ -76,6 +76,18 @@ def test_seeds_epochs_and_order():
   assert sorted(two[40:]) == list(range(40)) and two[40:] != two[:40]
 
 
+@pytest.mark.parametrize("shard_count", [1, 4])
+def test_one_example_per_shard_runs_forever_in_global_order(shard_count):
+  # A batch row per shard (e.g. one sequence per process) used to overflow Grain's length.
+  def ids(batch_size, shards, steps):
+    its = [loader.make_loader(_ramp(40), seq_len=L, global_batch_size=batch_size, seed=5,
+                              shard_index=s, shard_count=shards) for s in range(shards)]
+    return [i for _ in range(steps) for it in its for i in _window_ids(next(it))]
+  served = ids(shard_count, shard_count, 120 // shard_count)  # three epochs
+  assert served[:40] == ids(8, 1, 5)
+  assert all(sorted(served[e * 40:(e + 1) * 40]) == list(range(40)) for e in range(3))
+
+
 def test_unshuffled_serves_windows_in_order():
   it = loader.make_loader(_ramp(16), seq_len=L, global_batch_size=8, seed=0, shuffle=False,
                           num_epochs=1)
