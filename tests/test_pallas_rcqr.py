@@ -10,6 +10,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from dion_jax import orthogonalize, sketch
 from dion_jax.kernels import rcqr as pallas_rcqr
+from tests.triton_ir import parse_triton_modules
 
 # (m, r, dtype): non-aligned rows and columns; r = 130 takes the unfused solve + Gram path.
 SHAPES = [(100, 8, jnp.float32), (77, 20, jnp.bfloat16), (300, 130, jnp.float32)]
@@ -103,9 +104,8 @@ def test_kernels_lower_for_cuda(m, r, dtype):
       "solve": (functools.partial(pallas_rcqr.solve, interpret=False), (P, R)),
   }
   for name, (f, args) in passes.items():
-    hlo = jax.jit(jax.vmap(f)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    triton_calls = hlo.count("__gpu$xla.gpu.triton") + hlo.count("triton_kernel_call")
-    assert triton_calls >= 1, name
+    modules = parse_triton_modules(jax.jit(jax.vmap(f)).trace(*args).lower(lowering_platforms=("cuda",)))
+    assert len(modules) >= 1, name
 
 
 def test_row_sharded_rcqr_under_shard_map():

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from dion_jax.kernels.pallas_common import _compiler_params, _precision, _round_up, _use_interpret
+from dion_jax.kernels.pallas_common import _compiler_params, _precision, _round_up, _upper_tile_steps, _use_interpret
 
 _BT = 64  # output tile (rows and columns of A and B)
 _BK = 32  # contraction step
@@ -54,7 +54,7 @@ def _gram_kernel(x_ref, a_ref, *, steps, num_t, precision):
     xj = x_ref[pl.ds(j * _BT, _BT), pl.ds(step * _BK, _BK)]
     return acc + _dot(xi, xj, 1, precision)
 
-  acc = lax.fori_loop(0, jnp.where(i <= j, steps, 0), body, jnp.zeros((_BT, _BT), jnp.float32))
+  acc = lax.fori_loop(*_upper_tile_steps(i <= j, steps), body, jnp.zeros((_BT, _BT), jnp.float32))
   a_ref[...] = acc.astype(a_ref.dtype)
 
 
@@ -68,7 +68,7 @@ def _square_kernel(a_ref, out_ref, *, steps, num_t, b, c, precision):
     a_kj = a_ref[pl.ds(step * _BK, _BK), pl.ds(j * _BT, _BT)]
     return acc + _dot(a_ik, a_kj, 0, precision)
 
-  acc = lax.fori_loop(0, jnp.where(i <= j, steps, 0), body, jnp.zeros((_BT, _BT), jnp.float32))
+  acc = lax.fori_loop(*_upper_tile_steps(i <= j, steps), body, jnp.zeros((_BT, _BT), jnp.float32))
   a_ij = a_ref[pl.ds(i * _BT, _BT), pl.ds(j * _BT, _BT)].astype(jnp.float32)
   out = jnp.where(i <= j, b * a_ij + c * acc, 0.0)
   out_ref[...] = out.astype(out_ref.dtype)

@@ -54,6 +54,16 @@ def _dot(a, b, precision, contract_a: int = 1):
       preferred_element_type=jnp.float32)
 
 
+def _upper_tile_steps(upper: jax.Array, steps: int) -> tuple[jax.Array, jax.Array]:
+  """Bounds of a ``fori_loop`` that runs ``steps`` times on an upper tile, never below.
+
+  Both bounds are int32 arrays: Triton's ``scf.for`` needs its bounds of one type, and
+  on jax 0.11 a Python ``0`` beside a traced ``jnp.where`` lowered as two types, which
+  the GPU compiler rejected (the CPU lowering and the interpreter accept it).
+  """
+  return jnp.int32(0), jnp.where(upper, jnp.int32(steps), jnp.int32(0))
+
+
 def _round_up(x: int, n: int) -> int:
   return -(-x // n) * n
 

@@ -11,7 +11,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from dion_jax.kernels.pallas_common import (
     _BK_SOLVE, _BM, _BM_SOLVE, _BN_GRAM, _BN_SOLVE, _FUSED_MAX_R, _chunks, _compiler_params, _dot,
-    _f32_out, _padded_r, _partial_cap, _precision, _round_up, _stacked, _use_interpret, _varying_alike,
+    _f32_out, _padded_r, _partial_cap, _precision, _round_up, _stacked, _upper_tile_steps, _use_interpret, _varying_alike,
 )  # fmt: skip
 
 
@@ -78,7 +78,7 @@ def _gram_kernel(p_ref, out_ref, *, m, r, steps, num_t, precision):
 
   # Only the upper-triangular tiles are computed; the lower ones are written as zeros.
   acc_nxn = lax.fori_loop(
-      0, jnp.where(j <= l, steps, 0), body, jnp.zeros((_BN_GRAM, _BN_GRAM), jnp.float32))
+      *_upper_tile_steps(j <= l, steps), body, jnp.zeros((_BN_GRAM, _BN_GRAM), jnp.float32))
   out_ref[...] = acc_nxn
 
 
