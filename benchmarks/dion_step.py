@@ -17,7 +17,6 @@ pieces of one Dion step at one rank fraction.
 import argparse
 import os
 import resource
-import statistics
 import sys
 import time
 
@@ -30,6 +29,7 @@ import optax  # noqa: E402
 
 import dion_jax  # noqa: E402
 from dion_jax import orthogonalize, sketch  # noqa: E402
+from benchmarks.harness import interleaved_times, jitted_step, time_fn  # noqa: E402
 
 
 def gpt_matrices(layers: int, d: int) -> dict[str, jax.Array]:
@@ -39,16 +39,6 @@ def gpt_matrices(layers: int, d: int) -> dict[str, jax.Array]:
       name: jax.random.normal(k, (layers,) + shape, jnp.float32) * shape[0] ** -0.5
       for k, (name, shape) in zip(keys, shapes.items())
   }
-
-
-def time_fn(fn, args, repeats: int) -> float:
-  """Median wall time of ``fn(*args)`` in seconds over ``repeats`` calls."""
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
 
 
 def kernel_cost_per_call(fn, args, calls: int = 5) -> tuple[float, float]:
@@ -64,37 +54,6 @@ def kernel_cost_per_call(fn, args, calls: int = 5) -> tuple[float, float]:
     jax.block_until_ready(fn(*args))
   after = resource.getrusage(resource.RUSAGE_SELF)
   return (after.ru_minflt - before.ru_minflt) / calls, (after.ru_stime - before.ru_stime) / calls
-
-
-def interleaved_times(cases: dict, rounds: int, repeats: int) -> dict[str, float]:
-  """Median over ``rounds`` of each case's median time, the cases taking turns.
-
-  The machines here are shared: their speed drifts by ±10% over seconds. Timing
-  every case in every round, the plain matmul included, makes the ratios between
-  cases (what the table reports) robust to that drift.
-  """
-  for fn, args in cases.values():
-    for _ in range(2):  # Compile and warm up.
-      jax.block_until_ready(fn(*args))
-  per_round = {name: [] for name in cases}
-  for _ in range(rounds):
-    for name, (fn, args) in cases.items():
-      per_round[name].append(time_fn(fn, args, repeats))
-  return {name: statistics.median(ts) for name, ts in per_round.items()}
-
-
-def jitted_step(tx, params):
-  """A jitted update + apply, its arguments, and the optimizer state's bytes."""
-  grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(1), p.shape, p.dtype) * 1e-2, params)
-  state = tx.init(params)
-
-  @jax.jit
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
-  return step, (params, state, grads), state_bytes
 
 
 def dion_flops(params, rank_fraction: float, oversample: float = 1.25) -> float:

@@ -22,7 +22,8 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import dion_jax  # noqa: E402
-from benchmarks.dion_step import gpt_matrices, interleaved_times, jitted_step  # noqa: E402
+from benchmarks.dion_step import gpt_matrices  # noqa: E402
+from benchmarks.harness import interleaved_times, jitted_step  # noqa: E402
 
 
 def optimizers(float32: bool) -> dict:

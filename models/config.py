@@ -12,6 +12,7 @@ import dataclasses
 import math
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
+ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +30,9 @@ class GPTConfig:
       state stay float32, softmax and the loss run in float32.
     remat: recompute each layer's activations in the backward pass.
     rope_base: base of the rotary embedding's frequencies.
+    attention: ``"xla"`` or ``"cudnn"``, the ``implementation`` of
+      ``jax.nn.dot_product_attention``: cuDNN's fused (flash) attention needs an NVIDIA
+      GPU and ``dtype="bfloat16"``; XLA's runs everywhere and holds the T x T scores.
     unroll: unroll the layer scan and the pipeline's loop: longer compiles, and XLA's
       cost analysis (which counts a loop body once) then counts every iteration.
   """
@@ -42,6 +46,7 @@ class GPTConfig:
   dtype: str = "float32"
   remat: bool = False
   rope_base: float = 10000.0
+  attention: str = "xla"
   unroll: bool = False
 
   def __post_init__(self):
@@ -59,6 +64,11 @@ class GPTConfig:
           " rotary embedding; change d_model or num_heads")
     if self.dtype not in COMPUTE_DTYPES:
       raise ValueError(f"GPTConfig.dtype must be one of {COMPUTE_DTYPES}, got {self.dtype!r}")
+    if self.attention not in ATTENTION_IMPLEMENTATIONS:
+      raise ValueError(
+          f"GPTConfig.attention must be one of {ATTENTION_IMPLEMENTATIONS}, got {self.attention!r}")
+    if self.attention == "cudnn" and self.dtype != "bfloat16":
+      raise ValueError("GPTConfig: cuDNN attention needs dtype='bfloat16'; use attention='xla' for float32")
 
   @property
   def head_dim(self) -> int:

@@ -76,6 +76,7 @@ class Attention(nnx.Module):
     self.value = Dense(d, d, "column", rngs=rngs)
     self.out = Dense(d, d, "row", rngs=rngs)
     self.num_heads = cfg.num_heads
+    self.implementation = cfg.attention
 
   def __call__(self, x_BxTxD: jax.Array, rope: tuple[jax.Array, jax.Array],
                par: Parallelism) -> jax.Array:
@@ -89,7 +90,8 @@ class Attention(nnx.Module):
     q_BxTxNxH = _rms_norm(_rotary(heads(self.query), *rope))
     k_BxTxNxH = _rms_norm(_rotary(heads(self.key), *rope))
     v_BxTxNxH = heads(self.value)
-    o_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, is_causal=True)
+    o_BxTxNxH = jax.nn.dot_product_attention(
+        q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, is_causal=True, implementation=self.implementation)
     o_BxTxNxH = par.constrain(o_BxTxNxH, "batch", None, "heads", None)
     return self.out(o_BxTxNxH.reshape(B, T, D), par)
 

@@ -38,6 +38,7 @@ class Config:
   num_attention_heads: int | None = None
   seq_len: int | None = None
   dtype: str | None = None
+  attention: str = "auto"
   remat: bool = False
   sequence_parallel: bool = False
   virtual_stages: int = 1
@@ -172,6 +173,8 @@ HELP = {
     "seq_len": "override the preset's tokens per sequence",
     "dtype": "compute dtype float32|bfloat16 (default: bfloat16 on GPU, float32 on CPU);"
              " parameters and optimizer state stay float32",
+    "attention": "auto|xla|cudnn: implementation of attention (default auto: cuDNN's fused"
+                 " attention on an NVIDIA GPU in bfloat16, XLA's otherwise)",
     "remat": "recompute each layer's activations in the backward pass (less memory)",
     "sequence_parallel": "shard activations along the sequence over tp between layers",
     "virtual_stages": "stages per pp device of a circular (interleaved) pipeline (default 1)",
@@ -240,7 +243,8 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
   parser = _Parser(prog="python -m train.gpt", argument_default=argparse.SUPPRESS,
                    description="Train a GPT with Dion (or AdamW, Lion, Muon) on a device mesh.")
-  choices = {"preset": PRESET_NAMES, "dtype": ("float32", "bfloat16"), "optimizer": OPTIMIZERS,
+  choices = {"preset": PRESET_NAMES, "dtype": ("float32", "bfloat16"),
+             "attention": ("auto", "xla", "cudnn"), "optimizer": OPTIMIZERS,
              "lr_decay_style": DECAY_STYLES, "dion_qr_method": ("rcqr", "cqr", "qr"),
              "dion_scale_rule": ("fan_ratio", "spectral", "max_one", "none"),
              "dion_scalar_optimizer": ("adamw", "lion"), "ortho_dtype": ("bfloat16", "float32")}

@@ -64,9 +64,20 @@ def _mesh(cfg: Config) -> jax.sharding.Mesh:
   return dion_jax.make_mesh(sizes, devices[:needed])
 
 
+def _attention(cfg: Config, dtype: str) -> str:
+  on_gpu = jax.default_backend() == "gpu"
+  if cfg.attention == "auto":
+    return "cudnn" if on_gpu and dtype == "bfloat16" else "xla"
+  if cfg.attention == "cudnn" and not (on_gpu and dtype == "bfloat16"):
+    raise UsageError(f"--attention cudnn needs an NVIDIA GPU and --dtype bfloat16 (here:"
+                     f" {jax.default_backend()}, {dtype}); use --attention xla")
+  return cfg.attention
+
+
 def _model_config(cfg: Config, vocab_size: int) -> models.GPTConfig:
-  overrides = {"vocab_size": vocab_size, "remat": cfg.remat,
-               "dtype": cfg.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")}
+  dtype = cfg.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+  overrides = {"vocab_size": vocab_size, "remat": cfg.remat, "dtype": dtype,
+               "attention": _attention(cfg, dtype)}
   for flag, field in (("num_layers", "num_layers"), ("hidden_size", "d_model"),
                       ("num_attention_heads", "num_heads"), ("seq_len", "seq_len")):
     if getattr(cfg, flag) is not None:

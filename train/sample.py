@@ -83,7 +83,8 @@ def restore(run_dir: str, step: int | None = None) -> Restored:
         item={"params": shapes}, restore_args={"params": as_numpy}, partial_restore=True)))["state"]
   finally:
     manager.close()
-  cfg = models.GPTConfig(**record["model"])
+  # XLA's attention runs on any device; the run may have trained with cuDNN's on a GPU.
+  cfg = models.GPTConfig(**{**record["model"], "attention": "xla"})
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.GPT(cfg, rngs=nnx.Rngs(0))))
   return Restored(cfg, graphdef, jax.device_put(state["params"]), step)
 
