@@ -56,55 +56,63 @@ def _axis_index(axis_name: AxisName) -> jax.Array:
   return jnp.uint32(0) if not axis_name else lax.axis_index(axis_name).astype(jnp.uint32)
 
 
-def one_matrix_at_a_time_on_cpu(f):
-  """``f`` (a LAPACK-backed factorization of one matrix) that, when vmapped on CPU,
-  loops over the batch (``lax.map``) instead of calling the batched LAPACK kernel.
+def one_matrix_at_a_time(*backends: str):
+  """Decorates ``f`` (a factorization of one matrix) so that, vmapped on one of
+  ``backends``, it loops over the batch (``lax.map``) instead of calling the batched
+  kernel; elsewhere it stays batched.
 
-  jaxlib's batched CPU LAPACK kernels split the batch over XLA's intra-op thread
-  pool and wait for it from a pool thread. When every pool thread does that at once
-  (several devices, or several independent factorizations in one program), none is
-  left to run the work and the program hangs (seen on jax 0.10.2 with 8 CPU devices
-  and a batch of 8 sketch QRs). These factorizations are small (r x r, k x r); the
-  heavy passes over P stay batched. Other backends keep the batched kernel.
+  - ``"cpu"``: jaxlib's batched LAPACK kernels split the batch over XLA's intra-op
+    thread pool and wait for it from a pool thread. When every pool thread does that
+    at once (several devices, or several independent factorizations in one program),
+    none is left to run the work and the program hangs (seen on jax 0.10.2 with 8 CPU
+    devices and a batch of 8 sketch QRs).
+  - ``"gpu"``, for QR: a batched ``jnp.linalg.qr`` runs cuSOLVER's unblocked batched
+    Householder kernel (``geqr2_batch_kernel``), meant for tiny matrices: 685 ms for
+    12 matrices of 768 x 768 on an H100, against 3.5 ms for one (benchmarks/gpu.py).
+
+  These factorizations are small (r x r, k x r); the heavy passes over P stay batched.
   """
 
-  @jax.custom_batching.custom_vmap
-  def g(*args):
-    return f(*args)
+  def decorate(f):
+    @jax.custom_batching.custom_vmap
+    def g(*args):
+      return f(*args)
 
-  @g.def_vmap
-  def _(axis_size, in_batched, *args):
-    if axis_size == 1:  # No loop for one matrix.
-      out = g(*(a[0] if batched else a for a, batched in zip(args, in_batched)))
-      return jax.tree.map(lambda x: x[None], out), jax.tree.map(lambda _: True, out)
-    args = [a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape) for a, batched in zip(args, in_batched)]
-    if jax.default_backend() == "cpu":  # Decided when traced, not at import.
-      out = lax.map(lambda xs: g(*xs), tuple(args))
-    else:
-      out = jax.vmap(f)(*args)
-    return out, jax.tree.map(lambda _: True, out)
+    @g.def_vmap
+    def _(axis_size, in_batched, *args):
+      if axis_size == 1:  # No loop for one matrix.
+        out = g(*(a[0] if batched else a for a, batched in zip(args, in_batched)))
+        return jax.tree.map(lambda x: x[None], out), jax.tree.map(lambda _: True, out)
+      args = [a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape) for a, batched in zip(args, in_batched)]
+      if jax.default_backend() in backends:  # Decided when traced, not at import.
+        out = lax.map(lambda xs: g(*xs), tuple(args))
+      else:
+        out = jax.vmap(f)(*args)
+      return out, jax.tree.map(lambda _: True, out)
 
-  return g
+    return g
+
+  return decorate
 
 
-@one_matrix_at_a_time_on_cpu
+@one_matrix_at_a_time("cpu")
 def upper_inverse(R_rxr: jax.Array) -> jax.Array:
   """R⁻¹ of an upper-triangular R (r x r)."""
   eye = jnp.eye(R_rxr.shape[-1], dtype=R_rxr.dtype)
   return lax.linalg.triangular_solve(R_rxr, eye, left_side=True, lower=False)
 
 
-@one_matrix_at_a_time_on_cpu
+@one_matrix_at_a_time("cpu")
 def _cholesky_upper(G_rxr: jax.Array) -> jax.Array:
   return jnp.linalg.cholesky(G_rxr).T
 
 
-@one_matrix_at_a_time_on_cpu
+@one_matrix_at_a_time("cpu", "gpu")
 def _qr_r(A_kxr: jax.Array) -> jax.Array:
   return jnp.linalg.qr(A_kxr, mode="r")
 
 
-@one_matrix_at_a_time_on_cpu
+@one_matrix_at_a_time("cpu", "gpu")
 def _qr_q(A_mxr: jax.Array) -> jax.Array:
   return jnp.linalg.qr(A_mxr)[0]
 

@@ -164,3 +164,15 @@ def test_batched_factorizations_run_one_matrix_at_a_time_on_cpu():
   G = jnp.einsum("bki,bkj->bij", A, A)
   np.testing.assert_allclose(jax.vmap(orthogonalize.upper_inverse)(jnp.linalg.cholesky(G).mT) @ jnp.linalg.cholesky(G).mT,
                              np.broadcast_to(np.eye(8), (4, 8, 8)), atol=1e-4)
+
+
+def test_qr_loops_over_the_batch_on_gpu_while_cholesky_stays_batched(monkeypatch):
+  """cuSOLVER's batched QR kernel took 685 ms for 12 matrices of 768 x 768 on an H100,
+  3.5 ms for one: on a GPU, QR loops; Cholesky and triangular solves (1.5 and 1.0 ms
+  for the same batch) stay batched."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # read when traced
+  A = jnp.ones((4, 24, 8), jnp.float32)
+  G = jnp.broadcast_to(jnp.eye(8), (4, 8, 8))
+  loops = lambda f, x: "scan" in str(jax.make_jaxpr(jax.vmap(f))(x))  # noqa: E731
+  assert loops(orthogonalize._qr_r, A) and loops(orthogonalize._qr_q, A)
+  assert not loops(orthogonalize._cholesky_upper, G) and not loops(orthogonalize.upper_inverse, G)
