@@ -1,59 +1,84 @@
-"""Dion (Distributed Orthonormalized Updates) for JAX and optax."""
+"""Dion (Distributed Orthonormalized Updates) and its family for JAX and optax.
 
-import os
+    tx = dion_jax.dion(learning_rate=0.01, rank_fraction=0.25)   # an optax transformation
 
-import numpy as _np  # noqa: F401  numpy's own OpenBLAS starts first, with its default threads.
+The package in layers (imports point down only):
 
-# jaxlib's CPU LAPACK kernels call scipy's OpenBLAS, which loads on the first LAPACK
-# call. Its worker threads then compete with XLA's thread pool for the same cores:
-# one OpenBLAS thread made Dion's CPU step 1.56x faster here (rank 1/4, 6 layers at
-# d=512: 156.5 -> 100.5 ms, benchmarks/dion_step.py). A value the user set wins.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+- ``dion_jax.optimizers``: Dion, Muon, NorMuon, Dion2 on one skeleton, routed by labels.
+- ``dion_jax.linalg``: orthonormal factors: ``orthonormalize`` (QR family) and
+  ``polar_factor`` (Polar Express / Newton–Schulz).
+- ``dion_jax.kernels``: Pallas GPU kernels beside their XLA compositions, loaded
+  only when a GPU path asks for them.
+- ``dion_jax.parallel``: the (rp, fs, tp, pp) mesh, layouts and collectives.
+- ``dion_jax.accounting``: collective bytes of compiled programs (imported by no layer).
 
-from dion_jax.core import Collectives, DionHyperParams, dion_matrix_step
-from dion_jax.comms import CollectiveStat, bytes_by_axes, collective_stats, format_table
-from dion_jax.frame import SCALE_RULE_ALIASES, SCALE_RULES, DionDimensionNumbers, MatrixFrame, dion_rank, matrix_frame
-from dion_jax.mesh import (
+Importing the package changes nothing in the process: on CPU, set
+``OPENBLAS_NUM_THREADS=1`` yourself before starting Python (README).
+"""
+
+from dion_jax.accounting import CollectiveStat, bytes_by_axes, collective_stats, format_table
+from dion_jax.linalg import orthonormalize
+from dion_jax.optimizers import (
+    DION2_STATIC_ARGS,
+    LABELS,
+    MUON_STATIC_ARGS,
+    NORMUON_STATIC_ARGS,
+    SCALE_RULE_ALIASES,
+    SCALE_RULES,
+    STATIC_ARGS,
+    Collectives,
+    DionDimensionNumbers,
+    DionHyperParams,
+    MatrixFrame,
+    ScaleByDionState,
+    ScaleByOrthogonalState,
+    add_decayed_weights,
+    default_labels,
+    dion,
+    dion2,
+    dion_matrix_step,
+    dion_rank,
+    leaf_frames,
+    matrix_frame,
+    matrix_optimizer,
+    muon,
+    normuon,
+    scale_by_dion,
+    scale_by_orthogonal,
+)
+from dion_jax.parallel import (
     AXES,
+    average_replicas,
     check_divisible,
     column_parallel,
     embedding,
     make_mesh,
     parse_mesh_spec,
+    partition_specs_of,
     row_parallel,
     stacked,
     tree_check_divisible,
+    value_and_grad_per_replica,
     vector,
 )
-from dion_jax.optimizer import LABELS, STATIC_ARGS, add_decayed_weights, default_labels, dion, matrix_optimizer
-from dion_jax.family import ScaleByOrthogonalState, scale_by_orthogonal
-from dion_jax.family_optimizer import DION2_STATIC_ARGS, MUON_STATIC_ARGS, NORMUON_STATIC_ARGS, dion2, muon, normuon
-from dion_jax.orthogonalize import orthonormalize
-from dion_jax.transform import ScaleByDionState, leaf_frames, scale_by_dion
-from dion_jax.sharded import average_replicas, partition_specs_of, value_and_grad_per_replica
 
 __all__ = [
-    "DION2_STATIC_ARGS",
-    "MUON_STATIC_ARGS",
-    "NORMUON_STATIC_ARGS",
-    "SCALE_RULE_ALIASES",
-    "ScaleByOrthogonalState",
-    "add_decayed_weights",
-    "dion2",
-    "matrix_optimizer",
-    "muon",
-    "normuon",
-    "scale_by_orthogonal",
     "AXES",
     "CollectiveStat",
     "Collectives",
+    "DION2_STATIC_ARGS",
     "DionDimensionNumbers",
     "DionHyperParams",
     "LABELS",
+    "MUON_STATIC_ARGS",
     "MatrixFrame",
+    "NORMUON_STATIC_ARGS",
     "SCALE_RULES",
+    "SCALE_RULE_ALIASES",
     "STATIC_ARGS",
     "ScaleByDionState",
+    "ScaleByOrthogonalState",
+    "add_decayed_weights",
     "average_replicas",
     "bytes_by_axes",
     "check_divisible",
@@ -61,6 +86,7 @@ __all__ = [
     "column_parallel",
     "default_labels",
     "dion",
+    "dion2",
     "dion_matrix_step",
     "dion_rank",
     "embedding",
@@ -68,11 +94,15 @@ __all__ = [
     "leaf_frames",
     "make_mesh",
     "matrix_frame",
+    "matrix_optimizer",
+    "muon",
+    "normuon",
     "orthonormalize",
     "parse_mesh_spec",
     "partition_specs_of",
     "row_parallel",
     "scale_by_dion",
+    "scale_by_orthogonal",
     "stacked",
     "tree_check_divisible",
     "value_and_grad_per_replica",

@@ -32,7 +32,7 @@ import functools
 import math
 from typing import Any
 
-import dion_jax
+from dion_jax import parallel
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -216,7 +216,7 @@ def init(cfg: GPTConfig, par: Parallelism = Parallelism(), seed: int = 0) -> tup
   if cfg.num_heads % par.tp:
     raise ValueError(f"tp={par.tp} does not divide num_heads={cfg.num_heads}; choose a tp that divides it")
   specs = param_specs(jax.eval_shape(create))
-  dion_jax.tree_check_divisible(jax.eval_shape(create), specs, par.mesh)
+  parallel.tree_check_divisible(jax.eval_shape(create), specs, par.mesh)
   return graphdef, jax.jit(create, out_shardings=shardings(par.mesh, specs))()
 
 

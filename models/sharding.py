@@ -46,7 +46,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import dion_jax
+from dion_jax import parallel
 
 # Logical activation axes -> mesh axes. "seq" is on tp only with sequence parallelism.
 LOGICAL_AXES = {
@@ -59,8 +59,8 @@ LOGICAL_AXES = {
 
 # Each kernel's Megatron layout, and the sharding it is used in (gathered over fs).
 KERNEL_LAYOUTS = {
-    "column": (dion_jax.column_parallel(), P(None, "tp")),
-    "row": (dion_jax.row_parallel(), P("tp", None)),
+    "column": (parallel.column_parallel(), P(None, "tp")),
+    "row": (parallel.row_parallel(), P("tp", None)),
 }
 
 
@@ -155,10 +155,10 @@ def param_specs(params: Any) -> Any:
     if names[0] == "lm_head":
       return P(("fs", "pp"), "tp")
     if names[-1] == "scale":
-      base = dion_jax.vector()
+      base = parallel.vector()
     else:
       base = KERNEL_LAYOUTS[_layout_of(names)][0]
-    return dion_jax.stacked(base, 2) if names[0] == "blocks" else base
+    return parallel.stacked(base, 2) if names[0] == "blocks" else base
 
   return jax.tree_util.tree_map_with_path(spec, params)
 

@@ -1,6 +1,6 @@
 """An independent float64 NumPy implementation of Dion, for tests.
 
-Written from the algorithm in DESIGN.md §2 (the reference's frame: X is
+Written from the algorithm in docs/design.md §2 (the reference's frame: X is
 (fan_out, fan_in)); it shares no code with dion_jax.
 """
 

@@ -1,5 +1,5 @@
 """Muon, NorMuon and Dion2 in float64 NumPy, written from the papers' equations, as an
-independent reference for dion_jax.family. Matrices in the reference's (fan_out, fan_in)
+independent reference for dion_jax.scale_by_orthogonal. Matrices in the reference's (fan_out, fan_in)
 layout; lr, weight decay and the shape scale sqrt(fan_out/fan_in) as microsoft/dion."""
 
 import math

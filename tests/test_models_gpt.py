@@ -9,7 +9,7 @@ import pytest
 
 import dion_jax
 import models
-from dion_jax import comms
+from dion_jax.accounting import hlo as comms
 
 CFG = models.preset("tiny", num_layers=4, d_model=64, num_heads=4, seq_len=16)
 BATCH = 8

@@ -1,8 +1,12 @@
-"""Pallas GPU kernels, one module per kernel family, each with an XLA path beside it.
+"""Kernel families, each a Pallas GPU module beside its XLA composition, and the
+vendor-library factorizations. Importing this package imports none of them.
 
-- ``rcqr`` (``rcqr_sketch``, ``rcqr_solve``): the passes of randomized Cholesky QR
-  (Dion's orthonormalization); the XLA composition is ``dion_jax.orthogonalize``'s.
-- ``newton_schulz``: the symmetric products of the polar iterations of Muon, NorMuon
-  and Dion2 (``dion_jax.polar``), with ``xla_symmetric_products`` beside it.
-- ``pallas_common``: backend, precision, batching and mesh typing they share.
+- ``backend``: picks Pallas or XLA per call (``"auto"``: Pallas on a GPU).
+- ``rcqr`` (``rcqr_sketch``, ``rcqr_solve``) and ``rcqr_xla``: the three passes of
+  randomized Cholesky QR over P (``dion_jax.linalg.qr``).
+- ``newton_schulz`` and ``newton_schulz_xla``: the symmetric products of the polar
+  iterations (``dion_jax.linalg.polar``).
+- ``sketch``: the counter-based sketch matrix both RCQR paths generate.
+- ``lapack``: small QR, Cholesky and triangular inverses, batched safely per backend.
+- ``pallas_common``: tiles, precision and batching the Pallas modules share.
 """

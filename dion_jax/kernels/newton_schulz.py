@@ -1,6 +1,6 @@
 """Pallas GPU kernels for the symmetric products of the polar iterations.
 
-Each step of ``dion_jax.polar`` on a wide X (s x l, s <= l) computes
+Each step of ``dion_jax.linalg.polar`` on a wide X (s x l, s <= l) computes
 
     A = X Xᵀ                 (s x s)   2 s² l flops in XLA
     B = b·A + c·A²           (s x s)   2 s³ flops in XLA
@@ -15,8 +15,9 @@ The kernels read X (and A) from memory by (64 x 32) tiles with float32
 accumulation; X is zero-padded to whole tiles first (zero rows and columns leave the
 products of the real ones unchanged). bfloat16 X gives bfloat16 A and B, as XLA's
 einsum; float32 X uses TF32x3 on tensor cores (float32 accuracy), IEEE float32 in the
-interpreter. ``xla_symmetric_products`` is the XLA composition of the same products,
-the fallback; ``interpret=None`` interprets unless the default backend is a GPU.
+interpreter. ``newton_schulz_xla.xla_symmetric_products`` is the XLA composition of
+the same products, the fallback; ``interpret=None`` interprets unless the default
+backend is a GPU.
 """
 
 import functools
@@ -26,16 +27,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from dion_jax.kernels.pallas_common import _compiler_params, _precision, _round_up, _upper_tile_steps, _use_interpret
+from dion_jax.kernels.pallas_common import (
+    compiler_params, matmul_precision, round_up, upper_tile_steps, use_interpret,
+)  # fmt: skip
 
 _BT = 64  # output tile (rows and columns of A and B)
 _BK = 32  # contraction step
-
-
-def xla_symmetric_products(X_bxsxl: jax.Array, b: float, c: float, precision=None) -> jax.Array:
-  """``B = b·A + c·A²`` with ``A = X Xᵀ``; (B, s, s) in X's dtype."""
-  A = jnp.einsum("bsl,btl->bst", X_bxsxl, X_bxsxl, precision=precision)
-  return b * A + c * jnp.einsum("bst,btu->bsu", A, A, precision=precision)
 
 
 def _dot(x, y, contract_y: int, dtype_precision):
@@ -54,7 +51,7 @@ def _gram_kernel(x_ref, a_ref, *, steps, num_t, precision):
     xj = x_ref[pl.ds(j * _BT, _BT), pl.ds(step * _BK, _BK)]
     return acc + _dot(xi, xj, 1, precision)
 
-  acc = lax.fori_loop(*_upper_tile_steps(i <= j, steps), body, jnp.zeros((_BT, _BT), jnp.float32))
+  acc = lax.fori_loop(*upper_tile_steps(i <= j, steps), body, jnp.zeros((_BT, _BT), jnp.float32))
   a_ref[...] = acc.astype(a_ref.dtype)
 
 
@@ -68,7 +65,7 @@ def _square_kernel(a_ref, out_ref, *, steps, num_t, b, c, precision):
     a_kj = a_ref[pl.ds(step * _BK, _BK), pl.ds(j * _BT, _BT)]
     return acc + _dot(a_ik, a_kj, 0, precision)
 
-  acc = lax.fori_loop(*_upper_tile_steps(i <= j, steps), body, jnp.zeros((_BT, _BT), jnp.float32))
+  acc = lax.fori_loop(*upper_tile_steps(i <= j, steps), body, jnp.zeros((_BT, _BT), jnp.float32))
   a_ij = a_ref[pl.ds(i * _BT, _BT), pl.ds(j * _BT, _BT)].astype(jnp.float32)
   out = jnp.where(i <= j, b * a_ij + c * acc, 0.0)
   out_ref[...] = out.astype(out_ref.dtype)
@@ -90,7 +87,7 @@ def _tiled_call(kernel, x, out_s, steps, num_t, name, interpret, **params):
       in_specs=[pl.BlockSpec((None,) + x.shape[1:], lambda b, t: (b, 0, 0))],
       out_specs=pl.BlockSpec((None, _BT, _BT), lambda b, t: (b, t // num_t, t % num_t)),
       out_shape=jax.ShapeDtypeStruct((B, out_s, out_s), x.dtype, manual_axis_type=mat),
-      compiler_params=_compiler_params(),
+      compiler_params=compiler_params(),
       interpret=interpret,
       name=name,
   )(x)
@@ -105,11 +102,11 @@ def symmetric_products(
   (module docstring).
   """
   del precision
-  interpret = _use_interpret(interpret)
+  interpret = use_interpret(interpret)
   _, s, l = X_bxsxl.shape
-  s_pad, l_pad = _round_up(s, _BT), _round_up(l, _BK)
+  s_pad, l_pad = round_up(s, _BT), round_up(l, _BK)
   X = jnp.pad(X_bxsxl, ((0, 0), (0, s_pad - s), (0, l_pad - l)))
-  dot_precision = _precision(interpret) if X.dtype == jnp.float32 else None
+  dot_precision = matmul_precision(interpret) if X.dtype == jnp.float32 else None
   num_t = s_pad // _BT
   A = _mirror(_tiled_call(_gram_kernel, X, s_pad, l_pad // _BK, num_t, "ns_gram", interpret, precision=dot_precision))
   B = _tiled_call(
@@ -120,6 +117,6 @@ def symmetric_products(
 
 def counted_flops(s: int, l: int) -> dict[str, int]:
   """Flops of A and B per matrix: the kernels' (upper tiles, padding included) and XLA's."""
-  s_pad, l_pad = _round_up(s, _BT), _round_up(l, _BK)
+  s_pad, l_pad = round_up(s, _BT), round_up(l, _BK)
   tiles = (s_pad // _BT) * (s_pad // _BT + 1) // 2
   return {"pallas": tiles * 2 * _BT * _BT * (l_pad + s_pad), "xla": 2 * s * s * l + 2 * s**3}

@@ -1,6 +1,6 @@
 """Pallas GPU kernels for the heavy passes of randomized Cholesky QR, and their costs.
 
-``dion_jax.orthogonalize.rcqr`` makes three passes over the tall P (m x r):
+``dion_jax.linalg.qr.rcqr`` makes three passes over the tall P (m x r):
 
     SP = S P                      sketch_product   (S: k x m Gaussian, k = 1.25 r rounded to 128)
     P1 = P R1⁻¹,  G = P1ᵀ P1      solve_and_gram   (R1 = qr_r(SP))
@@ -53,12 +53,12 @@ TF32 products, float32 accuracy) rather than float32 FMA.
 
 The kernels live in ``rcqr_sketch`` and ``rcqr_solve``, on the shared Pallas set-up of
 ``dion_jax.kernels.pallas_common``; the XLA composition of the same passes is in
-``dion_jax.orthogonalize``.
+``dion_jax.kernels.rcqr_xla``.
 """
 
 from dion_jax.kernels.pallas_common import (
-    _BK_SKETCH, _BM, _BN_GRAM, _BN_SKETCH, _BN_SOLVE, _FUSED_MAX_R, _chunks, _padded_r, _partial_cap,
-    _round_up,
+    BK_SKETCH, BM, BN_GRAM, BN_SKETCH, BN_SOLVE, FUSED_MAX_R, row_chunks, padded_rank, partial_cap,
+    round_up,
 )  # fmt: skip
 from dion_jax.kernels.rcqr_sketch import sketch_product
 from dion_jax.kernels.rcqr_solve import solve, solve_and_gram
@@ -75,22 +75,22 @@ def counted_costs(m: int, r: int, k: int, itemsize: int) -> dict[str, dict[str, 
   entry are listed separately as ``rng_ops`` under ``"pallas"``.
   """
   f32 = 4
-  num_rt = -(-r // _BN_SKETCH)
-  chunks_sketch, _ = _chunks(-(-m // _BM), -(-k // _BK_SKETCH) * num_rt, _partial_cap(m, k))
-  r_pad = _padded_r(r)
-  r_solve = _round_up(max(r, _BN_SOLVE), _BN_SOLVE)
+  num_rt = -(-r // BN_SKETCH)
+  chunks_sketch, _ = row_chunks(-(-m // BM), -(-k // BK_SKETCH) * num_rt, partial_cap(m, k))
+  r_pad = padded_rank(r)
+  r_solve = round_up(max(r, BN_SOLVE), BN_SOLVE)
   p_in, p32 = itemsize * m * r, f32 * m * r
   # Flops as executed: padded tiles, and only the tiles on or above R⁻¹'s diagonal.
-  tri_flops = m * r_solve * (r_solve + _BN_SOLVE)
-  pallas = {"sketch": (p_in + f32 * chunks_sketch * k * r, 2 * k * m * num_rt * _BN_SKETCH)}
-  if r_pad <= _FUSED_MAX_R:
-    chunks_gram, _ = _chunks(-(-m // _BM), 1, _partial_cap(m, r_pad))
+  tri_flops = m * r_solve * (r_solve + BN_SOLVE)
+  pallas = {"sketch": (p_in + f32 * chunks_sketch * k * r, 2 * k * m * num_rt * BN_SKETCH)}
+  if r_pad <= FUSED_MAX_R:
+    chunks_gram, _ = row_chunks(-(-m // BM), 1, partial_cap(m, r_pad))
     pallas["solve+gram"] = (p_in + p32 + f32 * chunks_gram * r_pad * r_pad, 4 * m * r_pad * r_pad)
   else:
-    num_t = r_pad // _BN_GRAM
-    chunks_gram, _ = _chunks(-(-m // _BM), num_t * (num_t + 1) // 2, _partial_cap(m, r_pad))
+    num_t = r_pad // BN_GRAM
+    chunks_gram, _ = row_chunks(-(-m // BM), num_t * (num_t + 1) // 2, partial_cap(m, r_pad))
     pallas["solve+gram"] = (
-        p_in + 2 * p32 + f32 * chunks_gram * r_pad * r_pad, tri_flops + m * r_pad * (r_pad + _BN_GRAM))
+        p_in + 2 * p32 + f32 * chunks_gram * r_pad * r_pad, tri_flops + m * r_pad * (r_pad + BN_GRAM))
   pallas["solve"] = (2 * p32, tri_flops)
   pallas["rng_ops"] = (0, 20 * k * m * num_rt)
   xla = {

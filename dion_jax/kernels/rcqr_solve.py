@@ -10,8 +10,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from dion_jax.kernels.pallas_common import (
-    _BK_SOLVE, _BM, _BM_SOLVE, _BN_GRAM, _BN_SOLVE, _FUSED_MAX_R, _chunks, _compiler_params, _dot,
-    _f32_out, _padded_r, _partial_cap, _precision, _round_up, _stacked, _upper_tile_steps, _use_interpret, _varying_alike,
+    BK_SOLVE, BM, BM_SOLVE, BN_GRAM, BN_SOLVE, FUSED_MAX_R, row_chunks, compiler_params, tile_dot,
+    f32_out, padded_rank, partial_cap, matmul_precision, round_up, stacked_kernel, upper_tile_steps, use_interpret, varying_alike,
 )  # fmt: skip
 
 
@@ -24,38 +24,38 @@ def _upper_inverse_padded(R_bxrxr: jax.Array, r_pad: int) -> jax.Array:
 
 def _solve_kernel(p_ref, rinv_ref, out_ref, *, m, r, precision):
   i, j = pl.program_id(1), pl.program_id(2)
-  rows = i * _BM_SOLVE + jnp.arange(_BM_SOLVE, dtype=jnp.int32)
-  out_cols = j * _BN_SOLVE + jnp.arange(_BN_SOLVE, dtype=jnp.int32)
+  rows = i * BM_SOLVE + jnp.arange(BM_SOLVE, dtype=jnp.int32)
+  out_cols = j * BN_SOLVE + jnp.arange(BN_SOLVE, dtype=jnp.int32)
 
   def body(kb, acc_mxn):
-    cols = kb * _BK_SOLVE + jnp.arange(_BK_SOLVE, dtype=jnp.int32)
+    cols = kb * BK_SOLVE + jnp.arange(BK_SOLVE, dtype=jnp.int32)
     mask = (rows[:, None] < m) & (cols[None, :] < r)
-    p = plgpu.load(p_ref.at[pl.ds(i * _BM_SOLVE, _BM_SOLVE), pl.ds(kb * _BK_SOLVE, _BK_SOLVE)], mask=mask, other=0)
-    rinv = rinv_ref[pl.ds(kb * _BK_SOLVE, _BK_SOLVE), pl.ds(j * _BN_SOLVE, _BN_SOLVE)]
-    return acc_mxn + _dot(p.astype(jnp.float32), rinv, precision)
+    p = plgpu.load(p_ref.at[pl.ds(i * BM_SOLVE, BM_SOLVE), pl.ds(kb * BK_SOLVE, BK_SOLVE)], mask=mask, other=0)
+    rinv = rinv_ref[pl.ds(kb * BK_SOLVE, BK_SOLVE), pl.ds(j * BN_SOLVE, BN_SOLVE)]
+    return acc_mxn + tile_dot(p.astype(jnp.float32), rinv, precision)
 
   # R⁻¹ is upper triangular: rows of it below this column tile's end are zero.
-  num_kb = (j + 1) * (_BN_SOLVE // _BK_SOLVE)
-  acc_mxn = lax.fori_loop(0, num_kb, body, jnp.zeros((_BM_SOLVE, _BN_SOLVE), jnp.float32))
+  num_kb = (j + 1) * (BN_SOLVE // BK_SOLVE)
+  acc_mxn = lax.fori_loop(0, num_kb, body, jnp.zeros((BM_SOLVE, BN_SOLVE), jnp.float32))
   mask = (rows[:, None] < m) & (out_cols[None, :] < r)
-  plgpu.store(out_ref.at[pl.ds(i * _BM_SOLVE, _BM_SOLVE), pl.ds(j * _BN_SOLVE, _BN_SOLVE)], acc_mxn, mask=mask)
+  plgpu.store(out_ref.at[pl.ds(i * BM_SOLVE, BM_SOLVE), pl.ds(j * BN_SOLVE, BN_SOLVE)], acc_mxn, mask=mask)
 
 
 def _tri_matmul(P_bxmxr, Rinv_bxrxr, interpret):
   B, m, r = P_bxmxr.shape
   r_pad = Rinv_bxrxr.shape[-1]
-  inputs, mat = _varying_alike(P_bxmxr, Rinv_bxrxr)
-  kernel = functools.partial(_solve_kernel, m=m, r=r, precision=_precision(interpret))
+  inputs, mat = varying_alike(P_bxmxr, Rinv_bxrxr)
+  kernel = functools.partial(_solve_kernel, m=m, r=r, precision=matmul_precision(interpret))
   return pl.pallas_call(
       kernel,
-      grid=(B, -(-m // _BM_SOLVE), r_pad // _BN_SOLVE),
+      grid=(B, -(-m // BM_SOLVE), r_pad // BN_SOLVE),
       in_specs=[
           pl.BlockSpec((None, m, r), lambda b, i, j: (b, 0, 0)),
           pl.BlockSpec((None, r_pad, r_pad), lambda b, i, j: (b, 0, 0)),
       ],
       out_specs=pl.BlockSpec((None, m, r), lambda b, i, j: (b, 0, 0)),
-      out_shape=_f32_out((B, m, r), mat),
-      compiler_params=_compiler_params(),
+      out_shape=f32_out((B, m, r), mat),
+      compiler_params=compiler_params(),
       interpret=interpret,
       name="rcqr_triangular_matmul",
   )(*inputs)
@@ -64,38 +64,38 @@ def _tri_matmul(P_bxmxr, Rinv_bxrxr, interpret):
 def _gram_kernel(p_ref, out_ref, *, m, r, steps, num_t, precision):
   c, t = pl.program_id(1), pl.program_id(2)
   j, l = t // num_t, t % num_t
-  cols_j = j * _BN_GRAM + jnp.arange(_BN_GRAM, dtype=jnp.int32)
-  cols_l = l * _BN_GRAM + jnp.arange(_BN_GRAM, dtype=jnp.int32)
+  cols_j = j * BN_GRAM + jnp.arange(BN_GRAM, dtype=jnp.int32)
+  cols_l = l * BN_GRAM + jnp.arange(BN_GRAM, dtype=jnp.int32)
 
   def body(step, acc_nxn):
-    start = (c * steps + step) * _BM
-    rows = (start + jnp.arange(_BM, dtype=jnp.int32))[:, None]
-    a = plgpu.load(p_ref.at[pl.ds(start, _BM), pl.ds(j * _BN_GRAM, _BN_GRAM)],
+    start = (c * steps + step) * BM
+    rows = (start + jnp.arange(BM, dtype=jnp.int32))[:, None]
+    a = plgpu.load(p_ref.at[pl.ds(start, BM), pl.ds(j * BN_GRAM, BN_GRAM)],
                    mask=(rows < m) & (cols_j[None, :] < r), other=0)
-    b = plgpu.load(p_ref.at[pl.ds(start, _BM), pl.ds(l * _BN_GRAM, _BN_GRAM)],
+    b = plgpu.load(p_ref.at[pl.ds(start, BM), pl.ds(l * BN_GRAM, BN_GRAM)],
                    mask=(rows < m) & (cols_l[None, :] < r), other=0)
-    return acc_nxn + _dot(a, b, precision, contract_a=0)
+    return acc_nxn + tile_dot(a, b, precision, contract_a=0)
 
   # Only the upper-triangular tiles are computed; the lower ones are written as zeros.
   acc_nxn = lax.fori_loop(
-      *_upper_tile_steps(j <= l, steps), body, jnp.zeros((_BN_GRAM, _BN_GRAM), jnp.float32))
+      *upper_tile_steps(j <= l, steps), body, jnp.zeros((BN_GRAM, BN_GRAM), jnp.float32))
   out_ref[...] = acc_nxn
 
 
 def _gram(P1_bxmxr, r_pad, interpret):
   B, m, r = P1_bxmxr.shape
-  num_t = r_pad // _BN_GRAM
-  chunks, steps = _chunks(-(-m // _BM), B * num_t * (num_t + 1) // 2, _partial_cap(m, r_pad))
+  num_t = r_pad // BN_GRAM
+  chunks, steps = row_chunks(-(-m // BM), B * num_t * (num_t + 1) // 2, partial_cap(m, r_pad))
   kernel = functools.partial(
-      _gram_kernel, m=m, r=r, steps=steps, num_t=num_t, precision=_precision(interpret))
+      _gram_kernel, m=m, r=r, steps=steps, num_t=num_t, precision=matmul_precision(interpret))
   upper_bxcxrxr = pl.pallas_call(
       kernel,
       grid=(B, chunks, num_t * num_t),
       in_specs=[pl.BlockSpec((None, m, r), lambda b, c, t: (b, 0, 0))],
       out_specs=pl.BlockSpec(
-          (None, None, _BN_GRAM, _BN_GRAM), lambda b, c, t: (b, c, t // num_t, t % num_t)),
-      out_shape=_f32_out((B, chunks, r_pad, r_pad), jax.typeof(P1_bxmxr).mat),
-      compiler_params=_compiler_params(),
+          (None, None, BN_GRAM, BN_GRAM), lambda b, c, t: (b, c, t // num_t, t % num_t)),
+      out_shape=f32_out((B, chunks, r_pad, r_pad), jax.typeof(P1_bxmxr).mat),
+      compiler_params=compiler_params(),
       interpret=interpret,
       name="rcqr_gram_upper",
   )(P1_bxmxr)
@@ -109,13 +109,13 @@ def _fused_kernel(p_ref, rinv_ref, p1_ref, gram_ref, *, m, r, steps, precision):
   rinv = rinv_ref[...]
 
   def body(step, gram_rxr):
-    start = (c * steps + step) * _BM
-    rows = (start + jnp.arange(_BM, dtype=jnp.int32))[:, None]
+    start = (c * steps + step) * BM
+    rows = (start + jnp.arange(BM, dtype=jnp.int32))[:, None]
     mask = (rows < m) & (cols < r)
-    p = plgpu.load(p_ref.at[pl.ds(start, _BM), pl.ds(0, r_pad)], mask=mask, other=0)
-    p1 = _dot(p.astype(jnp.float32), rinv, precision)
-    plgpu.store(p1_ref.at[pl.ds(start, _BM), pl.ds(0, r_pad)], p1, mask=mask)
-    return gram_rxr + _dot(p1, p1, precision, contract_a=0)
+    p = plgpu.load(p_ref.at[pl.ds(start, BM), pl.ds(0, r_pad)], mask=mask, other=0)
+    p1 = tile_dot(p.astype(jnp.float32), rinv, precision)
+    plgpu.store(p1_ref.at[pl.ds(start, BM), pl.ds(0, r_pad)], p1, mask=mask)
+    return gram_rxr + tile_dot(p1, p1, precision, contract_a=0)
 
   gram_ref[...] = lax.fori_loop(0, steps, body, jnp.zeros((r_pad, r_pad), jnp.float32))
 
@@ -123,9 +123,9 @@ def _fused_kernel(p_ref, rinv_ref, p1_ref, gram_ref, *, m, r, steps, precision):
 def _fused_solve_and_gram(P_bxmxr, Rinv_bxrxr, interpret):
   B, m, r = P_bxmxr.shape
   r_pad = Rinv_bxrxr.shape[-1]
-  chunks, steps = _chunks(-(-m // _BM), B, _partial_cap(m, r_pad))
-  inputs, mat = _varying_alike(P_bxmxr, Rinv_bxrxr)
-  kernel = functools.partial(_fused_kernel, m=m, r=r, steps=steps, precision=_precision(interpret))
+  chunks, steps = row_chunks(-(-m // BM), B, partial_cap(m, r_pad))
+  inputs, mat = varying_alike(P_bxmxr, Rinv_bxrxr)
+  kernel = functools.partial(_fused_kernel, m=m, r=r, steps=steps, precision=matmul_precision(interpret))
   P1_bxmxr, gram_bxcxrxr = pl.pallas_call(
       kernel,
       grid=(B, chunks),
@@ -138,10 +138,10 @@ def _fused_solve_and_gram(P_bxmxr, Rinv_bxrxr, interpret):
           pl.BlockSpec((None, None, r_pad, r_pad), lambda b, c: (b, c, 0, 0)),
       ],
       out_shape=[
-          _f32_out((B, m, r), mat),
-          _f32_out((B, chunks, r_pad, r_pad), mat),
+          f32_out((B, m, r), mat),
+          f32_out((B, chunks, r_pad, r_pad), mat),
       ],
-      compiler_params=_compiler_params(num_warps=8),
+      compiler_params=compiler_params(num_warps=8),
       interpret=interpret,
       name="rcqr_solve_and_gram",
   )(*inputs)
@@ -152,9 +152,9 @@ def _fused_solve_and_gram(P_bxmxr, Rinv_bxrxr, interpret):
 def _solve_and_gram_fn(interpret: bool):
   def core(P_bxmxr, R_bxrxr):
     r = P_bxmxr.shape[-1]
-    r_pad = _padded_r(r)
+    r_pad = padded_rank(r)
     Rinv_bxrxr = _upper_inverse_padded(R_bxrxr, r_pad)
-    if r_pad <= _FUSED_MAX_R:
+    if r_pad <= FUSED_MAX_R:
       P1_bxmxr, G_bxrxr = _fused_solve_and_gram(P_bxmxr, Rinv_bxrxr, interpret)
     else:
       P1_bxmxr = _tri_matmul(P_bxmxr, Rinv_bxrxr, interpret)
@@ -162,25 +162,25 @@ def _solve_and_gram_fn(interpret: bool):
       G_bxrxr = upper_bxrxr + jnp.swapaxes(jnp.triu(upper_bxrxr, 1), -1, -2)
     return P1_bxmxr, G_bxrxr[:, :r, :r]
 
-  return _stacked(core)
+  return stacked_kernel(core)
 
 
 @functools.lru_cache(maxsize=None)
 def _solve_fn(interpret: bool):
   def core(P_bxmxr, R_bxrxr):
-    r_pad = _round_up(max(P_bxmxr.shape[-1], _BN_SOLVE), _BN_SOLVE)
+    r_pad = round_up(max(P_bxmxr.shape[-1], BN_SOLVE), BN_SOLVE)
     return _tri_matmul(P_bxmxr, _upper_inverse_padded(R_bxrxr, r_pad), interpret)
 
-  return _stacked(core)
+  return stacked_kernel(core)
 
 
 def solve_and_gram(
     P_mxr: jax.Array, R_rxr: jax.Array, *, interpret: bool | None = None
 ) -> tuple[jax.Array, jax.Array]:
   """``P₁ = P R⁻¹`` (float32, R upper triangular) and its Gram matrix ``P₁ᵀ P₁`` (r, r)."""
-  return _solve_and_gram_fn(_use_interpret(interpret))(P_mxr, R_rxr)
+  return _solve_and_gram_fn(use_interpret(interpret))(P_mxr, R_rxr)
 
 
 def solve(P_mxr: jax.Array, R_rxr: jax.Array, *, interpret: bool | None = None) -> jax.Array:
   """``P R⁻¹`` in float32 for upper-triangular R."""
-  return _solve_fn(_use_interpret(interpret))(P_mxr, R_rxr)
+  return _solve_fn(use_interpret(interpret))(P_mxr, R_rxr)

@@ -1,0 +1,372 @@
+"""Communication accounting: the bytes each collective of a compiled program moves,
+grouped by the mesh axes it communicates over.
+
+Reads the optimized HLO text of a compiled function
+(``jax.jit(f).lower(*args).compile().as_text()``) and, for every all-reduce,
+reduce-scatter, all-gather, all-to-all and collective-permute instruction, finds
+
+- its payload per device: the bytes of its operands (all-reduce, reduce-scatter,
+  all-to-all, collective-permute), or of its output for all-gather (operand bytes
+  times the group size); tuple-shaped (variadic) collectives sum their elements;
+- the mesh axes it runs over: the axes along which the devices of one replica
+  group (or one source-target pair of a collective-permute) differ.
+
+Conventions and limits:
+
+- Device ids in the replica groups of an SPMD-partitioned module are partition
+  (logical) ids, i.e. positions in ``mesh.devices.flat``, not ``Device.id``.
+- Each instruction counts once, where it appears in the text: a collective in a
+  while-loop body counts once, not once per iteration, and both branches of a
+  conditional count.
+- Async pairs count once, at their ``-start`` (``-done`` is skipped); a collective
+  wrapped in an ``async-start`` computation counts where it appears, inside.
+- Three replica-group formats are read: explicit lists ``{{0,4},{1,5}}``, iota
+  lists ``[4,2]<=[2,2,2]T(0,2,1)``, and Shardy mesh-axes lists
+  ``mesh['axis_0'=4,'axis_1'=2], device_ids=([4,2]T(1,0)) {'axis_0'}``. Anything
+  else raises ValueError rather than being skipped.
+- Groups of one device (e.g. self pairs of a collective-permute) are reported with
+  axes ``()``; their bytes never leave the device.
+
+Example lines (jax 0.10.2, CPU, mesh rp=2,fs=2,tp=2)::
+
+  f32[64,32]{1,0} all-reduce(%param.1), channel_id=1,
+      replica_groups={{0,4},{1,5},{2,6},{3,7}}, use_global_device_ids=true, ...
+  f32[64,64]{1,0} all-reduce(%ynn_fusion), channel_id=2,
+      replica_groups=[4,2]<=[2,2,2]T(0,2,1), use_global_device_ids=true, ...
+  f32[32]{0} all-reduce(%wrapped_reduce), channel_id=1,
+      replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([4,2]T(1,0)) {'axis_0'}, ...
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+OPS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+
+
+class CollectiveStat(NamedTuple):
+  """All collectives of one kind over one set of mesh axes.
+
+  Attributes:
+    op: the HLO opcode without an async suffix, one of OPS.
+    axes: the mesh axes the devices of a group differ along, in mesh order.
+    count: the number of instructions (each counted once, see the module doc).
+    bytes: their summed payload per device.
+    wire_bytes: the bytes each device sends under the ring algorithms, for groups
+      of g devices and payload N: all-reduce 2(g-1)/g·N, reduce-scatter,
+      all-gather and all-to-all (g-1)/g·N, collective-permute N. This is the
+      measure under which a reduce-scatter plus an all-gather cost one all-reduce.
+  """
+  op: str
+  axes: tuple[str, ...]
+  count: int
+  bytes: int
+  wire_bytes: int = 0
+
+
+def _wire_bytes(op: str, payload: int, group_size: int) -> int:
+  if op == "collective-permute":
+    return payload if group_size > 1 else 0
+  factor = 2 if op == "all-reduce" else 1
+  return factor * payload * (group_size - 1) // group_size
+
+
+_DTYPE_BITS = {
+    "pred": 8, "token": 0,
+    "s2": 2, "s4": 4, "s8": 8, "s16": 16, "s32": 32, "s64": 64,
+    "u2": 2, "u4": 4, "u8": 8, "u16": 16, "u32": 32, "u64": 64,
+    "f16": 16, "bf16": 16, "f32": 32, "f64": 64, "c64": 64, "c128": 128,
+    "f4e2m1fn": 4, "f8e8m0fnu": 8, "f8e3m4": 8, "f8e4m3": 8, "f8e4m3fn": 8,
+    "f8e4m3fnuz": 8, "f8e4m3b11fnuz": 8, "f8e5m2": 8, "f8e5m2fnuz": 8,
+}
+
+_INSTR_RE = re.compile(r"\s*(?:ROOT\s+)?%?(?P<name>[^\s=(){}]+)\s*=\s*(?P<rest>.*)")
+_ARRAY_RE = re.compile(r"(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[^\]]*)\]")
+_OPCODE_RE = re.compile(r"\s*(?P<op>[a-z][a-z0-9\-]*)\(")
+_INTS_RE = re.compile(r"\d+")
+_COMMENT_RE = re.compile(r"/\*.*?\*/")  # long operand lists carry /*index=5*/ markers
+_IOTA_RE = re.compile(r"\[(?P<dims>[\d,]+)\]<=\[(?P<reshape>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
+_MESH_RE = re.compile(
+    r"mesh\[(?P<axes>[^\]]*)\]"
+    r"(?:,\s*device_ids=\((?P<ids>(?:[^()]|\([^()]*\))*)\))?"
+    r"\s*\{(?P<group>[^}]*)\}")
+_MESH_AXIS_RE = re.compile(r"'?(?P<name>[^'=\s]+)'?=(?P<size>\d+)")
+_AXIS_REF_RE = re.compile(r"'?(?P<name>[^':\s]+)'?(?::\((?P<pre>\d+)\)(?P<size>\d+))?")
+_DEVICE_IDS_IOTA_RE = re.compile(
+    r"(?:\[[\d,]+\]<=)?\[(?P<reshape>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
+
+
+def _closing(text: str, start: int) -> int:
+  """Index just past the bracket that closes the one at text[start]."""
+  pairs = {"(": ")", "{": "}", "[": "]"}
+  stack = []
+  for i in range(start, len(text)):
+    c = text[i]
+    if c in pairs:
+      stack.append(pairs[c])
+    elif stack and c == stack[-1]:
+      stack.pop()
+      if not stack:
+        return i + 1
+  raise ValueError(f"unbalanced brackets in HLO text: {text[start:start + 80]!r}")
+
+
+def _split_top_level(text: str) -> list[str]:
+  """Splits at commas outside any brackets."""
+  parts, depth, start = [], 0, 0
+  for i, c in enumerate(text):
+    if c in "([{":
+      depth += 1
+    elif c in ")]}":
+      depth -= 1
+    elif c == "," and depth == 0:
+      parts.append(text[start:i])
+      start = i + 1
+  parts.append(text[start:])
+  return [p.strip() for p in parts if p.strip()]
+
+
+def shape_bytes(shape: str) -> int:
+  """Bytes of an HLO shape string: ``f32[64,32]{1,0}``, ``(bf16[8], s32[])``, ..."""
+  bits = 0
+  for m in _ARRAY_RE.finditer(shape):
+    dtype = m["dtype"]
+    if dtype not in _DTYPE_BITS:
+      raise ValueError(f"unknown HLO element type {dtype!r} in shape {shape!r}")
+    dims = [int(d.replace("<=", "")) for d in m["dims"].split(",") if d.strip()]
+    bits += _DTYPE_BITS[dtype] * math.prod(dims)
+  return (bits + 7) // 8
+
+
+class _Instr(NamedTuple):
+  """A collective instruction; op without its -start suffix."""
+  name: str
+  op: str
+  operands: list[str]
+  attrs: str
+
+
+def _parse_instructions(hlo: str) -> tuple[dict[str, str], list[_Instr]]:
+  """The shape of every named instruction, and the collectives in full."""
+  shapes, collectives = {}, []
+  for line in hlo.splitlines():
+    m = _INSTR_RE.fullmatch(_COMMENT_RE.sub("", line))
+    if not m:
+      continue
+    rest = m["rest"]
+    end = _closing(rest, 0) if rest.startswith("(") else rest.find(" ")
+    op_m = _OPCODE_RE.match(rest, end) if end > 0 else None
+    if not op_m:
+      continue
+    shapes[m["name"]] = rest[:end]
+    if op_m["op"].removesuffix("-start") not in OPS:
+      continue
+    open_paren = op_m.end() - 1
+    close = _closing(rest, open_paren)
+    collectives.append(_Instr(m["name"], op_m["op"].removesuffix("-start"),
+                              _split_top_level(rest[open_paren + 1:close - 1]), rest[close:]))
+  return shapes, collectives
+
+
+def _operand_bytes(instr: _Instr, shapes: dict[str, str]) -> int:
+  total = 0
+  for operand in instr.operands:
+    if "[" in operand:  # printed with its shape: "f32[64,32]{1,0} %x"
+      total += shape_bytes(operand)
+      continue
+    name = operand.lstrip("%")
+    if name not in shapes:
+      raise ValueError(f"operand {operand!r} of {instr.name} is not defined in the HLO text")
+    total += shape_bytes(shapes[name])
+  return total
+
+
+def _attr(attrs: str, key: str) -> str | None:
+  """The raw value of `key=` in an attribute list, brackets balanced."""
+  m = re.search(rf"(?:^|[\s,]){key}=", attrs)
+  if not m:
+    return None
+  start = m.end()
+  if attrs.startswith("mesh[", start):
+    mesh_m = _MESH_RE.match(attrs, start)
+    if not mesh_m:
+      raise ValueError(f"unrecognised mesh replica groups: {attrs[start:start + 120]!r}")
+    return mesh_m.group(0)
+  if attrs[start] in "{[(":
+    end = _closing(attrs, start)
+    if attrs[start] == "[" and attrs.startswith("<=", end):  # iota list
+      iota_m = _IOTA_RE.match(attrs, start)
+      if iota_m:
+        return iota_m.group(0)
+    return attrs[start:end]
+  end = attrs.find(",", start)
+  return attrs[start:] if end < 0 else attrs[start:end]
+
+
+def _explicit_groups(text: str, n_devices: int) -> list[list[int]]:
+  inner = text[1:-1].strip()
+  if not inner:  # {}: one group of every device
+    return [list(range(n_devices))]
+  groups = []
+  for part in _split_top_level(inner):
+    if not (part.startswith("{") and part.endswith("}")):
+      raise ValueError(f"unrecognised replica groups {text!r}")
+    groups.append([int(i) for i in _INTS_RE.findall(part)])
+  return groups
+
+
+def _iota_array(reshape: str, perm: str | None, dims: Sequence[int]) -> np.ndarray:
+  reshape_dims = [int(d) for d in reshape.split(",")]
+  ids = np.arange(math.prod(reshape_dims)).reshape(reshape_dims)
+  if perm:
+    ids = ids.transpose([int(p) for p in perm.split(",")])
+  return ids.reshape(dims)
+
+
+def _mesh_groups(m: re.Match) -> list[list[int]]:
+  """Flattened groups of a Shardy mesh-axes list (XLA's MeshAxesReplicaGroupList)."""
+  names, dims = [], []
+  for item in _split_top_level(m["axes"]):
+    axis_m = _MESH_AXIS_RE.fullmatch(item)
+    if not axis_m:
+      raise ValueError(f"unrecognised mesh axis {item!r} in replica groups {m.group(0)!r}")
+    names.append(axis_m["name"])
+    dims.append(int(axis_m["size"]))
+  if m["ids"] is None:
+    ids = np.arange(math.prod(dims)).reshape(dims)
+  elif (iota_m := _DEVICE_IDS_IOTA_RE.fullmatch(m["ids"].strip())):
+    ids = _iota_array(iota_m["reshape"], iota_m["perm"], dims)
+  elif re.fullmatch(r"[\d,\s]+", m["ids"]):
+    ids = np.array([int(i) for i in _INTS_RE.findall(m["ids"])]).reshape(dims)
+  else:
+    raise ValueError(f"unrecognised device_ids in replica groups {m.group(0)!r}")
+  # A device's group is given by its coordinates with the grouped axes (or the
+  # grouped digits of sub-axes "(pre_size)size", pre_size = product of the
+  # sub-axes to the left) zeroed out.
+  coords = [c.ravel() for c in np.indices(dims)]
+  for ref in _split_top_level(m["group"]):
+    ref_m = _AXIS_REF_RE.fullmatch(ref)
+    if not ref_m or ref_m["name"] not in names:
+      raise ValueError(f"unrecognised axis {ref!r} in replica groups {m.group(0)!r}")
+    i = names.index(ref_m["name"])
+    if ref_m["pre"] is None:
+      coords[i] = np.zeros_like(coords[i])
+      continue
+    pre, size = int(ref_m["pre"]), int(ref_m["size"])
+    if dims[i] % (pre * size):
+      raise ValueError(f"sub-axis {ref!r} does not divide axis size {dims[i]} in {m.group(0)!r}")
+    post = dims[i] // (pre * size)
+    coords[i] = coords[i] - (coords[i] // post) % size * post
+  groups: dict[tuple[int, ...], list[int]] = {}
+  for key, device in zip(zip(*coords), ids.ravel()):
+    groups.setdefault(key, []).append(int(device))
+  return list(groups.values())
+
+
+def _replica_groups(instr_attrs: str, op: str, n_devices: int) -> list[list[int]]:
+  """The device groups of one collective, from its attribute text."""
+  if op == "collective-permute":
+    if "slice_sizes=" in instr_attrs:
+      raise ValueError("in-place collective-permute (slice_sizes=...) is not supported")
+    pairs = _attr(instr_attrs, "source_target_pairs")
+    if pairs is None:
+      raise ValueError(f"collective-permute without source_target_pairs: {instr_attrs[:120]!r}")
+    return _explicit_groups(pairs, n_devices) if pairs != "{}" else []
+  text = _attr(instr_attrs, "replica_groups")
+  if text is None:
+    raise ValueError(f"{op} without replica_groups: {instr_attrs[:120]!r}")
+  if text.startswith("{"):
+    return _explicit_groups(text, n_devices)
+  if (iota_m := _IOTA_RE.fullmatch(text)):
+    dims = [int(d) for d in iota_m["dims"].split(",")]
+    return _iota_array(iota_m["reshape"], iota_m["perm"], dims).reshape(dims[0], -1).tolist()
+  if (mesh_m := _MESH_RE.fullmatch(text)):
+    return _mesh_groups(mesh_m)
+  raise ValueError(f"unrecognised replica_groups format {text!r}")
+
+
+def group_axes(groups: Iterable[Sequence[int]], mesh: jax.sharding.Mesh) -> tuple[str, ...]:
+  """Mesh axes along which the devices (positions in mesh.devices.flat) of a group differ."""
+  shape = mesh.devices.shape
+  varying = np.zeros(len(shape), dtype=bool)
+  for group in groups:
+    ids = np.asarray(group)
+    if ids.size and (ids.min() < 0 or ids.max() >= mesh.devices.size):
+      raise ValueError(
+          f"replica group {list(group)} names devices outside the mesh of"
+          f" {mesh.devices.size}; pass the mesh the function was compiled for")
+    coords = np.array(np.unravel_index(ids, shape))
+    varying |= (coords != coords[:, :1]).any(axis=1)
+  return tuple(a for a, v in zip(mesh.axis_names, varying) if v)
+
+
+def _hlo_text(compiled_or_hlo_text: Any) -> str:
+  if isinstance(compiled_or_hlo_text, str):
+    return compiled_or_hlo_text
+  if hasattr(compiled_or_hlo_text, "compile"):  # jax.stages.Lowered: StableHLO is not HLO
+    compiled_or_hlo_text = compiled_or_hlo_text.compile()
+  return compiled_or_hlo_text.as_text()
+
+
+def collective_stats(compiled_or_hlo_text: Any, mesh: jax.sharding.Mesh) -> list[CollectiveStat]:
+  """Counts the collectives of a compiled program and the bytes they move.
+
+  Args:
+    compiled_or_hlo_text: a ``jax.stages.Compiled`` (or ``Lowered``, compiled
+      here), or its optimized HLO text.
+    mesh: the mesh the program was compiled for.
+
+  Returns:
+    One CollectiveStat per (op, axes), ordered by OPS and then by mesh axes;
+    bytes are per device (see the module doc for the conventions).
+
+  Raises:
+    ValueError: for a replica-group format, element type or operand that cannot
+      be read, or a module partitioned for a different number of devices.
+  """
+  hlo = _hlo_text(compiled_or_hlo_text)
+  n_devices = mesh.devices.size
+  partitions = re.search(r"\bnum_partitions=(\d+)", hlo)
+  if partitions and int(partitions[1]) not in (1, n_devices):
+    raise ValueError(
+        f"the HLO module has num_partitions={partitions[1]} but the mesh has {n_devices}"
+        " devices; pass the mesh the function was compiled for")
+  shapes, collectives = _parse_instructions(hlo)
+  totals: dict[tuple[str, tuple[str, ...]], list[int]] = {}
+  for instr in collectives:
+    groups = _replica_groups(instr.attrs, instr.op, n_devices)
+    nbytes = _operand_bytes(instr, shapes)
+    if instr.op == "all-gather":
+      nbytes *= len(groups[0])
+    entry = totals.setdefault((instr.op, group_axes(groups, mesh)), [0, 0, 0])
+    entry[0] += 1
+    entry[1] += nbytes
+    entry[2] += _wire_bytes(instr.op, nbytes, len(groups[0]))
+  order = {a: i for i, a in enumerate(mesh.axis_names)}
+  keys = sorted(totals, key=lambda k: (OPS.index(k[0]), len(k[1]), [order[a] for a in k[1]]))
+  return [CollectiveStat(op, axes, *totals[op, axes]) for op, axes in keys]
+
+
+def bytes_by_axes(stats: Iterable[CollectiveStat], field: str = "bytes") -> dict[tuple[str, ...], int]:
+  """Total bytes per device over each set of mesh axes, all ops together; ``field``
+  ``"bytes"`` (payload) or ``"wire_bytes"``."""
+  totals: dict[tuple[str, ...], int] = {}
+  for s in stats:
+    totals[s.axes] = totals.get(s.axes, 0) + getattr(s, field)
+  return totals
+
+
+def format_table(stats: Sequence[CollectiveStat]) -> str:
+  """A plain-text table of `stats` with a total row; axes () print as '-'."""
+  rows = [("op", "axes", "count", "bytes")]
+  rows += [(s.op, ",".join(s.axes) or "-", str(s.count), f"{s.bytes:,}") for s in stats]
+  rows.append(("total", "", str(sum(s.count for s in stats)), f"{sum(s.bytes for s in stats):,}"))
+  widths = [max(len(r[i]) for r in rows) for i in range(4)]
+  return "\n".join(
+      f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}"
+      for r in rows)

@@ -1,0 +1,283 @@
+"""Dion (arXiv 2504.05295): ``scale_by_dion``, its matrix step on the shared skeleton,
+and the whole optimizer ``dion`` (Dion for matrices, AdamW or Lion for the rest).
+
+The matrix algebra is ``dion_jax.optimizers.dion_math``; this module adds the state
+(M in the parameter's layout, Q of shape (*batch, cols, r)), the step seeds, and the
+placement on a mesh. With B's rows sharded over ``rows`` axes and its columns over
+``cols`` axes (docs/design.md §3), each parameter's step runs on its local block and
+reduces
+
+    P = B Q            psum over cols           (rows/tp x r)
+    sketch S P, Gram   psum over rows           (k x r), (r x r)
+    R = Bᵀ P           psum over rows           (cols/fs x r)
+    ‖R‖_col            psum over cols           (r,)
+
+while batch axes (layers, stages on ``pp``) never communicate. After the sum over
+``cols`` every device of a column group holds the same P; when the local batch of
+matrices (stacked layers) divides the group, the sum is a reduce-scatter along the
+batch instead, each device orthonormalizes its share, and an all-gather restores P
+(as the reference does): the same bytes on the wire, 1/group of the work.
+
+Data-parallel replicas (``rp``). With ``replicate_sync`` and rp > 1, Dion matrices
+get their gradient per replica (``dion_jax.value_and_grad_per_replica``). Then, per
+matrix:
+
+- compressed sync, when ``(rows + cols)·r < rows·cols``: every replica keeps its own
+  momentum (stored with a leading replica axis) and only P and R are averaged over
+  ``rp``: ``(rows + cols)·r`` values instead of ``rows·cols``. Since every step is
+  linear in M, the parameters follow Dion on the averaged gradient exactly; the
+  replicas' momenta differ but their mean is the single-device one.
+- otherwise the gradient is averaged over ``rp`` first and the momentum is
+  replicated like the parameter.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from dion_jax import validation
+from dion_jax.kernels import backend as backend_lib
+from dion_jax.kernels import sketch
+from dion_jax.linalg import qr
+from dion_jax.optimizers import dion_math
+from dion_jax.optimizers.frame import MatrixFrame, MatrixView, leaf_views
+from dion_jax.optimizers.routing import matrix_optimizer
+from dion_jax.optimizers.skeleton import MatrixRule, scale_by_matrix_rule
+from dion_jax.parallel.layout import Layout, Placement
+from dion_jax.parallel.mesh import REPLICA_AXIS, axis_names
+
+# Structural arguments, for optax.inject_hyperparams:
+#   optax.inject_hyperparams(dion, static_args=dion_jax.STATIC_ARGS)(learning_rate=...)
+# Numbers among them fix shapes or Python control flow; callables among them (labels,
+# scale_rule, dimension_numbers, dtypes such as jnp.bfloat16) must not be taken for
+# schedules, which inject_hyperparams does with every other callable argument.
+STATIC_ARGS = (
+    "rank_fraction", "rank_multiple_of", "oversample", "power_iters", "cqr_warmup_steps",
+    "seed", "lm_head_lr_scale", "labels", "scale_rule", "dimension_numbers",
+    "momentum_dtype", "q_dtype", "cautious_wd",
+)  # fmt: skip
+
+
+class ScaleByDionState(NamedTuple):
+  """State of :func:`scale_by_dion`.
+
+  Attributes:
+    count: number of steps taken, int32.
+    momentum: per Dion parameter, M in the parameter's own layout (and dtype
+      ``momentum_dtype``); with compressed data-parallel sync on a mesh, with a
+      leading replica axis (module docstring).
+    q: per Dion parameter, Q of shape (*batch, cols, r): (fan_in, r), or (fan_out, r)
+      when fan_out < fan_in, as in the reference.
+  """
+
+  count: jax.Array
+  momentum: optax.Updates
+  q: optax.Updates
+
+
+def leaf_frames(
+    params: optax.Params,
+    *,
+    rank_fraction: float,
+    rank_multiple_of: int,
+    dimension_numbers=None,
+    partition_specs=None,
+) -> list[MatrixFrame]:
+  """The :class:`~dion_jax.MatrixFrame` of every leaf of ``params``, in flatten order.
+
+  ``dimension_numbers`` is None (Flax kernel default), one ``DionDimensionNumbers``,
+  a pytree of them matching ``params`` (matched by path, so a tree masked by
+  ``optax.partition`` works), or a callable ``params -> such a tree``;
+  ``partition_specs`` likewise with ``PartitionSpec``.
+  """
+  views = leaf_views(params, dimension_numbers=dimension_numbers, partition_specs=partition_specs,
+                     rank_fraction=rank_fraction, rank_multiple_of=rank_multiple_of)
+  return [v.frame for v in views]
+
+
+def _compressed(fr: MatrixFrame, layout: Layout) -> bool:
+  """Whether P and R are averaged over replicas instead of the gradient."""
+  return layout.per_replica and (fr.rows + fr.cols) * fr.rank < fr.rows * fr.cols
+
+
+def _placement(view: MatrixView, layout: Layout) -> Placement:
+  fr = view.frame
+  spec = layout.check(fr.shape, fr.spec, fr.name)
+  q_spec = P(*(spec[a] for a in fr.batch_axes), spec[fr.col_axis], None)
+  compressed = _compressed(fr, layout)
+  return Placement(P(*spec), (P(*spec), q_spec), (compressed, False), own_gradient=compressed)
+
+
+def _collectives(fr: MatrixFrame, layout: Layout, compressed: bool) -> dion_math.Collectives:
+  rows, cols = axis_names(fr.spec[fr.row_axis]), axis_names(fr.spec[fr.col_axis])
+  replica = (REPLICA_AXIS,) if compressed else ()
+  local_batch = math.prod(n // layout.size(axis_names(fr.spec[a])) for a, n in zip(fr.batch_axes, fr.batch_shape))
+  return dion_math.Collectives(
+      rows=rows or None,
+      cols=cols or None,
+      replica=replica or None,
+      everywhere=(rows + cols + replica) or None,
+      spread=local_batch % layout.size(cols + replica) == 0,
+  )
+
+
+def scale_by_dion(
+    rank_fraction: float = 1.0,
+    rank_multiple_of: int = 1,
+    mu: float = 0.95,
+    epsilon: float = 1e-8,
+    qr_method: str = "rcqr",
+    cqr_warmup_steps: int = 150,
+    oversample: float = 1.25,
+    power_iters: int = 1,
+    scale_rule: str | Callable[[int, int], float] = "fan_ratio",
+    momentum_dtype: Any = None,
+    q_dtype: Any = None,
+    seed: int = 0,
+    dimension_numbers=None,
+    partition_specs=None,
+    mesh: jax.sharding.Mesh | None = None,
+    replicate_sync: bool = True,
+    backend: str = "auto",
+) -> optax.GradientTransformation:
+  """Dion's orthonormalized low-rank update direction for matrix parameters.
+
+  Returns ``scale·P Qᵀ`` per matrix (``dion_jax.optimizers.dion_math``); chain weight
+  decay and the learning rate after it, or use :func:`dion`, which also routes
+  non-matrix parameters to a scalar optimizer.
+
+  Args:
+    rank_fraction: r / min(m, n), in (0, 1].
+    rank_multiple_of: round r up to a multiple of this (then clip to min(m, n)).
+    mu: momentum decay of the error feedback, ``M ← M − (1 − mu) P Rᵀ``.
+    epsilon: added to Q's column norms.
+    qr_method: ``"rcqr"`` (randomized Cholesky QR), ``"cqr"`` (Cholesky QR after
+      ``cqr_warmup_steps`` steps, RCQR before and whenever Cholesky fails) or
+      ``"qr"`` (Householder).
+    cqr_warmup_steps: see ``qr_method``.
+    oversample: RCQR sketch rows per rank, before rounding up to a multiple of 128.
+    power_iters: power-iteration steps per update.
+    scale_rule: update scale from (fan_out, fan_in): ``"fan_ratio"`` (the reference,
+      sqrt(fan_out/fan_in)), ``"spectral"`` (0.2·sqrt(max)), ``"max_one"``
+      (sqrt(max(1, fan_out/fan_in))), ``"none"``, or a callable.
+    momentum_dtype: dtype of M (default: the parameter's).
+    q_dtype: dtype of Q (default: the parameter's).
+    seed: seeds Q's initialization and the RCQR sketches.
+    dimension_numbers: fan_in/fan_out axes (see :func:`leaf_frames`).
+    partition_specs: PartitionSpecs of the parameters: decide each matrix's frame
+      (the "tp" axis gives the rows) and, with ``mesh``, how it is sharded.
+    mesh: run the matrix algebra inside ``shard_map`` over this mesh.
+    replicate_sync: with a mesh whose "rp" axis is > 1: gradients of Dion matrices
+      arrive per replica (leading replica axis) and only P and R are averaged
+      (compressed sync) where that moves fewer bytes; False: gradients arrive averaged.
+    backend: orthonormalization passes: ``"auto"``, ``"xla"`` or ``"pallas"``.
+  """
+  validation.check_numbers(
+      rank_fraction=rank_fraction, rank_multiple_of=rank_multiple_of, mu=mu, epsilon=epsilon,
+      cqr_warmup_steps=cqr_warmup_steps, oversample=oversample, power_iters=power_iters,
+  )  # fmt: skip
+  validation.check_choice("qr_method", qr_method, qr.METHODS)
+  validation.check_choice("backend", backend, backend_lib.BACKENDS)
+  hp = dion_math.DionHyperParams(mu, epsilon, qr_method, oversample, power_iters, backend)
+  key = jax.random.key(seed)
+
+  def views(params):
+    return leaf_views(params, dimension_numbers=dimension_numbers, partition_specs=partition_specs,
+                      rank_fraction=rank_fraction, rank_multiple_of=rank_multiple_of)
+
+  def init_leaf(view, p, index):
+    Q = jax.random.normal(jax.random.fold_in(key, index), view.frame.q_shape, jnp.float32)
+    return jnp.zeros(p.shape, momentum_dtype or p.dtype), Q.astype(q_dtype or p.dtype)
+
+  def local_step(view, scale, layout, placement):
+    fr = view.frame
+    axes = dion_math.Collectives() if layout is None else _collectives(fr, layout, placement.own_gradient)
+
+    def step(g, M, Q, seed, use_cqr):
+      M, Q, U = dion_math.update_batched(fr, M, g, Q, seed, use_cqr, scale, hp, axes)
+      return U, M, Q
+
+    return step
+
+  def step_args(count):
+    return sketch.mix_seed(seed, count), count > cqr_warmup_steps
+
+  rule = MatrixRule(ScaleByDionState, ("momentum", "q"), views, init_leaf, _placement, local_step, step_args)
+  return scale_by_matrix_rule(rule, scale_rule, mesh, replicate_sync)
+
+
+def dion(
+    learning_rate: optax.ScalarOrSchedule = 0.01,
+    *,
+    rank_fraction: float = 1.0,
+    rank_multiple_of: int = 1,
+    mu: float = 0.95,
+    weight_decay: float = 0.01,
+    cautious_wd: bool = False,
+    epsilon: float = 1e-8,
+    qr_method: str = "rcqr",
+    cqr_warmup_steps: int = 150,
+    oversample: float = 1.25,
+    power_iters: int = 1,
+    scale_rule: str | Callable[[int, int], float] = "fan_ratio",
+    momentum_dtype: Any = None,
+    q_dtype: Any = None,
+    seed: int = 0,
+    scalar_optimizer: str = "adamw",
+    scalar_learning_rate: optax.ScalarOrSchedule | None = None,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    scalar_epsilon: float = 1e-8,
+    lm_head_lr_scale: float | None = None,
+    labels: Any = None,
+    dimension_numbers=None,
+    partition_specs=None,
+    mesh: jax.sharding.Mesh | None = None,
+    replicate_sync: bool = True,
+    backend: str = "auto",
+) -> optax.GradientTransformation:
+  """Dion (arXiv 2504.05295) for matrices, AdamW or Lion for everything else.
+
+  Args:
+    learning_rate: base learning rate, a float or an optax schedule; Dion's update is
+      further multiplied by its shape scale (``scale_rule``).
+    rank_fraction, rank_multiple_of, mu, epsilon, qr_method, cqr_warmup_steps,
+      oversample, power_iters, scale_rule, momentum_dtype, q_dtype, seed,
+      dimension_numbers, partition_specs, mesh, replicate_sync, backend: see
+      :func:`scale_by_dion`.
+    weight_decay: decoupled weight decay, multiplied by the base learning rate, for
+      Dion and the scalar optimizer alike.
+    cautious_wd: decay a matrix weight only where it agrees in sign with its update
+      (:func:`dion_jax.add_decayed_weights`).
+    scalar_optimizer: ``"adamw"`` or ``"lion"`` for non-matrix parameters,
+      embeddings and the LM head.
+    scalar_learning_rate: its learning rate (default: ``learning_rate``).
+    b1, b2, scalar_epsilon: the scalar optimizer's betas and epsilon.
+    lm_head_lr_scale: multiplier of the LM head's learning rate; None means
+      1/sqrt(d_model) with Lion (the reference) and 1 with AdamW.
+    labels: a pytree of labels from ``("dion", "adamw", "lion", "lm_head", "muon")``
+      matching the parameters, or a callable ``params -> labels``; default
+      :func:`dion_jax.default_labels`.
+
+  Returns:
+    An optax ``GradientTransformation``.
+  """
+  matrix = scale_by_dion(
+      rank_fraction=rank_fraction, rank_multiple_of=rank_multiple_of, mu=mu,
+      epsilon=epsilon, qr_method=qr_method, cqr_warmup_steps=cqr_warmup_steps,
+      oversample=oversample, power_iters=power_iters, scale_rule=scale_rule,
+      momentum_dtype=momentum_dtype, q_dtype=q_dtype, seed=seed,
+      dimension_numbers=dimension_numbers, partition_specs=partition_specs,
+      mesh=mesh, replicate_sync=replicate_sync, backend=backend,
+  )  # fmt: skip
+  return matrix_optimizer(
+      matrix, learning_rate, weight_decay=weight_decay, cautious_wd=cautious_wd, mu=mu,
+      scalar_optimizer=scalar_optimizer, scalar_learning_rate=scalar_learning_rate, b1=b1, b2=b2,
+      scalar_epsilon=scalar_epsilon, lm_head_lr_scale=lm_head_lr_scale, labels=labels,
+      dimension_numbers=dimension_numbers,
+  )  # fmt: skip

@@ -1,0 +1,63 @@
+"""Dion2 (arXiv 2512.16928) as a whole optimizer, on the skeleton of :func:`dion_jax.dion`.
+
+:func:`dion_jax.matrix_optimizer` around ``scale_by_orthogonal("dion2")``, with
+microsoft/dion's defaults; the keyword signature is spelled out, as
+``optax.inject_hyperparams`` binds it.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from dion_jax.optimizers.orthogonal import COMMON_DOC, STATIC_ARGS, orthogonal_optimizer
+
+DION2_STATIC_ARGS = STATIC_ARGS + ("fraction", "selection_scope")
+
+
+def dion2(
+    learning_rate: optax.ScalarOrSchedule = 0.01,
+    *,
+    fraction: float = 0.25,
+    ef_decay: float = 0.95,
+    selection_scope: str = "local",
+    weight_decay: float = 0.01,
+    cautious_wd: bool = False,
+    epsilon: float = 1e-8,
+    ortho_method: str = "polar_express",
+    ortho_dtype: Any = jnp.bfloat16,
+    scale_rule: str | Callable[[int, int], float] | None = "fan_ratio",
+    momentum_dtype: Any = None,
+    scalar_optimizer: str = "adamw",
+    scalar_learning_rate: optax.ScalarOrSchedule | None = None,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    scalar_epsilon: float = 1e-8,
+    lm_head_lr_scale: float | None = None,
+    labels: Any = None,
+    dimension_numbers=None,
+    partition_specs=None,
+    mesh: jax.sharding.Mesh | None = None,
+    replicate_sync: bool = True,
+    backend: str = "auto",
+) -> optax.GradientTransformation:
+  """Dion2 (arXiv 2512.16928) for matrices, AdamW or Lion for everything else.
+
+  ``M ← M + G``; the ceil(fraction·s) rows or columns (the shorter side, of length s)
+  of M with the largest L1 norms are orthogonalized as one submatrix, scaled in M by
+  ``ef_decay``, and only they are updated (all weights decay).
+
+  Args:
+    learning_rate: base learning rate, a float or an optax schedule.
+    fraction: the selected fraction of the shorter side, in (0, 1].
+    ef_decay: error-feedback decay of the selected slices of M.
+    selection_scope: on a mesh that shards the selection axis, ``"local"`` (each shard
+      selects its own top slices and sends only them) or ``"global"`` (the exact top-k
+      of the whole matrix, the same on every mesh).
+  """
+  return orthogonal_optimizer("dion2", locals())
+
+
+dion2.__doc__ += COMMON_DOC

@@ -1,0 +1,114 @@
+"""The one skeleton of every matrix optimizer here: per-parameter geometry and state,
+and the step on one device or inside ``shard_map`` over the parameter's own layout.
+
+An algorithm (Dion, Muon, NorMuon, Dion2) is a :class:`MatrixRule`: how it sees each
+parameter (a :class:`~dion_jax.optimizers.frame.MatrixView`), the state arrays it keeps
+per parameter and where they lie on a mesh, and its step on one parameter's block.
+:func:`scale_by_matrix_rule` turns a rule into an optax transformation that returns
+``scale·U`` per parameter, ``scale`` from ``scale_rule(fan_out, fan_in)``; weight decay
+and the learning rate are chained after it (``dion_jax.optimizers.routing``).
+
+A rule's per-step arguments (Dion's sketch seed) come from the step count, which the
+state keeps when its type has a ``count`` field.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from dion_jax.optimizers.frame import MatrixView, scale_rule_fn
+from dion_jax.parallel.layout import Layout, Placement
+
+# local(g, *state, *step_args) -> (update, *state), on one device or one block.
+LocalStep = Callable[..., tuple]
+
+
+class MatrixRule(NamedTuple):
+  """One matrix algorithm on the skeleton.
+
+  Attributes:
+    state_type: the NamedTuple of the transformation's state. Its fields named in
+      ``state_fields`` hold one tree of arrays each (like the parameters); a field
+      ``count`` counts steps; other fields are left empty, ``()``.
+    state_fields: the per-parameter state, in the order of ``init_leaf``'s arrays.
+    views: ``params -> [MatrixView]``, one per leaf, in flatten order.
+    init_leaf: ``(view, param, index) -> state arrays``, in the parameter's frame and
+      on no mesh (``index``: the leaf's position in flatten order).
+    placement: ``(view, layout) -> Placement`` of the parameter and its state on a
+      mesh; raises ValueError for a layout the rule cannot run.
+    local_step: ``(view, scale, layout, placement) -> LocalStep``; layout and
+      placement are None on one device.
+    step_args: ``count -> tuple`` of per-step arguments shared by every parameter
+      (replicated on a mesh); ``count`` is None without a ``count`` field.
+  """
+
+  state_type: type
+  state_fields: tuple[str, ...]
+  views: Callable[[Any], list[MatrixView]]
+  init_leaf: Callable[[MatrixView, jax.Array, int], tuple[jax.Array, ...]]
+  placement: Callable[[MatrixView, Layout], Placement]
+  local_step: Callable[[MatrixView, float, Layout | None, Placement | None], LocalStep]
+  step_args: Callable[[jax.Array | None], tuple] = lambda count: ()
+
+
+def _state(rule: MatrixRule, treedef, per_field: list[list[jax.Array]], count) -> Any:
+  trees = {f: jax.tree.unflatten(treedef, xs) for f, xs in zip(rule.state_fields, per_field)}
+  if count is not None:
+    trees["count"] = count
+  return rule.state_type(**{name: trees.get(name, ()) for name in rule.state_type._fields})
+
+
+def scale_by_matrix_rule(
+    rule: MatrixRule,
+    scale_rule: str | Callable[[int, int], float] | None,
+    mesh: jax.sharding.Mesh | None = None,
+    replicate_sync: bool = True,
+) -> optax.GradientTransformation:
+  """The optax transformation of ``rule`` (module docstring).
+
+  With ``mesh``, every parameter's step runs inside ``shard_map`` over its own
+  PartitionSpec (``dion_jax.parallel.layout``); gradients arrive per replica when
+  ``replicate_sync`` and the mesh has rp > 1.
+  """
+  scale_of = scale_rule_fn(scale_rule)
+  layout = None if mesh is None else Layout(mesh, replicate_sync)
+  counted = "count" in rule.state_type._fields
+
+  def init_fn(params):
+    leaves, treedef = jax.tree.flatten(params)
+    per_field = [[] for _ in rule.state_fields]
+    for i, (p, view) in enumerate(zip(leaves, rule.views(params))):
+      state = rule.init_leaf(view, p, i)
+      if layout is not None:
+        state = layout.place(rule.placement(view, layout), state)
+      for field, x in zip(per_field, state):
+        field.append(x)
+    return _state(rule, treedef, per_field, jnp.zeros([], jnp.int32) if counted else None)
+
+  def update_fn(updates, state, params=None):
+    del params
+    leaves, treedef = jax.tree.flatten(updates)
+    old = [treedef.flatten_up_to(getattr(state, f)) for f in rule.state_fields]
+    structs = leaves if layout is None else [layout.param_struct(g) for g in leaves]
+    views = rule.views(jax.tree.unflatten(treedef, structs))
+    count = optax.safe_increment(state.count) if counted else None
+    args = rule.step_args(count)
+    out, new = [], [[] for _ in rule.state_fields]
+    for i, (g, view) in enumerate(zip(leaves, views)):
+      scale = scale_of(view.frame.fan_out, view.frame.fan_in)
+      leaf_state = [field[i] for field in old]
+      if layout is None:
+        update, *leaf_new = rule.local_step(view, scale, None, None)(g, *leaf_state, *args)
+      else:
+        placement = rule.placement(view, layout)
+        local = rule.local_step(view, scale, layout, placement)
+        update, *leaf_new = layout.run(local, placement, g, leaf_state, args)
+      out.append(update.astype(g.dtype))
+      for field, x, x0 in zip(new, leaf_new, leaf_state):
+        field.append(x.astype(x0.dtype))
+    return jax.tree.unflatten(treedef, out), _state(rule, treedef, new, count)
+
+  return optax.GradientTransformation(init_fn, update_fn)

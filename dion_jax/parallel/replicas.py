@@ -1,0 +1,76 @@
+"""Data-parallel replicas (``rp``) that keep their own gradient of some parameters.
+
+Dion's compressed sync averages P and R over ``rp`` instead of the gradient
+(``dion_jax.optimizers.dion``): for that, the gradients of its matrices must arrive
+per replica, with a leading replica axis of size rp sharded on ``rp``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from dion_jax.parallel.mesh import REPLICA_AXIS
+
+
+def replica_spec(spec: P) -> P:
+  """The spec of a per-replica array: a leading axis on ``rp``, then ``spec``."""
+  return P(REPLICA_AXIS, *spec)
+
+
+def value_and_grad_per_replica(
+    loss_fn: Callable[..., jax.Array],
+    mesh: jax.sharding.Mesh,
+    per_replica: Any,
+    batch_spec: P = P(REPLICA_AXIS),
+) -> Callable[..., tuple[jax.Array, Any]]:
+  """``jax.value_and_grad(loss_fn)`` for compressed data-parallel sync.
+
+  The returned function computes each rp replica's loss and gradient on its share
+  of the batch (a ``shard_map`` manual over ``rp`` only; the other axes stay
+  automatic). Leaves where ``per_replica`` is true (the Dion matrices; e.g.
+  ``jax.tree.map(lambda l: l == "dion", labels)``) come back with a leading axis of
+  size rp sharded on ``rp``, each replica's own gradient; the other leaves and the
+  loss are averaged over ``rp``.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> scalar``.
+    mesh: the mesh.
+    per_replica: a pytree of bools matching ``params``.
+    batch_spec: how the batch is split over ``rp`` (its leading axis by default).
+  """
+
+  def local(params, batch):
+    # Marked as varying over rp: the gradient of a replicated input would be
+    # summed over replicas by autodiff; we want each replica's own.
+    params = jax.tree.map(lambda p: jax.lax.pcast(p, REPLICA_AXIS, to="varying"), params)
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    grads = jax.tree.map(
+        lambda g, keep: g[None] if keep else jax.lax.pmean(g, REPLICA_AXIS), grads, per_replica
+    )
+    return jax.lax.pmean(loss, REPLICA_AXIS), grads
+
+  grad_specs = jax.tree.map(lambda keep: P(REPLICA_AXIS) if keep else P(), per_replica)
+
+  def value_and_grad(params, batch):
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P(), batch_spec),
+        out_specs=(P(), grad_specs),
+        axis_names={REPLICA_AXIS},
+    )(params, batch)
+
+  return value_and_grad
+
+
+def average_replicas(momentum: Any, replicas: int) -> Any:
+  """Mean over a leading replica axis, broadcast to ``replicas`` copies: restoring a
+  checkpoint onto another rp size keeps the trajectory, since every step is linear in
+  the momentum and only the replicas' mean enters the update."""
+  return jax.tree.map(
+      lambda m: jnp.broadcast_to(m.mean(0, keepdims=True), (replicas,) + m.shape[1:]).astype(m.dtype),
+      momentum,
+  )

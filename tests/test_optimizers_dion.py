@@ -1,0 +1,211 @@
+"""Dion's matrix step against the PyTorch reference's trajectories and float64 NumPy."""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dion_jax
+from dion_jax.optimizers import dion_math
+from tests import dion_reference_np
+
+# microsoft/dion's reference trajectories (tests/fixtures/golden/README.md).
+GOLDEN = pathlib.Path(__file__).parent / "fixtures" / "golden" / "dion_reference.npz"
+
+
+def _golden():
+  data = np.load(GOLDEN)
+  return data, json.loads(str(data["meta_json"]))
+
+
+def _only_dion(params):
+  return jax.tree.map(lambda _: "dion", params)
+
+
+def _set_q(state, q_tree):
+  return optax.tree.set(state, q=q_tree)
+
+
+def run_dion(X0_mxn, Q0, grads_txmxn, *, backend="xla", **kwargs):
+  """Runs dion_jax.dion() on the Flax-layout kernel X0ᵀ; returns X (T, m, n) and M (T, m, n)."""
+  tx = dion_jax.dion(labels=_only_dion, backend=backend, **kwargs)
+  params = {"w": jnp.asarray(X0_mxn.T, jnp.float32)}
+  state = _set_q(tx.init(params), {"w": jnp.asarray(Q0, jnp.float32)})
+
+  @jax.jit
+  def step(params, state, g):
+    updates, state = tx.update({"w": g}, state, params)
+    return optax.apply_updates(params, updates), state
+
+  xs, ms = [], []
+  for G in grads_txmxn:
+    params, state = step(params, state, jnp.asarray(G.T, jnp.float32))
+    xs.append(np.asarray(params["w"]).T)
+    (m,) = optax.tree.get_all_with_path(state, "momentum")[0][1].values()
+    ms.append(np.asarray(m).T)
+  return np.stack(xs), np.stack(ms)
+
+
+def _golden_cases():
+  return sorted(_golden()[1])
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("case", _golden_cases())
+def test_reproduces_reference_trajectories(case, backend):
+  data, meta = _golden()
+  cfg = meta[case]
+  X_ref, M_ref = data[f"{case}/X"], data[f"{case}/M"]
+  X, M = run_dion(
+      data[f"{case}/X0"], data[f"{case}/Q0"], data[f"{case}/G"], backend=backend,
+      learning_rate=cfg["lr"], mu=cfg["mu"], weight_decay=cfg["weight_decay"],
+      epsilon=cfg["epsilon"], rank_fraction=cfg["rank_fraction"],
+      rank_multiple_of=cfg.get("rank_multiple_of", 1), qr_method=cfg["qr_method"],
+  )  # fmt: skip
+  X_prev = np.concatenate([data[f"{case}/X0"][None], X_ref[:-1]])
+  for t in range(cfg["steps"]):
+    step_size = np.linalg.norm(X_ref[t] - X_prev[t])
+    assert np.linalg.norm(X[t] - X_ref[t]) <= 1e-2 * step_size, (case, t)
+    assert np.linalg.norm(M[t] - M_ref[t]) <= 1e-4 * np.linalg.norm(M_ref[t]), (case, t)
+
+
+def test_golden_file_has_cases():
+  assert len(_golden_cases()) >= 4
+
+
+SHAPES = {
+    "tall": (96, 40),  # (fan_out, fan_in)
+    "wide": (24, 72),
+    "square": (48, 48),
+}
+
+
+@pytest.mark.parametrize("qr_method", ["qr", "cqr", "rcqr"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_matches_float64_numpy(shape, qr_method, weight_decay):
+  m, n = SHAPES[shape]
+  rng = np.random.default_rng(hash((shape, qr_method)) % 2**32)
+  r = dion_reference_np.rank_of(m, n, 0.5)
+  X0 = rng.normal(size=(m, n))
+  Q0 = rng.normal(size=(n if m >= n else m, r))
+  grads = rng.normal(size=(5, m, n))
+  X, M = run_dion(
+      X0, Q0, grads, learning_rate=0.02, mu=0.9, weight_decay=weight_decay,
+      rank_fraction=0.5, qr_method=qr_method, cqr_warmup_steps=2,
+  )  # fmt: skip
+  ref = dion_reference_np.dion_steps(X0, Q0, grads, lr=0.02, mu=0.9, weight_decay=weight_decay)
+  X_prev = X0
+  for t, (X_t, M_t, _) in enumerate(ref):
+    assert np.linalg.norm(X[t] - X_t) <= 2e-3 * np.linalg.norm(X_t - X_prev), (t,)
+    assert np.linalg.norm(M[t] - M_t) <= 1e-4 * np.linalg.norm(M_t), (t,)
+    X_prev = X_t
+
+
+def test_stacked_matrices_are_independent():
+  """A (3, fan_in, fan_out) parameter equals three separate matrices."""
+  rng = np.random.default_rng(1)
+  L, fan_in, fan_out, r = 3, 32, 48, 8
+  X0 = rng.normal(size=(L, fan_in, fan_out)).astype(np.float32)
+  grads = rng.normal(size=(4, L, fan_in, fan_out)).astype(np.float32)
+  tx = dion_jax.dion(0.05, rank_fraction=r / fan_in, labels=_only_dion, backend="xla")
+  state = tx.init({"w": X0})
+  (Q0,) = optax.tree.get_all_with_path(state, "q")[0][1].values()
+  assert Q0.shape == (L, fan_in, r)
+  params = {"w": jnp.asarray(X0)}
+  for g in grads:
+    upd, state = tx.update({"w": jnp.asarray(g)}, state, params)
+    params = optax.apply_updates(params, upd)
+  for layer in range(L):
+    ref = dion_reference_np.dion_steps(
+        X0[layer].T, np.asarray(Q0[layer]), grads[:, layer].transpose(0, 2, 1),
+        lr=0.05, mu=0.95, weight_decay=0.01,
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(params["w"][layer]).T, ref[-1][0], rtol=0, atol=2e-4)
+
+
+@pytest.mark.parametrize("qr_method", ["rcqr", "cqr"])
+@pytest.mark.parametrize("shape", [(3, 24, 40), (3, 40, 24)], ids=["rows_last", "rows_first"])
+def test_matrix_by_matrix_and_batched_steps_agree(shape, qr_method, monkeypatch):
+  """The CPU's in-place scan over a stack and the batched step (GPU, sharded) are the same
+  algebra; a zero matrix in the stack exercises the per-matrix guard."""
+  rng = np.random.default_rng(2)
+  grads = rng.normal(size=(3,) + shape).astype(np.float32)
+  grads[:, 1] = 0.0
+  params = {"w": jnp.asarray(rng.normal(size=shape).astype(np.float32))}
+
+  def run():
+    tx = dion_jax.scale_by_dion(rank_fraction=0.5, qr_method=qr_method, cqr_warmup_steps=1, backend="xla")
+    state, outs = tx.init(params), []
+    for g in grads:
+      upd, state = jax.jit(tx.update)({"w": jnp.asarray(g)}, state, params)
+      outs.append(upd["w"])
+    return np.stack(outs), state
+
+  scanned, scanned_state = run()
+  monkeypatch.setattr(dion_math, "_matrix_by_matrix", lambda axes, batch: False)
+  batched, batched_state = run()
+  np.testing.assert_allclose(scanned, batched, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(scanned[:, 1], 0)
+  np.testing.assert_allclose(scanned_state.momentum["w"], batched_state.momentum["w"], rtol=1e-5, atol=1e-6)
+  # With "cqr", the zero matrix sends the batched step's whole stack to RCQR, whose Q
+  # columns may have other signs than Cholesky QR's (the update does not see signs).
+  np.testing.assert_allclose(np.abs(scanned_state.q["w"]), np.abs(batched_state.q["w"]), rtol=1e-5, atol=1e-6)
+
+
+def test_zero_gradient_leaves_state_alone():
+  tx = dion_jax.scale_by_dion(rank_fraction=0.5, backend="xla")
+  params = {"w": jnp.ones((16, 8))}
+  state = tx.init(params)
+  upd, new = tx.update({"w": jnp.zeros((16, 8))}, state, params)
+  np.testing.assert_array_equal(upd["w"], 0)
+  q0 = np.asarray(state.q["w"])
+  np.testing.assert_allclose(new.q["w"], q0 / (np.linalg.norm(q0, axis=0) + 1e-8), rtol=1e-6)
+  np.testing.assert_array_equal(new.momentum["w"], 0)
+
+
+def test_nan_in_factors_becomes_finite():
+  """A rank-deficient momentum makes RCQR's solve blow up; the guard keeps the update finite."""
+  tx = dion_jax.scale_by_dion(rank_fraction=1.0, backend="xla")
+  g = np.zeros((16, 8), np.float32)
+  g[:, 0] = 1.0  # rank one, r = 8
+  params = {"w": jnp.ones((16, 8))}
+  upd, state = tx.update({"w": jnp.asarray(g)}, tx.init(params), params)
+  assert np.all(np.isfinite(upd["w"])) and np.all(np.isfinite(state.q["w"]))
+
+
+def test_momentum_and_q_dtypes():
+  tx = dion_jax.scale_by_dion(momentum_dtype=jnp.bfloat16, q_dtype=jnp.bfloat16, backend="xla")
+  params = {"w": jnp.ones((16, 8), jnp.float32)}
+  state = tx.init(params)
+  assert state.momentum["w"].dtype == jnp.bfloat16 and state.q["w"].dtype == jnp.bfloat16
+  upd, state = tx.update({"w": jnp.ones((16, 8)) * 0.1}, state, params)
+  assert upd["w"].dtype == jnp.float32
+  assert state.momentum["w"].dtype == jnp.bfloat16 and state.q["w"].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        (dict(rank_fraction=0.0), "rank_fraction"),
+        (dict(rank_fraction=1.5), "rank_fraction"),
+        (dict(mu=-0.1), "mu"),
+        (dict(qr_method="svd"), "qr_method"),
+        (dict(power_iters=0), "power_iters"),
+        (dict(scale_rule="bogus"), "scale_rule"),
+        (dict(backend="cuda"), "backend"),
+    ],
+)
+def test_bad_hyperparameters(kwargs, word):
+  with pytest.raises(ValueError, match=word):
+    dion_jax.scale_by_dion(**kwargs)
+
+
+def test_vector_labelled_dion_is_an_error():
+  tx = dion_jax.scale_by_dion()
+  with pytest.raises(ValueError, match=r"\['b'\].*shape \(8,\)"):
+    tx.init({"b": jnp.ones(8)})

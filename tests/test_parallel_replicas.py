@@ -1,0 +1,31 @@
+"""Per-replica gradients for compressed sync, and PartitionSpecs read from arrays."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import dion_jax
+
+
+def test_value_and_grad_per_replica():
+  mesh = dion_jax.make_mesh("rp=2,fs=2,tp=2")
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.normal(size=(8, 4)), jnp.float32), "b": jnp.zeros(4)}
+  batch = jnp.asarray(rng.normal(size=(6, 8)), jnp.float32)
+  loss_fn = lambda p, x: jnp.mean((x @ p["w"] + p["b"]) ** 2)
+  vg = dion_jax.value_and_grad_per_replica(loss_fn, mesh, {"w": True, "b": False})
+  loss, grads = jax.jit(vg)(params, batch)
+  halves = [jax.value_and_grad(loss_fn)(params, batch[i * 3 : (i + 1) * 3]) for i in range(2)]
+  np.testing.assert_allclose(loss, (halves[0][0] + halves[1][0]) / 2, rtol=1e-6)
+  assert grads["w"].shape == (2, 8, 4)
+  for i in range(2):
+    np.testing.assert_allclose(grads["w"][i], halves[i][1]["w"], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(grads["b"], (halves[0][1]["b"] + halves[1][1]["b"]) / 2, rtol=1e-5, atol=1e-6)
+
+
+def test_partition_specs_of_reads_arrays():
+  mesh = dion_jax.make_mesh("fs=4,tp=2")
+  x = jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P("fs", "tp")))
+  assert dion_jax.partition_specs_of({"x": x}) == {"x": P("fs", "tp")}
