@@ -1,6 +1,6 @@
 """Tokens per second served by the data loader, and the embedded corpus's build time.
 
-    python benchmarks/data_throughput.py [--batch 8] [--seq-len 256] [--steps 3000]
+    python -m benchmarks.data_throughput [--batch 8] [--seq-len 256] [--steps 3000]
 
 Measures, in one run: a cold build of the stdlib corpus (fresh cache folder), then the
 Grain loader's throughput (inputs tokens per second, consumed by a tight Python loop) on
@@ -16,10 +16,8 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import data  # noqa: E402
-from data import corpus, fineweb, megatron  # noqa: E402
+import data
+from data import corpus, fineweb, megatron
 
 
 def throughput(source, args) -> tuple[float, float]:
@@ -46,7 +44,7 @@ def main():
   parser.add_argument("--synthetic-tokens", type=int, default=20_000_000,
                       help="tokens in the synthetic FineWeb / Megatron files")
   args = parser.parse_args()
-  print("$ python " + " ".join(shlex.quote(a) for a in sys.argv))
+  print("$ " + shlex.join(["python", "-m", "benchmarks.data_throughput", *sys.argv[1:]]))
   print(f"batch {args.batch} x seq_len {args.seq_len}, {args.steps} timed steps, "
         f"{args.threads} threads, {os.cpu_count()} CPUs")
 

@@ -1,6 +1,6 @@
 """Optimizer-step time of Dion against AdamW and Muon on the matrices of a GPT, one CPU device.
 
-    python benchmarks/dion_step.py --layers 6 --d-model 512 --repeats 5
+    python -m benchmarks.dion_step --layers 6 --d-model 512 --repeats 5
 
 Parameters: per layer qkv (d, 3d), out (d, d), fc1 (d, 4d), fc2 (4d, d) as Flax kernels,
 stacked over layers as (L, fan_in, fan_out). Every optimizer step is jitted and timed as
@@ -14,31 +14,16 @@ fresh buffers anew, a cost the matmul baseline does not pay. ``--profile`` times
 pieces of one Dion step at one rank fraction.
 """
 
-import argparse
-import os
 import resource
 import sys
-import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import optax
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-
-import dion_jax  # noqa: E402
-from dion_jax import orthogonalize, sketch  # noqa: E402
-from benchmarks.harness import interleaved_times, jitted_step, time_fn  # noqa: E402
-
-
-def gpt_matrices(layers: int, d: int) -> dict[str, jax.Array]:
-  shapes = {"qkv": (d, 3 * d), "out": (d, d), "fc1": (d, 4 * d), "fc2": (4 * d, d)}
-  keys = jax.random.split(jax.random.key(0), len(shapes))
-  return {
-      name: jax.random.normal(k, (layers,) + shape, jnp.float32) * shape[0] ** -0.5
-      for k, (name, shape) in zip(keys, shapes.items())
-  }
+import dion_jax
+from benchmarks import harness
+from dion_jax import orthogonalize, sketch
 
 
 def kernel_cost_per_call(fn, args, calls: int = 5) -> tuple[float, float]:
@@ -96,7 +81,7 @@ def profile_pieces(params, rank_fraction: float, repeats: int) -> list[tuple[str
   pieces: dict[str, float] = {}
 
   def add(name, fn, *args):
-    pieces[name] = pieces.get(name, 0.0) + interleaved_times({name: (jax.jit(fn), args)}, 1, repeats)[name]
+    pieces[name] = pieces.get(name, 0.0) + harness.time_fn(jax.jit(fn), args, repeats, warmup=2)
 
   for p in params.values():
     L, fan_in, fan_out = p.shape
@@ -132,11 +117,7 @@ def profile_pieces(params, rank_fraction: float, repeats: int) -> list[tuple[str
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--layers", type=int, default=6)
-  parser.add_argument("--d-model", type=int, default=512)
-  parser.add_argument("--repeats", type=int, default=5, help="timed calls per case and round")
-  parser.add_argument("--rounds", type=int, default=5, help="rounds in which every case is timed in turn")
+  parser = harness.matrix_benchmark_parser(__doc__.splitlines()[0])
   parser.add_argument("--rank-fractions", type=str, default="1,0.25,0.0625")
   parser.add_argument("--matmul-size", type=int, default=1024)
   parser.add_argument("--matmul-count", type=int, default=16,
@@ -144,8 +125,9 @@ def main():
   parser.add_argument("--profile", type=float, default=None, metavar="RANK_FRACTION",
                       help="also time the pieces of a Dion step at this rank fraction")  # fmt: skip
   args = parser.parse_args()
+  harness.setup_process(platform="cpu")
   fractions = [float(f) for f in args.rank_fractions.split(",")]
-  params = gpt_matrices(args.layers, args.d_model)
+  params = harness.gpt_matrices(args.layers, args.d_model)
   all_dion = lambda p: jax.tree.map(lambda _: "dion", p)
   muon_dims = optax.contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2)
 
@@ -157,9 +139,9 @@ def main():
   cases = {"matmul": matmul_case(args.matmul_size, args.matmul_count)}
   state_bytes = {}
   for name, (tx, _) in txs.items():
-    step, step_args, state_bytes[name] = jitted_step(tx, params)
+    step, step_args, state_bytes[name] = harness.jitted_step(tx, params)
     cases[name] = (step, step_args)
-  times = interleaved_times(cases, args.rounds, args.repeats)
+  times = harness.interleaved_times(cases, args.rounds, args.repeats)
   kernel = {name: kernel_cost_per_call(fn, fn_args) for name, (fn, fn_args) in cases.items()}
   rate = 2 * args.matmul_size**3 * args.matmul_count / times["matmul"] / 1e9
   t_muon, bytes_adamw = times["optax.contrib.muon"], state_bytes["optax.adamw"]
@@ -178,7 +160,7 @@ def main():
     frac = f"{flops / t / 1e9 / rate:.0%}" if flops else "–"
     print(f"| {name} | {t * 1e3:.1f} | {t / t_muon:.3f} | {gf} | {gfs} | {frac} | "
           f"{nbytes / 2**20:.1f} | {nbytes / bytes_adamw:.2f} | {kernel[name][0]:.0f} | {kernel[name][1] * 1e3:.1f} |")  # fmt: skip
-  print(f"\ncommand: python benchmarks/dion_step.py {' '.join(sys.argv[1:])}".rstrip())
+  print(f"\ncommand: python -m benchmarks.dion_step {' '.join(sys.argv[1:])}".rstrip())
 
   if args.profile is not None:
     pieces = profile_pieces(params, args.profile, args.repeats)

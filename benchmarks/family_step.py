@@ -1,8 +1,8 @@
 """Optimizer-step time of Dion2, NorMuon and our Muon against optax's Muon and Dion, one CPU device.
 
-    python benchmarks/family_step.py --layers 6 --d-model 512 --rounds 5
+    python -m benchmarks.family_step --layers 6 --d-model 512 --rounds 5
 
-The GPT matrices of ``benchmarks/dion_step.py`` (per layer qkv, out, fc1, fc2 as Flax
+The GPT matrices of ``harness.gpt_matrices`` (per layer qkv, out, fc1, fc2 as Flax
 kernels stacked over layers), every optimizer jitted, timed in interleaved rounds
 (median over rounds of the median of ``--repeats`` calls; this VM's speed drifts by
 ±10%), and reported as a ratio to ``optax.contrib.muon``. Ours run their default
@@ -11,19 +11,11 @@ optax's Muon iterates in float32 with its Newton–Schulz coefficients. Dion run
 rank 1/4 with RCQR, Dion2 at fraction 1/4.
 """
 
-import argparse
-import os
-import sys
+import jax.numpy as jnp
+import optax
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-
-import dion_jax  # noqa: E402
-from benchmarks.dion_step import gpt_matrices  # noqa: E402
-from benchmarks.harness import interleaved_times, jitted_step  # noqa: E402
+import dion_jax
+from benchmarks import harness
 
 
 def optimizers(float32: bool) -> dict:
@@ -48,19 +40,16 @@ def optimizers(float32: bool) -> dict:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--layers", type=int, default=6)
-  parser.add_argument("--d-model", type=int, default=512)
-  parser.add_argument("--repeats", type=int, default=3, help="timed calls per case and round")
-  parser.add_argument("--rounds", type=int, default=5, help="rounds in which every case is timed in turn")
+  parser = harness.matrix_benchmark_parser(__doc__.splitlines()[0], repeats=3)
   parser.add_argument("--float32", action="store_true", help="also time our optimizers in float32")
   args = parser.parse_args()
-  params = gpt_matrices(args.layers, args.d_model)
+  harness.setup_process(platform="cpu")
+  params = harness.gpt_matrices(args.layers, args.d_model)
   cases = {}
   for name, tx in optimizers(args.float32).items():
-    step, step_args, _ = jitted_step(tx, params)
+    step, step_args, _ = harness.jitted_step(tx, params)
     cases[name] = (step, step_args)
-  times = interleaved_times(cases, args.rounds, args.repeats)
+  times = harness.interleaved_times(cases, args.rounds, args.repeats)
   base = times["optax.contrib.muon"]
   print(f"{args.layers} layers, d_model {args.d_model}, one CPU device; median of {args.rounds} interleaved rounds")
   print("| optimizer | step ms | / optax.contrib.muon |")

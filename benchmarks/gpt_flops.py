@@ -1,6 +1,6 @@
 """Compiled flops of the GPT's training step: the pipeline's overhead and the model count.
 
-    python benchmarks/gpt_flops.py            # pp = 2, 4 at 2..16 micro-batches, v = 1, 2
+    python -m benchmarks.gpt_flops            # pp = 2, 4 at 2..16 micro-batches, v = 1, 2
 
 For each pipeline shape, XLA's cost analysis of the compiled forward+backward gives the
 flops one device executes; times pp over the pp = 1 step's flops is the pipeline's
@@ -11,23 +11,18 @@ The loops are unrolled (``unroll=True``) because the cost analysis counts a loop
 once. No timings: these are counts.
 """
 import argparse
-import os
 import sys
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-import dion_jax  # noqa: E402
-import models  # noqa: E402
+import models
+from benchmarks import harness
 
 
 def step_flops(cfg, batch_size, spec="", **options) -> float:
   """Flops of one device's compiled forward+backward on a batch of ``batch_size``."""
-  sizes = dion_jax.parse_mesh_spec(spec)
-  n = sizes["rp"] * sizes["fs"] * sizes["tp"] * sizes["pp"]
-  mesh = dion_jax.make_mesh(spec, jax.devices()[:n])
+  mesh = harness.mesh(spec)
   par = models.Parallelism(mesh, **options)
   graphdef, params = models.init(cfg, par)
   tokens = jnp.zeros((batch_size, cfg.seq_len), jnp.int32)
@@ -44,6 +39,7 @@ def main(argv=None) -> int:
   parser.add_argument("--seq-len", type=int, default=64)
   parser.add_argument("--micro-batch-size", type=int, default=2)
   args = parser.parse_args(argv)
+  harness.setup_process(cpu_devices=8)  # on CPU, the pp = 4 mesh's devices
   cfg = models.preset("tiny", num_layers=args.layers, d_model=args.d_model, seq_len=args.seq_len, unroll=True)
 
   print("pp  v   M  flops/device  overhead (pp·flops/flops_pp1)  1/(1-bubble)  bubble")

@@ -1,22 +1,21 @@
 """Forward+backward time of the GPT on one device: ms per step, tokens/s, achieved TFLOP/s.
 
-    python benchmarks/gpt_speed.py --preset tiny --batch-size 16
-    python benchmarks/gpt_speed.py --preset small --batch-size 1 --steps 3
+    python -m benchmarks.gpt_speed --preset tiny --batch-size 16
+    python -m benchmarks.gpt_speed --preset small --batch-size 1 --steps 3
 
 Times the jitted ``value_and_grad`` of ``models.loss`` (no optimizer, no data loading)
 over ``--steps`` calls after one warm-up call, and reports the median. Flops are
 ``GPTConfig.flops_per_token()`` (6·N + 12·L·T·d) times the tokens of a step.
 """
 import argparse
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import models
+from benchmarks import harness
 
 
 def main(argv=None) -> int:
@@ -33,13 +32,7 @@ def main(argv=None) -> int:
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 257, (args.batch_size, cfg.seq_len)), jnp.int32)
   batch = {"inputs": tokens, "targets": tokens}
   step = jax.jit(jax.value_and_grad(lambda p, b: models.loss(graphdef, p, b)))
-  jax.block_until_ready(step(params, batch))
-  times = []
-  for _ in range(args.steps):
-    start = time.perf_counter()
-    jax.block_until_ready(step(params, batch))
-    times.append(time.perf_counter() - start)
-  t = statistics.median(times)
+  t = harness.time_fn(step, (params, batch), args.steps)
   tokens_per_step = args.batch_size * cfg.seq_len
   print(f"{args.preset} ({cfg.num_params() / 1e6:.1f}M params, vocab {cfg.padded_vocab}, {args.dtype}) on"
         f" {jax.devices()[0].platform}: batch {args.batch_size} x {cfg.seq_len}: {t * 1e3:.1f} ms per"

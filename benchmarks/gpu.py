@@ -41,7 +41,7 @@ import numpy as np
 import optax
 
 import dion_jax
-from benchmarks.harness import interleaved_times, jitted_step
+from benchmarks.harness import interleaved_times, jitted_step, time_fn
 from dion_jax import orthogonalize, polar, sketch
 from dion_jax.kernels import newton_schulz
 from dion_jax.kernels import rcqr as pallas_rcqr
@@ -240,8 +240,8 @@ def stage_optimizers(args) -> dict:
       if name in gone or time.monotonic() > deadline:
         continue
       try:
-        step, step_args, state_bytes = jitted_step(make(), params)
-        row[name] = interleaved_times({name: (step, step_args)}, rounds=3, repeats=3)[name] * 1e3
+        step, step_args, _ = jitted_step(make(), params)
+        row[name] = time_fn(step, step_args, repeats=9, warmup=2) * 1e3
         del step_args
       except Exception as e:  # noqa: BLE001: a size that does not fit ends that optimizer's curve
         if not _out_of_memory(e):
@@ -258,17 +258,11 @@ def stage_optimizers(args) -> dict:
 # --- train -------------------------------------------------------------------------
 
 
-def _last_interval(run_dir: str) -> dict:
-  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-    records = [json.loads(line) for line in f if line.strip()]
-  return [r for r in records if "ms_per_step" in r][-1]
-
-
 def train_run(preset: str, optimizer: str, steps: int, batch: int, attention: str,
               profile_dir: str | None = None) -> dict:
   """The trainer's numbers of the last log interval (after the compiling first one)."""
   from train import config as config_lib
-  from train import loop
+  from train import log, loop
 
   with tempfile.TemporaryDirectory() as run_dir:
     cfg = config_lib.Config(
@@ -284,7 +278,8 @@ def train_run(preset: str, optimizer: str, steps: int, batch: int, attention: st
       code = loop.train(run)
     if code:
       raise RuntimeError(f"the trainer exited with {code}")
-    record = _last_interval(run_dir)
+    intervals, _ = log.read_metrics(run_dir)
+    record = intervals[max(intervals)]
   stats = jax.devices()[0].memory_stats() or {}
   return {"preset": preset, "optimizer": optimizer, "attention": attention, "global_batch": batch,
           "seq_len": run.model_cfg.seq_len, "params_M": run.model_cfg.num_params() / 1e6,

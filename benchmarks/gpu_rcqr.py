@@ -1,7 +1,7 @@
 """GPU benchmark of randomized Cholesky QR: Pallas kernels vs XLA passes vs Householder QR.
 
-    python benchmarks/gpu_rcqr.py            # on a GPU: time, GB/s, fraction of copy bandwidth
-    python benchmarks/gpu_rcqr.py --count    # anywhere: counted bytes and flops per kernel
+    python -m benchmarks.gpu_rcqr            # on a GPU: time, GB/s, fraction of copy bandwidth
+    python -m benchmarks.gpu_rcqr --count    # anywhere: counted bytes and flops per kernel
 
 For m in {4096, 16384, 65536}, r in {128, 512, 1024}, float32 and bfloat16 inputs, the
 timed table reports each method's median time, its achieved bandwidth (counted
@@ -14,12 +14,11 @@ GPU the timed mode says so and exits 0.
 import argparse
 import functools
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from benchmarks import harness
 from dion_jax import orthogonalize, sketch
 from dion_jax.kernels import rcqr as pallas_rcqr
 
@@ -27,22 +26,13 @@ MS = (4096, 16384, 65536)
 RS = (128, 512, 1024)
 DTYPES = (jnp.float32, jnp.bfloat16)
 PASSES = ("sketch", "solve+gram", "solve")
-
-
-def _median_seconds(f, *args, repeats: int = 20) -> float:
-  jax.block_until_ready(f(*args))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
+REPEATS = 20  # timed calls per case, after one warm-up
 
 
 def copy_bandwidth() -> float:
   """Bytes per second of a 1 GiB read + write on the default device."""
   x = jnp.ones((1 << 28,), jnp.float32)
-  return 2 * x.nbytes / _median_seconds(jax.jit(lambda v: v + 1.0), x)
+  return 2 * x.nbytes / harness.time_fn(jax.jit(lambda v: v + 1.0), (x,), REPEATS)
 
 
 def print_counts() -> None:
@@ -87,7 +77,7 @@ def run_timings() -> None:
         counted["householder"] = (itemsize * m * r + 4 * m * r, 4 * m * r * r - 4 * r**3 // 3)
         P = jax.random.normal(jax.random.key(0), (m, r), jnp.float32).astype(dtype)
         seed = jnp.uint32(1)
-        times = {name: _median_seconds(f, P, seed) for name, f in methods.items()}
+        times = {name: harness.time_fn(f, (P, seed), REPEATS) for name, f in methods.items()}
         for name, t in times.items():
           nbytes, flops = counted[name]
           print(f"{jnp.dtype(dtype).name:>8} {m:>6} {r:>5} {name:>12} {t * 1e3:9.3f} {nbytes / t / 1e9:7.0f}"

@@ -1,6 +1,6 @@
 """Dion against Muon, AdamW and Lion on the ``tiny`` GPT: a small learning-rate sweep each.
 
-    python benchmarks/optimizer_comparison.py --steps 200 --lrs-scale 0.5 1 2
+    python -m benchmarks.optimizer_comparison --steps 200 --lrs-scale 0.5 1 2
 
 Trains the ``tiny`` preset on the embedded corpus (``--data stdlib``) with every optimizer
 of ``--optimizers`` at the trainer's default learning rate times each ``--lrs-scale``,
@@ -32,10 +32,11 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from train.cli import UsageError
+from train.config import DEFAULT_LR
+from train.log import read_metrics
 
-from train.config import DEFAULT_LR  # noqa: E402  (imports no jax)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name -> (trainer optimizer, extra trainer flags)
 OPTIMIZERS = {
@@ -62,22 +63,15 @@ def run_name(name: str, lr: float) -> str:
 
 def read_run(run_dir: str, steps: int) -> dict | None:
   """The run's final validation loss and median tokens/s, or None when it did not finish."""
-  path = os.path.join(run_dir, "metrics.jsonl")
-  if not os.path.isfile(path):
+  try:
+    intervals, val = read_metrics(run_dir)
+  except UsageError:  # nothing logged yet, or a line cut short by a kill
     return None
-  train, val = [], {}
-  with open(path) as f:
-    for line in f:
-      if line.strip():
-        record = json.loads(line)
-        if "loss" in record:
-          train.append(record)
-        elif "val_loss" in record:
-          val[record["step"]] = record["val_loss"]
   if steps not in val:
     return None
+  train = list(intervals.values())
   rates = [r["tokens_per_s"] for r in train[1:]] or [r["tokens_per_s"] for r in train]
-  return {"val_loss": val[steps], "final_train_loss": train[-1]["loss"] if train else None,
+  return {"val_loss": val[steps]["val_loss"], "final_train_loss": train[-1]["loss"] if train else None,
           "tokens_per_s": statistics.median(rates) if rates else None,
           "tokens": train[-1]["tokens"] if train else None,
           "skipped": train[-1]["skipped"] if train else None}
@@ -173,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"{r['optimizer']} {r['val_loss']:.4f} (lr {r['lr']:g})" for r in summary))
   if edge:
     print("best lr at the edge of its sweep (widen it to be sure): " + ", ".join(edge))
-  command = "python benchmarks/optimizer_comparison.py " + " ".join(argv if argv is not None else sys.argv[1:])
+  command = "python -m benchmarks.optimizer_comparison " + " ".join(argv if argv is not None else sys.argv[1:])
   with open(os.path.join(args.out_dir, "optimizer_comparison.json"), "w") as f:
     json.dump({"command": command, "steps": args.steps, "preset": "tiny", "data": "stdlib",
                "runs": [{k: v for k, v in r.items() if k != "run_dir"} for r in rows],

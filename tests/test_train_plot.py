@@ -1,4 +1,4 @@
-"""python -m train.plot: the PNG of a real run's curves, resumed runs, bad input."""
+"""python -m train.plot: the PNG of a real run's curves, resumed runs (train.log.read_metrics), bad input."""
 import json
 import os
 import shutil
@@ -8,7 +8,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from train import gpt, plot
+from train import gpt, log, plot
 
 RUN = ["--steps", "4", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
        "--seq-len", "16", "--global-batch-size", "4", "--save-every", "2", "--eval-every", "2",
@@ -63,6 +63,8 @@ def test_a_resumed_runs_later_records_win(tmp_path):
   (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
   train, valid = plot.read_curves(str(tmp_path))
   assert train == {1: (10, 5.0), 2: (20, 3.9), 3: (30, 3.0)} and valid == {2: (20, 4.5)}
+  intervals, validations = log.read_metrics(str(tmp_path))  # the whole records, in step order
+  assert list(intervals) == [1, 2, 3] and intervals[2] == lines[3] and validations == {2: lines[2]}
   assert plot.label(str(tmp_path)) == tmp_path.name  # no config.json: the name alone
 
 

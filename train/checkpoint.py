@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 import dion_jax
 import models
-from train.config import UsageError
+from train.cli import UsageError
 
 REPLICA_AXIS = "rp"
 

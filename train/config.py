@@ -16,6 +16,8 @@ import dataclasses
 import json
 import os
 
+from train.cli import Parser, UsageError
+
 PRESET_NAMES = ("tiny", "small", "350m", "1b")
 OPTIMIZERS = ("dion", "dion2", "normuon", "muon", "adamw", "lion")
 # Base learning rates; --lr overrides. The orthogonal family's is the reference's own
@@ -23,10 +25,6 @@ OPTIMIZERS = ("dion", "dion2", "normuon", "muon", "adamw", "lion")
 # for all four (benchmarks/results/optimizer_comparison.md).
 DEFAULT_LR = {"dion": 0.02, "dion2": 0.02, "normuon": 0.02, "muon": 0.02, "adamw": 3e-3, "lion": 3e-4}
 DECAY_STYLES = ("constant", "linear", "cosine", "wsd")
-
-
-class UsageError(ValueError):
-  """Bad input the user can fix: printed as one ``error: ...`` line, exit code 2."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,14 +233,9 @@ HELP = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-  def error(self, message):
-    raise UsageError(f"{message} (see python -m train.gpt --help)")
-
-
 def _parser() -> argparse.ArgumentParser:
-  parser = _Parser(prog="python -m train.gpt", argument_default=argparse.SUPPRESS,
-                   description="Train a GPT with Dion (or AdamW, Lion, Muon) on a device mesh.")
+  parser = Parser(prog="python -m train.gpt", argument_default=argparse.SUPPRESS,
+                  description="Train a GPT with Dion (or AdamW, Lion, Muon) on a device mesh.")
   choices = {"preset": PRESET_NAMES, "dtype": ("float32", "bfloat16"),
              "attention": ("auto", "xla", "cudnn"), "optimizer": OPTIMIZERS,
              "lr_decay_style": DECAY_STYLES, "dion_qr_method": ("rcqr", "cqr", "qr"),

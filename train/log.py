@@ -4,7 +4,8 @@
     tokens/s: 3345 | TFLOP/s per device: 0.02 | learning rate: 1.000000E-02 |
     lm loss: 5.123456E+00 | grad norm: 1.234 | skipped iterations: 0 | nan iterations: 0
 
-(one line). MFU appears where the device's peak is known. Only process 0 writes.
+(one line). MFU appears where the device's peak is known. Only process 0 writes;
+:func:`read_metrics` is the one reader of what it writes.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import json
 import math
 import os
 import time
+
+from train.cli import UsageError
 
 # Dense bf16 peak TFLOP/s per device, by jax's device_kind.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "B200": 2250.0, "L40S": 362.0,
@@ -95,3 +98,36 @@ class Logger:
   def close(self) -> None:
     if self.metrics:
       self.metrics.close()
+
+
+def read_metrics(run_dir: str) -> tuple[dict[int, dict], dict[int, dict]]:
+  """The run's interval records (with ``loss``) and validation records (with ``val_loss``).
+
+  Each is ``{step: record}`` in step order. Keyed by step so that a resumed run's
+  records of the same step (a killed run may have logged past its last checkpoint)
+  replace the earlier ones. Raises UsageError for a missing run directory or
+  metrics.jsonl, a line that is not JSON, or a file without records.
+  """
+  if not os.path.isdir(run_dir):
+    raise UsageError(f"run directory {run_dir} does not exist; pass the --run-dir of a"
+                     " python -m train.gpt run")
+  path = os.path.join(run_dir, "metrics.jsonl")
+  if not os.path.isfile(path):
+    raise UsageError(f"{path} does not exist: the run has logged nothing yet")
+  train, valid = {}, {}
+  with open(path) as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError:
+        raise UsageError(f"{path} line {number} is not JSON; is it a metrics.jsonl of"
+                         " python -m train.gpt?") from None
+      if "loss" in record:
+        train[record["step"]] = record
+      elif "val_loss" in record:
+        valid[record["step"]] = record
+  if not train and not valid:
+    raise UsageError(f"{path} holds no loss records: the run has logged nothing yet")
+  return dict(sorted(train.items())), dict(sorted(valid.items()))

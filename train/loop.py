@@ -26,7 +26,8 @@ import models
 from train import checkpoint as ckpt_lib
 from train import optim
 from train import step as step_lib
-from train.config import Config, UsageError
+from train.cli import UsageError
+from train.config import Config
 from train.log import Logger
 
 EXIT_DIVERGED = 3
@@ -185,7 +186,8 @@ def setup(cfg: Config) -> Run:
              valid_source, batch_sharding, shard, checkpoints, record)
 
 
-def _global_batch(run: Run, local: dict) -> dict:
+def global_batch(run: Run, local: dict) -> dict:
+  """This process's rows of a batch (the loader's output) as one global array per key."""
   shape = (run.cfg.global_batch_size, run.model_cfg.seq_len)
   return {k: jax.make_array_from_process_local_data(run.batch_sharding, np.asarray(v), shape)
           for k, v in local.items()}
@@ -200,7 +202,7 @@ def evaluate(run: Run, state: step_lib.TrainState) -> tuple[float, int]:
                                   global_batch_size=cfg.global_batch_size, seed=0,
                                   shard_index=run.shard[0], shard_count=run.shard[1], shuffle=False)
   with jax.set_mesh(run.mesh):
-    losses = [run.eval_step(state.params, _global_batch(run, next(it))) for _ in range(batches)]
+    losses = [run.eval_step(state.params, global_batch(run, next(it))) for _ in range(batches)]
   return float(np.mean(jax.device_get(losses))), batches * cfg.global_batch_size * seq_len
 
 
@@ -236,7 +238,7 @@ def train(run: Run) -> int:
   last_saved = run.start_step
   for step in range(run.start_step + 1, cfg.steps + 1):
     with jax.set_mesh(run.mesh):
-      state, metrics = run.train_step(state, _global_batch(run, next(run.train_batches)))
+      state, metrics = run.train_step(state, global_batch(run, next(run.train_batches)))
     if pending is not None:
       account(*pending)
     pending = (step, metrics)

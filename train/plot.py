@@ -10,7 +10,6 @@ A missing run directory or a missing or empty ``metrics.jsonl`` prints one
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -20,41 +19,17 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed, none opened
 import matplotlib.pyplot as plt  # noqa: E402
 
-from train.config import UsageError  # noqa: E402
+from train import cli, log  # noqa: E402
+from train.cli import UsageError  # noqa: E402
 
-EXIT_USAGE = 2
 FIGSIZE, DPI = (8.0, 5.0), 100  # an 800 x 500 PNG
 
 
 def read_curves(run_dir: str) -> tuple[dict[int, tuple[int, float]], dict[int, tuple[int, float]]]:
-  """The run's training and validation points, ``{step: (tokens, loss)}`` each.
-
-  Keyed by step so that a resumed run's records of the same step (a killed run may
-  have logged past its last checkpoint) replace the earlier ones.
-  """
-  if not os.path.isdir(run_dir):
-    raise UsageError(f"run directory {run_dir} does not exist; pass the --run-dir of a"
-                     " python -m train.gpt run")
-  path = os.path.join(run_dir, "metrics.jsonl")
-  if not os.path.isfile(path):
-    raise UsageError(f"{path} does not exist: the run has logged nothing yet")
-  train, valid = {}, {}
-  with open(path) as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError:
-        raise UsageError(f"{path} line {number} is not JSON; is it a metrics.jsonl of"
-                         " python -m train.gpt?") from None
-      if "loss" in record:
-        train[record["step"]] = (record["tokens"], record["loss"])
-      elif "val_loss" in record:
-        valid[record["step"]] = (record["tokens"], record["val_loss"])
-  if not train and not valid:
-    raise UsageError(f"{path} holds no loss records: the run has logged nothing yet")
-  return train, valid
+  """The run's training and validation points, ``{step: (tokens, loss)}`` each."""
+  train, valid = log.read_metrics(run_dir)
+  return ({step: (r["tokens"], r["loss"]) for step, r in train.items()},
+          {step: (r["tokens"], r["val_loss"]) for step, r in valid.items()})
 
 
 def label(run_dir: str) -> str:
@@ -94,24 +69,18 @@ def plot(run_dirs: list[str], output: str) -> None:
     plt.close(fig)
 
 
-class _Parser(argparse.ArgumentParser):
-  def error(self, message):
-    raise UsageError(f"{message} (see python -m train.plot --help)")
+def _plot(argv: list[str] | None) -> None:
+  parser = cli.Parser(prog="python -m train.plot",
+                      description="Draw the train and validation loss of runs against tokens into a PNG.")
+  parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories of python -m train.gpt")
+  parser.add_argument("--output", default="curves.png", help="the PNG to write (default curves.png)")
+  args = parser.parse_args(argv)
+  plot(args.run_dirs, args.output)
+  print(f"wrote {args.output}")
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = _Parser(prog="python -m train.plot",
-                   description="Draw the train and validation loss of runs against tokens into a PNG.")
-  parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories of python -m train.gpt")
-  parser.add_argument("--output", default="curves.png", help="the PNG to write (default curves.png)")
-  try:
-    args = parser.parse_args(argv)
-    plot(args.run_dirs, args.output)
-  except UsageError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return EXIT_USAGE
-  print(f"wrote {args.output}")
-  return 0
+  return cli.run(lambda: _plot(argv))
 
 
 if __name__ == "__main__":

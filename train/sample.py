@@ -30,10 +30,9 @@ from flax import nnx
 import data
 import models
 from models import gpt
+from train import cli
 from train import config as config_lib
-from train.config import UsageError
-
-EXIT_USAGE = 2
+from train.cli import UsageError
 
 
 class Restored(NamedTuple):
@@ -134,14 +133,9 @@ def generate(model: Restored, prompt_P: np.ndarray, max_new_tokens: int, tempera
   return np.asarray(tokens[len(tokens) - max_new_tokens:], np.int32)
 
 
-class _Parser(argparse.ArgumentParser):
-  def error(self, message):
-    raise UsageError(f"{message} (see python -m train.sample --help)")
-
-
 def _parser() -> argparse.ArgumentParser:
-  parser = _Parser(prog="python -m train.sample",
-                   description="Print what a trained GPT writes after a prompt (byte tokens).")
+  parser = cli.Parser(prog="python -m train.sample",
+                      description="Print what a trained GPT writes after a prompt (byte tokens).")
   parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of python -m train.gpt")
   parser.add_argument("--prompt", default="", help="text to continue (default: the start of a document)")
   parser.add_argument("--max-new-tokens", type=int, default=200, help="bytes to write (default 200)")
@@ -154,26 +148,31 @@ def _parser() -> argparse.ArgumentParser:
   return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-  try:
-    args = _parser().parse_args(argv)
-    if args.max_new_tokens < 0:
-      raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.temperature < 0:
-      raise UsageError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
-    if args.top_k is not None and args.top_k < 1:
-      raise UsageError(f"--top-k must be positive, got {args.top_k}")
-    model = restore(os.path.abspath(args.run_dir), args.step)
-    if model.cfg.vocab_size != data.VOCAB_SIZE:
-      raise UsageError(f"the run's vocabulary has {model.cfg.vocab_size} tokens, not the byte"
-                       f" tokenizer's {data.VOCAB_SIZE}: train.sample reads and writes bytes only")
-  except (UsageError, ValueError, FileNotFoundError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return EXIT_USAGE
+def _restore(argv: list[str] | None) -> tuple[argparse.Namespace, Restored]:
+  """The flags and the restored model; bad input raises here, before any generation."""
+  args = _parser().parse_args(argv)
+  if args.max_new_tokens < 0:
+    raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+  if args.temperature < 0:
+    raise UsageError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
+  if args.top_k is not None and args.top_k < 1:
+    raise UsageError(f"--top-k must be positive, got {args.top_k}")
+  model = restore(os.path.abspath(args.run_dir), args.step)
+  if model.cfg.vocab_size != data.VOCAB_SIZE:
+    raise UsageError(f"the run's vocabulary has {model.cfg.vocab_size} tokens, not the byte"
+                     f" tokenizer's {data.VOCAB_SIZE}: train.sample reads and writes bytes only")
+  return args, model
+
+
+def _write(args: argparse.Namespace, model: Restored) -> int:
   prompt_P = data.encode(args.prompt)
   new = generate(model, prompt_P, args.max_new_tokens, args.temperature, args.top_k, args.seed)
   print(data.decode(np.concatenate([prompt_P.astype(np.int32), new])))
   return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+  return cli.run(lambda: _restore(argv), lambda restored: _write(*restored))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,40 @@
+"""What the command lines of ``train/`` share: bad input ends them with one line and exit code 2.
+
+A user who mistypes a flag or points at a missing run needs the fix, not a traceback;
+a failure after start-up is a bug or a failed run and keeps its traceback. Nothing
+here imports jax (``train/config.py`` must not).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+EXIT_USAGE = 2
+T = TypeVar("T")
+
+
+class UsageError(ValueError):
+  """Bad input the user can fix: printed as one ``error: ...`` line, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+  """Raises UsageError (pointing at ``PROG --help``) where argparse would print usage and exit."""
+
+  def error(self, message):
+    raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def run(start: Callable[[], T], then: Callable[[T], int] = lambda _: 0) -> int:
+  """``then(start())``; bad input raised by ``start`` prints ``error: ...`` and returns EXIT_USAGE.
+
+  Only ``start`` (flags, input checks, set-up) is guarded: a ValueError while ``then``
+  works is no usage error.
+  """
+  try:
+    value = start()
+  except (UsageError, ValueError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return EXIT_USAGE
+  return then(value)
