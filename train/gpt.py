@@ -7,7 +7,8 @@ under ``runs/tiny-dion/``. ``--help`` lists the flags (``train/config.py``).
 One step, top to bottom: this loop feeds a global batch to ``train/step.py``, whose
 jitted step takes the model's loss and gradients (``models/gpt.py``, per rp replica
 through ``dion_jax.value_and_grad_per_replica``), clips, and applies Dion
-(``dion_jax/optimizer.py`` -> ``dion_jax/sharded.py``: the collectives).
+(``dion_jax/optimizers/dion.py`` on ``optimizers/skeleton.py``; ``dion_jax/parallel/``:
+the collectives).
 
 Bad input (flags, mesh, batch, data, checkpoints) ends the run before anything is
 written, with one ``error: ...`` line on stderr and exit code 2.

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 import data
 import dion_jax
 import models
+from dion_jax.parallel import format_mesh_spec
 from train import checkpoint as ckpt_lib
 from train import optim
 from train import step as step_lib
@@ -57,7 +58,7 @@ def _mesh(cfg: Config) -> jax.sharding.Mesh:
   devices = jax.devices()
   sizes = dion_jax.parse_mesh_spec(cfg.mesh or f"fs={len(devices)}")
   needed = math.prod(sizes.values())
-  spec = ",".join(f"{a}={n}" for a, n in sizes.items())
+  spec = format_mesh_spec(sizes)
   if needed > len(devices) or (jax.process_count() > 1 and needed != len(devices)):
     raise UsageError(f"--mesh {spec} needs {needed} devices but {len(devices)}"
                      f" {devices[0].platform} devices exist; choose axis sizes whose product is"
@@ -218,7 +219,7 @@ def train(run: Run) -> int:
   tokens_per_step = cfg.global_batch_size * run.model_cfg.seq_len
   logger = Logger(cfg.run_path, cfg.steps, tokens_per_step, run.model_cfg.flops_per_token(),
                   run.mesh.size, jax.devices()[0].device_kind, jax.process_index() == 0)
-  mesh_desc = ",".join(f"{a}={n}" for a, n in dict(run.mesh.shape).items())
+  mesh_desc = format_mesh_spec(dict(run.mesh.shape))
   logger.message(f"training {cfg.preset} ({run.model_cfg.num_params() / 1e6:.2f}M parameters,"
                  f" {run.model_cfg.dtype}) with {cfg.optimizer} on mesh {mesh_desc}"
                  f" ({jax.process_count()} process(es)), steps {run.start_step + 1}..{cfg.steps},"
