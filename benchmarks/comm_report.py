@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 import dion_jax
 import models
+from benchmarks import harness
 from dion_jax import accounting
 
 OPTIMIZERS = ("dion", "dion2", "normuon", "muon")
@@ -119,10 +120,12 @@ def report(mesh, shapes, specs, optimizer: str, rank_fractions: list[float]) -> 
     rows = {f"{rf:g}": accounting.update_stats(transformation("dion", mesh, specs, rf), params, mesh, per_replica)
             for rf in rank_fractions}
     lines += _table(rows, full, full_wire, "rank_fraction")
-    lines += ["", "| rank_fraction | state bytes/device | state bytes on one device | ratio |", "| --- | --- | --- | --- |"]
+    lines += ["", "| rank_fraction | state bytes/device | state bytes on one device | ratio |",
+              "| --- | --- | --- | --- |"]
     for rf in rank_fractions:
-      local, whole = accounting.state_bytes(accounting.abstract_state(transformation("dion", mesh, specs, rf), params))
-      lines.append(f"| {rf:g} | {local / 2**20:.2f} MiB | {whole / 2**20:.2f} MiB | {local / whole:.3f} |")
+      local, _ = accounting.state_bytes(accounting.abstract_state(transformation("dion", mesh, specs, rf), params))
+      _, single = accounting.state_bytes(jax.eval_shape(transformation("dion", None, specs, rf).init, params))
+      lines.append(f"| {rf:g} | {local / 2**20:.2f} MiB | {single / 2**20:.2f} MiB | {local / single:.3f} |")
     return "\n".join(lines)
   tx = lambda **kw: transformation(optimizer, mesh, specs, **kw)  # noqa: E731
   if optimizer == "dion2":
@@ -149,14 +152,11 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   try:
     sizes = dion_jax.parse_mesh_spec(args.mesh)
-    n = math.prod(sizes.values())
     try:
-      jax.config.update("jax_num_cpu_devices", n)  # Fake CPU devices; no effect on GPUs.
+      harness.setup_process(cpu_devices=math.prod(sizes.values()))
     except RuntimeError:
       pass  # The backend already started (e.g. called from Python): use its devices.
-    if n > len(jax.devices()):
-      raise ValueError(f"--mesh {args.mesh} needs {n} devices but {len(jax.devices())} exist")
-    mesh = dion_jax.make_mesh(sizes, jax.devices()[:n])
+    mesh = harness.mesh(args.mesh)
     if args.matrices == "gpt":
       shapes, specs = gpt_matrices(args.layers, args.d_model, sizes["pp"])
     else:

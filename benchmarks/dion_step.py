@@ -23,7 +23,8 @@ import optax
 
 import dion_jax
 from benchmarks import harness
-from dion_jax import orthogonalize, sketch
+from dion_jax.kernels import rcqr_xla, sketch
+from dion_jax.linalg import qr
 
 
 def kernel_cost_per_call(fn, args, calls: int = 5) -> tuple[float, float]:
@@ -105,14 +106,14 @@ def profile_pieces(params, rank_fraction: float, repeats: int) -> list[tuple[str
     add("rcqr: sketch generation S (k×m)", lambda s: sketch.sketch_block(s, jnp.uint32(0), rows, k), seed)
     add(
         "rcqr: sketch product S P (incl. generation)",
-        jax.vmap(lambda P, s: orthogonalize.xla_sketch_product(P, s, k, jnp.uint32(0)), in_axes=(0, None)),
+        jax.vmap(lambda P, s: rcqr_xla.xla_sketch_product(P, s, k, jnp.uint32(0)), in_axes=(0, None)),
         P, seed,
     )  # fmt: skip
     add("rcqr: QR of the k×r sketch", jax.vmap(lambda SP: jnp.linalg.qr(SP, mode="r")), R_rxr)
-    add("rcqr: solve P R₁⁻¹ + Gram", jax.vmap(orthogonalize.xla_solve_and_gram), P, R_rxr[:, :r])
+    add("rcqr: solve P R₁⁻¹ + Gram", jax.vmap(rcqr_xla.xla_solve_and_gram), P, R_rxr[:, :r])
     add("rcqr: Cholesky of the Gram", jax.vmap(lambda R: jnp.linalg.cholesky(R.T @ R)), R_rxr[:, :r])
-    add("rcqr: solve P₁ R₂⁻¹", jax.vmap(orthogonalize.xla_solve), P, R_rxr[:, :r])
-    add("rcqr: whole orthonormalize", jax.vmap(lambda P, s: orthogonalize.rcqr(P, s, backend="xla"), in_axes=(0, None)), P, seed)
+    add("rcqr: solve P₁ R₂⁻¹", jax.vmap(rcqr_xla.xla_solve), P, R_rxr[:, :r])
+    add("rcqr: whole orthonormalize", jax.vmap(lambda P, s: qr.rcqr(P, s, backend="xla"), in_axes=(0, None)), P, seed)
   return sorted(pieces.items(), key=lambda kv: -kv[1])
 
 

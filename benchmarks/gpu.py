@@ -7,7 +7,7 @@ Stages (``--stages``); each reports, and the next runs even when one fails:
 
 - ``check``: every Pallas kernel (RCQR's sketch, solve + Gram and solve; Newton–Schulz's
   symmetric products) and the whole RCQR and polar factor, Pallas and XLA, against
-  float64 NumPy on the same inputs (the sketch's S from ``dion_jax.sketch.sketch_block``).
+  float64 NumPy on the same inputs (the sketch's S from ``dion_jax.kernels.sketch.sketch_block``).
 - ``kernels``: time of the Pallas path against XLA's composition of the same math
   (and Householder QR for RCQR), interleaved rounds.
 - ``optimizers``: one jitted step (update + apply) on one square n x n float32 matrix,
@@ -42,9 +42,9 @@ import optax
 
 import dion_jax
 from benchmarks.harness import interleaved_times, jitted_step, time_fn
-from dion_jax import orthogonalize, polar, sketch
-from dion_jax.kernels import newton_schulz
+from dion_jax.kernels import newton_schulz, newton_schulz_xla, rcqr_xla, sketch
 from dion_jax.kernels import rcqr as pallas_rcqr
+from dion_jax.linalg import polar, qr
 
 EXIT_NO_GPU = 2
 STAGES = ("check", "kernels", "optimizers", "train")
@@ -80,10 +80,10 @@ def _check_rcqr(m: int, r: int, dtype) -> list[dict]:
   P1_64 = np.linalg.solve(R64.T, P64.T).T
   passes = {  # name: (pallas, xla, arguments, float64 reference)
       "rcqr sketch": (lambda *a: pallas_rcqr.sketch_product(*a, k, start),
-                      lambda *a: orthogonalize.xla_sketch_product(*a, k, start), (P, seed), S64 @ P64),
-      "rcqr solve": (pallas_rcqr.solve, orthogonalize.xla_solve, (P, R), P1_64),
+                      lambda *a: rcqr_xla.xla_sketch_product(*a, k, start), (P, seed), S64 @ P64),
+      "rcqr solve": (pallas_rcqr.solve, rcqr_xla.xla_solve, (P, R), P1_64),
       "rcqr gram": (lambda *a: pallas_rcqr.solve_and_gram(*a)[1],
-                    lambda *a: orthogonalize.xla_solve_and_gram(*a)[1], (P, R), P1_64.T @ P1_64),
+                    lambda *a: rcqr_xla.xla_solve_and_gram(*a)[1], (P, R), P1_64.T @ P1_64),
   }
   name = jnp.dtype(dtype).name
   rows = []
@@ -91,7 +91,7 @@ def _check_rcqr(m: int, r: int, dtype) -> list[dict]:
     errors = {b: _rel(jax.jit(f)(*arguments), ref) for b, f in (("pallas", pallas), ("xla", xla))}
     rows.append({"kernel": kernel, "shape": [m, r], "dtype": name, **errors})
   for backend in ("pallas", "xla"):  # the whole RCQR: orthonormal, and spanning P
-    Q = _f64(jax.jit(functools.partial(orthogonalize.rcqr, backend=backend))(P, seed))
+    Q = _f64(jax.jit(functools.partial(qr.rcqr, backend=backend))(P, seed))
     rows.append({"kernel": "rcqr orthonormality", "backend": backend, "shape": [m, r], "dtype": name,
                  backend: float(np.max(np.abs(Q.T @ Q - np.eye(r))))})
     rows.append({"kernel": "rcqr span", "backend": backend, "shape": [m, r], "dtype": name,
@@ -118,12 +118,12 @@ def _check_newton_schulz(b: int, s: int, l: int, dtype) -> list[dict]:
   ref = cb * A64 + cc * A64 @ A64
   name = jnp.dtype(dtype).name
   precision = jax.lax.Precision.HIGHEST if name == "float32" else None
-  products = {"pallas": newton_schulz.symmetric_products, "xla": newton_schulz.xla_symmetric_products}
+  products = {"pallas": newton_schulz.symmetric_products, "xla": newton_schulz_xla.xla_symmetric_products}
   rows = [{"kernel": "ns symmetric products", "shape": [b, s, l], "dtype": name,
            **{k: _rel(jax.jit(lambda x, f=f: f(x, cb, cc, precision))(X), ref) for k, f in products.items()}}]
   polar64 = _polar64(X64, "polar_express")
   rows.append({"kernel": "polar factor", "shape": [b, s, l], "dtype": name, **{
-      backend: _rel(jax.jit(functools.partial(polar.orthogonalize, dtype=dtype, backend=backend))(X), polar64)
+      backend: _rel(jax.jit(functools.partial(polar.polar_factor, dtype=dtype, backend=backend))(X), polar64)
       for backend in ("pallas", "xla")}})
   return rows
 
@@ -165,8 +165,8 @@ def stage_kernels(args) -> dict:
       break
     P = _conditioned(m, r, dtype, seed=0)
     cases = {
-        "pallas": (jax.jit(functools.partial(orthogonalize.rcqr, backend="pallas")), (P, seed)),
-        "xla": (jax.jit(functools.partial(orthogonalize.rcqr, backend="xla")), (P, seed)),
+        "pallas": (jax.jit(functools.partial(qr.rcqr, backend="pallas")), (P, seed)),
+        "xla": (jax.jit(functools.partial(qr.rcqr, backend="xla")), (P, seed)),
         "householder": (jax.jit(lambda P: jnp.linalg.qr(P.astype(jnp.float32))[0]), (P,)),
     }
     times = interleaved_times(cases, rounds=3, repeats=10)
@@ -181,7 +181,7 @@ def stage_kernels(args) -> dict:
       X = jnp.asarray(np.random.default_rng(0).standard_normal((b, s, l)) / np.sqrt(l), dtype)
       precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
       cases = {name: (jax.jit(lambda x, f=f: f(x, -2.8, 0.5, precision)), (X,)) for name, f in
-               (("pallas", newton_schulz.symmetric_products), ("xla", newton_schulz.xla_symmetric_products))}
+               (("pallas", newton_schulz.symmetric_products), ("xla", newton_schulz_xla.xla_symmetric_products))}
       times = interleaved_times(cases, rounds=3, repeats=10)
       rows.append({"kernel": "ns symmetric products", "shape": [b, s, l], "dtype": jnp.dtype(dtype).name,
                    **{k: v * 1e3 for k, v in times.items()}})
@@ -190,7 +190,7 @@ def stage_kernels(args) -> dict:
     if time.monotonic() > deadline:
       break
     G = jnp.asarray(np.random.default_rng(1).standard_normal((b, m, n)), jnp.float32)
-    cases = {backend: (jax.jit(functools.partial(polar.orthogonalize, backend=backend)), (G,))
+    cases = {backend: (jax.jit(functools.partial(polar.polar_factor, backend=backend)), (G,))
              for backend in ("pallas", "xla")}
     times = interleaved_times(cases, rounds=3, repeats=5)
     rows.append({"kernel": "polar factor (bf16)", "shape": [b, m, n], "dtype": "float32",

@@ -5,8 +5,10 @@
     batch = next(it)                           # {"inputs", "targets"}: int32 [8, 256]
     state = it.get_state()                     # JSON-serializable; it.set_state(state)
 
-In an Orbax CheckpointManager, save and restore the iterator with
-`grain.checkpoint.CheckpointSave(it)` / `grain.checkpoint.CheckpointRestore(it)`.
+To checkpoint the iterator, save ``it.get_state()`` as JSON beside the arrays and call
+``it.set_state`` on restore, as ``train/checkpoint.py`` does: the state counts global
+steps, the same on every process, so one copy restores on any number of processes
+(Grain's own checkpoint handler keys its files by the process count).
 """
 from data.errors import DataError, DataFileNotFoundError
 from data.loader import make_dataset, make_loader, process_batch_shard

@@ -12,6 +12,7 @@ import dion_jax
 from tests import mesh_cases
 from tests.mesh_cases import MESHES, SHAPES, SPECS, jitted_step
 
+
 @pytest.mark.parametrize(
     "mesh_spec, replicate_sync",
     [(m, True) for m in MESHES] + [("rp=2,fs=2,tp=2", False), ("rp=8", False)],

@@ -19,7 +19,8 @@ ALLOWED = {
     "optimizers": {"validation", "kernels", "parallel", "linalg"},
     "accounting": {"parallel"},
 }
-PALLAS_MODULES = {f"dion_jax.kernels.{m}" for m in ("pallas_common", "rcqr", "rcqr_sketch", "rcqr_solve", "newton_schulz")}
+PALLAS_MODULES = {f"dion_jax.kernels.{m}"
+                  for m in ("pallas_common", "rcqr", "rcqr_sketch", "rcqr_solve", "newton_schulz")}
 
 
 def _module_name(path: pathlib.Path) -> str:

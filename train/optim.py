@@ -15,7 +15,7 @@ import optax
 import dion_jax
 from train.config import Config
 
-# The scalar optimizer's betas, as the reference's (DESIGN §2).
+# The scalar optimizer's betas, as the reference's (docs/design.md §2).
 B1, B2 = 0.9, 0.95
 
 

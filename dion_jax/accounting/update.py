@@ -53,9 +53,11 @@ def update_stats(tx: optax.GradientTransformation, params: Any, mesh: jax.shardi
 
 
 def state_bytes(state: Any) -> tuple[int, int]:
-  """(bytes of ``state`` held by one device, bytes of the whole state)."""
+  """(bytes of ``state`` held by one device, bytes of all its arrays); arrays without a
+  sharding count whole on every device."""
   leaves = jax.tree.leaves(state)
-  local = sum(x.dtype.itemsize * math.prod(x.sharding.shard_shape(x.shape)) for x in leaves)
+  shard = lambda x: x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) else x.shape  # noqa: E731
+  local = sum(x.dtype.itemsize * math.prod(shard(x)) for x in leaves)
   return local, sum(x.dtype.itemsize * math.prod(x.shape) for x in leaves)
 
 

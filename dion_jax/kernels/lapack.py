@@ -20,9 +20,9 @@ def one_matrix_at_a_time(*backends: str):
     none is left to run the work and the program hangs (seen on jax 0.10.2 with 8 CPU
     devices and a batch of 8 sketch QRs).
   - ``"gpu"``, for QR: a batched ``jnp.linalg.qr`` runs cuSOLVER's unblocked batched
-    Householder kernel (``geqr2_batch_kernel``), meant for tiny matrices: 685 ms for
-    12 matrices of 768 x 768 on an H100, against 3.5 ms for one
-    (benchmarks/results/gpu/).
+    Householder kernel (``geqr2_batch_kernel``), meant for tiny matrices and far slower
+    than one matrix at a time at Dion's sizes (measured on an H100:
+    ``benchmarks/results/gpu/``).
 
   These factorizations are small (r x r, k x r); the heavy passes over P stay batched.
   """

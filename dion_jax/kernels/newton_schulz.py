@@ -28,7 +28,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from dion_jax.kernels.pallas_common import (
-    compiler_params, matmul_precision, round_up, upper_tile_steps, use_interpret,
+  compiler_params,
+  matmul_precision,
+  round_up,
+  upper_tile_steps,
+  use_interpret,
 )  # fmt: skip
 
 _BT = 64  # output tile (rows and columns of A and B)

@@ -22,7 +22,6 @@ rejects varying inputs, so interpret-mode runs inside ``shard_map`` need
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import custom_batching, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu

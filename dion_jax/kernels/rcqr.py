@@ -29,7 +29,7 @@ Kernels (B matrices of m x r, k sketch rows, s = bytes per element of P):
   where it does 64+ flops per byte.
 - ``solve``: the same triangular matmul as above.
 
-Counted per matrix (``counted_costs`` computes them; ``python benchmarks/gpu_rcqr.py
+Counted per matrix (``counted_costs`` computes them; ``python -m benchmarks.gpu_rcqr
 --count`` prints the table), with C partial-sum chunks:
 
     pass         Pallas bytes                        XLA composition bytes                Pallas flops     XLA flops
@@ -57,8 +57,16 @@ The kernels live in ``rcqr_sketch`` and ``rcqr_solve``, on the shared Pallas set
 """
 
 from dion_jax.kernels.pallas_common import (
-    BK_SKETCH, BM, BN_GRAM, BN_SKETCH, BN_SOLVE, FUSED_MAX_R, row_chunks, padded_rank, partial_cap,
-    round_up,
+  BK_SKETCH,
+  BM,
+  BN_GRAM,
+  BN_SKETCH,
+  BN_SOLVE,
+  FUSED_MAX_R,
+  padded_rank,
+  partial_cap,
+  round_up,
+  row_chunks,
 )  # fmt: skip
 from dion_jax.kernels.rcqr_sketch import sketch_product
 from dion_jax.kernels.rcqr_solve import solve, solve_and_gram

@@ -12,8 +12,18 @@ from jax.experimental.pallas import triton as plgpu
 
 from dion_jax.kernels import sketch
 from dion_jax.kernels.pallas_common import (
-    BK_SKETCH, BM, BN_SKETCH, row_chunks, compiler_params, tile_dot, f32_out, partial_cap, matmul_precision,
-    stacked_kernel, use_interpret, varying_alike,
+  BK_SKETCH,
+  BM,
+  BN_SKETCH,
+  compiler_params,
+  f32_out,
+  matmul_precision,
+  partial_cap,
+  row_chunks,
+  stacked_kernel,
+  tile_dot,
+  use_interpret,
+  varying_alike,
 )  # fmt: skip
 
 
@@ -69,6 +79,6 @@ def _sketch_fn(k: int, interpret: bool):
 def sketch_product(
     P_mxr: jax.Array, seed: jax.Array, k: int, row_start: jax.Array, *, interpret: bool | None = None
 ) -> jax.Array:
-  """``S[:, row_start:row_start+m] @ P`` with S from ``dion_jax.kernels.sketch``, generated in-kernel; (k, r) float32."""
+  """``S[:, row_start:row_start+m] @ P``, S (``dion_jax.kernels.sketch``) generated in-kernel; (k, r) float32."""
   seeds = jnp.stack([jnp.asarray(seed).astype(jnp.uint32), jnp.asarray(row_start).astype(jnp.uint32)])
   return _sketch_fn(k, use_interpret(interpret))(P_mxr, seeds)

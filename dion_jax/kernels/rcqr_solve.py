@@ -10,8 +10,24 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from dion_jax.kernels.pallas_common import (
-    BK_SOLVE, BM, BM_SOLVE, BN_GRAM, BN_SOLVE, FUSED_MAX_R, row_chunks, compiler_params, tile_dot,
-    f32_out, padded_rank, partial_cap, matmul_precision, round_up, stacked_kernel, upper_tile_steps, use_interpret, varying_alike,
+  BK_SOLVE,
+  BM,
+  BM_SOLVE,
+  BN_GRAM,
+  BN_SOLVE,
+  FUSED_MAX_R,
+  compiler_params,
+  f32_out,
+  matmul_precision,
+  padded_rank,
+  partial_cap,
+  round_up,
+  row_chunks,
+  stacked_kernel,
+  tile_dot,
+  upper_tile_steps,
+  use_interpret,
+  varying_alike,
 )  # fmt: skip
 
 
