@@ -1,0 +1,49 @@
+"""The trainer's whole step (GPT + Dion + clipping), lowered for CUDA on this CPU machine
+with every GPU-time decision taken as on a GPU: it holds no CPU-only custom call, the
+Pallas kernels are Triton modules the GPU compiler accepts, QR goes to cuSOLVER, and
+attention to cuDNN's fused kernels."""
+
+import re
+
+import jax
+import pytest
+from jax._src.cudnn import fused_attention_stablehlo  # cuDNN's checks query a local GPU
+
+from tests.triton_ir import parse_triton_modules
+from train import config as config_lib
+from train import loop
+
+
+@pytest.fixture
+def as_on_a_gpu(monkeypatch):
+  """Choices made when tracing (dtype, attention, Pallas or XLA, batched QR) as on a GPU.
+
+  cuDNN's version and compute-capability checks read the local CUDA runtime, which a
+  CPU machine lacks: they are taken as an H100's.
+  """
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)
+  monkeypatch.setattr(fused_attention_stablehlo, "check_compute_capability", lambda capability: True)
+
+
+def _lowered_step(tmp_path, optimizer: str) -> jax.stages.Lowered:
+  cfg = config_lib.Config(preset="tiny", optimizer=optimizer, steps=1, global_batch_size=4,
+                          eval_tokens=0, save_every=0, mesh="fs=1", run_dir=str(tmp_path / optimizer))
+  cfg.check()
+  run = loop.setup(cfg)
+  assert run.model_cfg.dtype == "bfloat16" and run.model_cfg.attention == "cudnn"
+  batch = loop.global_batch(run, next(run.train_batches))
+  with jax.set_mesh(run.mesh):
+    return run.train_step.trace(run.state, batch).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("optimizer", ["dion", "muon"])
+def test_train_step_lowers_for_cuda_without_cpu_custom_calls(tmp_path, as_on_a_gpu, optimizer):
+  lowered = _lowered_step(tmp_path, optimizer)
+  targets = set(re.findall(r"custom_call @([\w$.]+)", lowered.as_text()))
+  assert not {t for t in targets if "lapack" in t or t.startswith("cpu")}, targets
+  assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= targets, targets
+  modules = parse_triton_modules(lowered)  # Dion's RCQR passes or Muon's Newton–Schulz products
+  assert modules, targets
+  if optimizer == "dion":
+    assert any(t.startswith("cusolver") for t in targets), targets  # the sketch's QR
