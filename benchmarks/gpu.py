@@ -18,14 +18,18 @@ Stages (``--stages``); each reports, and the next runs even when one fails:
   with cuDNN attention, AdamW and Dion: tokens/s, model TFLOP/s, MFU against the
   device's dense bf16 peak and peak memory, from the last log interval.
 
+- ``profile``: a trace of a few Dion steps of ``small`` (``jax.profiler``), summarized as
+  the device's kernels by total time: where a step's time goes.
+
 Writes ``gpu.json`` after every stage and ``gpu.png`` at the end, under ``--out``
-(default ``benchmarks/results/gpu/<device>/``). ``--profile DIR`` also writes a Perfetto
-trace of a few Dion steps of ``small``. Without a GPU it says so and exits 2.
+(default ``benchmarks/results/gpu/<device>/``). Without a GPU it says so and exits 2.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
+import gzip
 import json
 import os
 import re
@@ -47,7 +51,7 @@ from dion_jax.kernels import rcqr as pallas_rcqr
 from dion_jax.linalg import polar, qr
 
 EXIT_NO_GPU = 2
-STAGES = ("check", "kernels", "optimizers", "train")
+STAGES = ("check", "kernels", "optimizers", "train", "profile")
 # Relative error bounds against float64 on the same (already rounded) inputs: float32
 # kernels multiply in TF32x3; bfloat16 ones round their output (and A before A²) to bf16.
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
@@ -303,6 +307,34 @@ def stage_train(args) -> dict:
   return {"rows": rows, "complete": len(rows) == 4}
 
 
+def summarize_trace(path: str, top: int = 25) -> list[dict]:
+  """The device's kernels in a Perfetto trace (``jax.profiler``), by total time."""
+  with gzip.open(path) as f:
+    trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+             and "/device:" in e.get("args", {}).get("name", "")}
+  total, count = collections.Counter(), collections.Counter()
+  for e in events:
+    if e.get("ph") == "X" and e.get("pid") in devices:
+      total[e["name"]] += e["dur"]
+      count[e["name"]] += 1
+  all_us = sum(total.values())
+  return [{"kernel": name[:120], "ms": us / 1e3, "count": count[name], "share": us / all_us}
+          for name, us in total.most_common(top)]
+
+
+def stage_profile(args) -> dict:
+  with tempfile.TemporaryDirectory() as trace_dir:
+    train_run("small", "dion", 6, 32, "cudnn", profile_dir=trace_dir)
+    traces = [os.path.join(d, f) for d, _, files in os.walk(trace_dir) for f in files
+              if f.endswith("perfetto_trace.json.gz")]
+    rows = summarize_trace(traces[0])
+  for row in rows[:10]:
+    print(f"  {row['ms']:9.1f} ms {row['count']:6d}x {100 * row['share']:5.1f}%  {row['kernel'][:80]}", flush=True)
+  return {"rows": rows, "steps": 6, "what": "small, Dion rank 1, batch 32 x 1024, 6 steps with compilation"}
+
+
 # --- output ------------------------------------------------------------------------
 
 
@@ -341,11 +373,10 @@ def main(argv: list[str] | None = None) -> int:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset of " + ",".join(STAGES))
   parser.add_argument("--out", help="output folder (default benchmarks/results/gpu/<device>)")
-  parser.add_argument("--stage-seconds", type=float, default=100.0,
-                      help="time after which a stage starts no new case (default 100)")
+  parser.add_argument("--stage-seconds", type=float, default=80.0,
+                      help="time after which a stage starts no new case (default 80)")
   parser.add_argument("--max-size", type=int, default=16384, help="largest n of the optimizers stage")
   parser.add_argument("--train-steps", type=int, default=30, help="trainer steps per run (default 30)")
-  parser.add_argument("--profile", metavar="DIR", help="also write a Perfetto trace of 6 Dion steps of small")
   args = parser.parse_args(argv)
   stages = args.stages.split(",")
   unknown = set(stages) - set(STAGES)
@@ -360,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
   os.makedirs(out, exist_ok=True)
   results = {"device": device, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
              "command": "python -m benchmarks.gpu " + " ".join(argv if argv is not None else sys.argv[1:])}
-  functions = {"check": stage_check, "kernels": stage_kernels, "optimizers": stage_optimizers, "train": stage_train}
+  functions = {"check": stage_check, "kernels": stage_kernels, "optimizers": stage_optimizers,
+               "train": stage_train, "profile": stage_profile}
   for name in stages:
     print(f"== {name}", flush=True)
     t0 = time.monotonic()
@@ -372,12 +404,6 @@ def main(argv: list[str] | None = None) -> int:
     results[name]["seconds"] = round(time.monotonic() - t0, 1)
     with open(os.path.join(out, "gpu.json"), "w") as f:
       json.dump(results, f, indent=1)
-  if args.profile:
-    print("== profile", flush=True)
-    try:
-      train_run("small", "dion", 6, 32, "cudnn", profile_dir=args.profile)
-    except Exception:  # noqa: BLE001
-      traceback.print_exc()
   plot(results, os.path.join(out, "gpu.png"))
   print(f"wrote {out}/gpu.json and gpu.png", flush=True)
   return 0
