@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-COMPUTE_DTYPES = ("float32", "bfloat16")
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
 
 
@@ -26,13 +26,14 @@ class GPTConfig:
       per head, even for the rotary embedding).
     seq_len: tokens per training sequence.
     mlp_ratio: hidden width of the MLP over d_model.
-    dtype: compute dtype, ``"float32"`` or ``"bfloat16"``; parameters and optimizer
-      state stay float32, softmax and the loss run in float32.
+    dtype: compute dtype, ``"float32"``, ``"bfloat16"`` or ``"float16"``; parameters
+      and optimizer state stay float32, softmax and the loss run in float32. float16's
+      narrow range needs loss scaling in training (``train/step.py``).
     remat: recompute each layer's activations in the backward pass.
     rope_base: base of the rotary embedding's frequencies.
     attention: ``"xla"`` or ``"cudnn"``, the ``implementation`` of
       ``jax.nn.dot_product_attention``: cuDNN's fused (flash) attention needs an NVIDIA
-      GPU and ``dtype="bfloat16"``; XLA's runs everywhere and holds the T x T scores.
+      GPU and a 16-bit ``dtype``; XLA's runs everywhere and holds the T x T scores.
     unroll: unroll the layer scan and the pipeline's loop: longer compiles, and XLA's
       cost analysis (which counts a loop body once) then counts every iteration.
   """
@@ -67,8 +68,9 @@ class GPTConfig:
     if self.attention not in ATTENTION_IMPLEMENTATIONS:
       raise ValueError(
           f"GPTConfig.attention must be one of {ATTENTION_IMPLEMENTATIONS}, got {self.attention!r}")
-    if self.attention == "cudnn" and self.dtype != "bfloat16":
-      raise ValueError("GPTConfig: cuDNN attention needs dtype='bfloat16'; use attention='xla' for float32")
+    if self.attention == "cudnn" and self.dtype == "float32":
+      raise ValueError("GPTConfig: cuDNN attention needs dtype='bfloat16' or 'float16'; use"
+                       " attention='xla' for float32")
 
   @property
   def head_dim(self) -> int:

@@ -90,9 +90,14 @@ class Attention(nnx.Module):
     q_BxTxNxH = _rms_norm(_rotary(heads(self.query), *rope))
     k_BxTxNxH = _rms_norm(_rotary(heads(self.key), *rope))
     v_BxTxNxH = heads(self.value)
+    dtype = v_BxTxNxH.dtype
+    if self.implementation == "xla" and dtype == jnp.float16:
+      # XLA's attention asks float16 dots for float32 results (F16_F16_F32), which the
+      # CPU's dot_general refuses at compile time: run it in float32 (its softmax is anyway).
+      q_BxTxNxH, k_BxTxNxH, v_BxTxNxH = (t.astype(jnp.float32) for t in (q_BxTxNxH, k_BxTxNxH, v_BxTxNxH))
     o_BxTxNxH = jax.nn.dot_product_attention(
         q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, is_causal=True, implementation=self.implementation)
-    o_BxTxNxH = par.constrain(o_BxTxNxH, "batch", None, "heads", None)
+    o_BxTxNxH = par.constrain(o_BxTxNxH.astype(dtype), "batch", None, "heads", None)
     return self.out(o_BxTxNxH.reshape(B, T, D), par)
 
 
@@ -220,27 +225,38 @@ def init(cfg: GPTConfig, par: Parallelism = Parallelism(), seed: int = 0) -> tup
   return graphdef, jax.jit(create, out_shardings=shardings(par.mesh, specs))()
 
 
-def loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], par: Parallelism = Parallelism()) -> jax.Array:
-  """Mean next-token cross-entropy of ``batch`` ("inputs", "targets": int [B, T]).
+def loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], par: Parallelism = Parallelism(),
+         scale: jax.Array | None = None) -> jax.Array:
+  """Mean next-token cross-entropy of ``batch`` ("inputs", "targets": int [B, T]), times
+  ``scale`` when given.
 
   With pp > 1 the batch is split into ``par.microbatches`` micro-batches that flow
   through the pipeline; otherwise the whole batch goes through the layer scan at once.
   On a mesh, call it under ``jax.set_mesh(par.mesh)``.
+
+  ``scale`` is a float16 run's loss scale: it multiplies the loss here, not in the
+  caller, because the pipeline takes its gradient inside its ``shard_map``, and the
+  float16 backward pass must see the scaled cotangent there.
   """
   if par.mesh is not None and jax.sharding.get_abstract_mesh().empty:
     raise ValueError("models.loss on a mesh must run under `with jax.set_mesh(par.mesh):`")
   if par.pp > 1:
-    return _pipeline_loss(graphdef, params, batch, par)
+    return _pipeline_loss(graphdef, params, batch, scale, par)
   model = nnx.merge(graphdef, params)
   rope = rotary_tables(model.cfg, batch["inputs"].shape[1])
   layers = to_layers(params["blocks"], 1)
   x = model.embed_tokens(batch["inputs"], par)
   x = apply_layers(nnx.graphdef(model.blocks), layers, x, rope, par, model.cfg)
-  return jnp.mean(model.token_losses(x, batch["targets"], par))
+  return _scaled(jnp.mean(model.token_losses(x, batch["targets"], par)), scale)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
-def _pipeline_loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], par: Parallelism) -> jax.Array:
+def _scaled(loss: jax.Array, scale: jax.Array | None) -> jax.Array:
+  return loss if scale is None else loss * scale
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
+def _pipeline_loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], scale: jax.Array | None,
+                   par: Parallelism) -> jax.Array:
   """:func:`loss` with the layers in a pipeline over ``pp`` (``shard_map`` manual over pp only).
 
   Embedding, final norm, LM head and loss run inside the same ``shard_map``: device 0
@@ -251,22 +267,23 @@ def _pipeline_loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], par:
   on jax 0.10 differentiating a ``shard_map`` nested in another one (the per-replica
   gradient's, manual over rp) fails to lower, while this form nests at any depth.
   """
-  return _pipeline_call(graphdef, params, batch, par, with_grad=False)
+  return _pipeline_call(graphdef, params, batch, scale, par, with_grad=False)
 
 
-def _pipeline_fwd(graphdef, params, batch, par):
-  return _pipeline_call(graphdef, params, batch, par, with_grad=True)
+def _pipeline_fwd(graphdef, params, batch, scale, par):
+  return _pipeline_call(graphdef, params, batch, scale, par, with_grad=True)
 
 
 def _pipeline_bwd(graphdef, par, grads, cotangent):
   del graphdef, par
-  return jax.tree.map(lambda g: cotangent * g, grads), None
+  # No cotangent for the batch (integers) or the loss scale (a constant of the step).
+  return jax.tree.map(lambda g: cotangent * g, grads), None, None
 
 
 _pipeline_loss.defvjp(_pipeline_fwd, _pipeline_bwd)
 
 
-def _pipeline_call(graphdef, params, batch, par: Parallelism, with_grad: bool):
+def _pipeline_call(graphdef, params, batch, scale, par: Parallelism, with_grad: bool):
   M, pp, v = par.microbatches, par.pp, par.virtual_stages
   B, T = batch["inputs"].shape
   if B % M:
@@ -276,7 +293,7 @@ def _pipeline_call(graphdef, params, batch, par: Parallelism, with_grad: bool):
   def microbatched(x_BxT):  # micro-batch i = rows i, i + M, ...: keeps the batch sharding
     return x_BxT.reshape(B // M, M, T).swapaxes(0, 1)
 
-  def local_loss(params, inputs_MxbxT, targets_MxbxT):
+  def local_loss(params, inputs_MxbxT, targets_MxbxT, scale):
     model = nnx.merge(graphdef, params)
     rope = rotary_tables(model.cfg, T)
     block_graphdef = nnx.graphdef(model.blocks)
@@ -291,14 +308,14 @@ def _pipeline_call(graphdef, params, batch, par: Parallelism, with_grad: bool):
     targets_mxbxT = jax.lax.dynamic_slice_in_dim(targets_MxbxT, jax.lax.axis_index(pipeline.AXIS) * m, m)
     x_BxTxD = x_mxbxTxD.reshape(-1, T, x_mxbxTxD.shape[-1])
     losses = model.token_losses(x_BxTxD, targets_mxbxT.reshape(-1, T), par)
-    return jax.lax.psum(jnp.sum(losses), pipeline.AXIS) / (B * T)
+    return _scaled(jax.lax.psum(jnp.sum(losses), pipeline.AXIS) / (B * T), scale)
 
   specs = jax.tree.map(lambda _: P(), params)
   specs["blocks"] = jax.tree.map(lambda _: P(pipeline.AXIS), params["blocks"])
   return jax.shard_map(
       jax.value_and_grad(local_loss) if with_grad else local_loss,
       mesh=jax.sharding.get_abstract_mesh(),
-      in_specs=(specs, P(), P()),
+      in_specs=(specs, P(), P(), P()),
       out_specs=(P(), specs) if with_grad else P(),
       axis_names={pipeline.AXIS},
-  )(params, microbatched(batch["inputs"]), microbatched(batch["targets"]))
+  )(params, microbatched(batch["inputs"]), microbatched(batch["targets"]), scale)

@@ -35,8 +35,11 @@ def test_overrides_and_bad_values():
     models.preset("tiny", layers=2)
   with pytest.raises(ValueError, match="not divisible by num_heads"):
     models.preset("tiny", num_heads=3)
+  assert models.preset("tiny", dtype="float16", attention="cudnn").dtype == "float16"
   with pytest.raises(ValueError, match="dtype must be one of"):
-    models.preset("tiny", dtype="float16")
+    models.preset("tiny", dtype="float64")
+  with pytest.raises(ValueError, match="cuDNN attention needs dtype='bfloat16' or 'float16'"):
+    models.preset("tiny", attention="cudnn")
   with pytest.raises(ValueError, match="num_layers must be a positive integer"):
     models.preset("tiny", num_layers=0)
 

@@ -26,12 +26,13 @@ def as_on_a_gpu(monkeypatch):
   monkeypatch.setattr(fused_attention_stablehlo, "check_compute_capability", lambda capability: True)
 
 
-def _lowered_step(tmp_path, optimizer: str) -> jax.stages.Lowered:
+def _lowered_step(tmp_path, optimizer: str, dtype: str | None = None) -> jax.stages.Lowered:
   cfg = config_lib.Config(preset="tiny", optimizer=optimizer, steps=1, global_batch_size=4,
-                          eval_tokens=0, save_every=0, mesh="fs=1", run_dir=str(tmp_path / optimizer))
+                          eval_tokens=0, save_every=0, mesh="fs=1", run_dir=str(tmp_path / optimizer),
+                          dtype=dtype)
   cfg.check()
   run = loop.setup(cfg)
-  assert run.model_cfg.dtype == "bfloat16" and run.model_cfg.attention == "cudnn"
+  assert run.model_cfg.dtype == (dtype or "bfloat16") and run.model_cfg.attention == "cudnn"
   batch = loop.global_batch(run, next(run.train_batches))
   with jax.set_mesh(run.mesh):
     return run.train_step.trace(run.state, batch).lower(lowering_platforms=("cuda",))
@@ -47,3 +48,11 @@ def test_train_step_lowers_for_cuda_without_cpu_custom_calls(tmp_path, as_on_a_g
   assert modules, targets
   if optimizer == "dion":
     assert any(t.startswith("cusolver") for t in targets), targets  # the sketch's QR
+
+
+def test_float16_step_lowers_with_cudnn_attention_in_float16(tmp_path, as_on_a_gpu):
+  """--dtype float16 picks cuDNN's fused attention on a GPU too (auto), fed float16, with
+  the loss-scaled step around it."""
+  text = _lowered_step(tmp_path, "dion", dtype="float16").as_text()
+  calls = [line for line in text.splitlines() if "custom_call @__cudnn$fmhaSoftmax" in line]
+  assert len(calls) >= 2 and all("xf16>" in line for line in calls), calls

@@ -3,10 +3,11 @@
 A checkpoint (one Orbax ``CheckpointManager`` step, written asynchronously and renamed
 into place when complete, so a crash mid-save leaves the previous one intact) holds:
 
-- ``state``: parameters and optimizer state as nested dicts of arrays (optax's named
-  tuples flattened to their field names), in the mesh-independent layout: stacked block
-  leaves in layer order ``(num_layers, ...)`` (``models.to_layers``), and Dion's
-  per-replica momentum with its leading rp axis as it is;
+- ``state``: the trainer's state (parameters, optimizer state, updates applied, the
+  float16 loss scale) as nested dicts of arrays (named tuples flattened to their field
+  names), in the mesh-independent layout: stacked block leaves in layer order
+  ``(num_layers, ...)`` (``models.to_layers``), and Dion's per-replica momentum with its
+  leading rp axis as it is;
 - ``meta`` (JSON): step, optimizer updates applied, the data iterator's state;
 - ``config`` (JSON): the run's Config and the model's GPTConfig.
 
@@ -20,6 +21,10 @@ The data iterator's state is saved once as JSON rather than with
 ``grain.checkpoint.CheckpointSave``, whose files are keyed by the process count: the
 loader's state counts global steps (``data/loader.py``), the same on every process, so
 one copy restores on any number of processes.
+
+Checkpoints written before the loss scale joined the state lack ``loss_scale``: that
+subtree alone (:data:`ADDED_LATER`) restores as the live state's fresh one. Any other
+missing array is an error, as a checkpoint of another model or optimizer.
 """
 from __future__ import annotations
 
@@ -37,6 +42,8 @@ import models
 from train.cli import UsageError
 
 REPLICA_AXIS = "rp"
+# Top-level state fields that older checkpoints lack, restored fresh when absent.
+ADDED_LATER = ("loss_scale",)
 
 
 def _names(path) -> list[str]:
@@ -160,8 +167,11 @@ class Checkpoints:
     return out["meta"], out["config"]
 
   def restore_state(self, step: int, like: Any, pp: int, virtual_stages: int) -> Any:
-    """The saved state laid out like ``like`` (a live tree on the new mesh)."""
+    """The saved state laid out like ``like`` (a live ``TrainState`` on the new mesh);
+    fields of :data:`ADDED_LATER` that the checkpoint lacks keep ``like``'s values."""
     shapes = self.manager.item_metadata(step)["state"]
+    absent = {name: getattr(like, name) for name in ADDED_LATER if name not in shapes}
+    like = like._replace(**dict.fromkeys(absent))
 
     def struct(path, x):
       try:
@@ -172,7 +182,7 @@ class Checkpoints:
 
     target = _nest((p, struct(p, x)) for p, x in jax.tree_util.tree_leaves_with_path(like))
     saved = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
-    return from_saved(saved["state"], like, pp, virtual_stages)
+    return from_saved(saved["state"], like, pp, virtual_stages)._replace(**absent)
 
   def close(self) -> None:
     self.manager.wait_until_finished()

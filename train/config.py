@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 
 from train.cli import Parser, UsageError
@@ -55,6 +56,10 @@ class Config:
   weight_decay: float = 0.01
   clip_grad: float = 1.0
   max_skipped: int = 10
+  # float16 loss scaling
+  initial_loss_scale: float = 2.0**16
+  loss_scale_window: int = 1000
+  min_loss_scale: float = 1.0
   dion_rank_fraction: float = 1.0
   dion_momentum: float = 0.95
   dion_qr_method: str = "rcqr"
@@ -128,9 +133,14 @@ class Config:
 
   def check(self) -> None:
     """Range checks that need no devices; raises :class:`UsageError`."""
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if isinstance(value, float) and not math.isfinite(value):
+        raise UsageError(f"--{field.name.replace('_', '-')} must be a finite number, got {value}")
     positive = ("virtual_stages", "global_batch_size", "steps", "log_interval", "keep",
                 "max_skipped", "micro_batch_size", "num_layers", "hidden_size",
-                "num_attention_heads", "seq_len", "vocab_size", "num_processes")
+                "num_attention_heads", "seq_len", "vocab_size", "num_processes",
+                "loss_scale_window")
     for name in positive:
       value = getattr(self, name)
       if value is not None and value < 1:
@@ -141,8 +151,12 @@ class Config:
         raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
     if not 0 < self.dion_rank_fraction <= 1:
       raise UsageError(f"--dion-rank-fraction must be in (0, 1], got {self.dion_rank_fraction}")
-    if self.lr is not None and self.lr <= 0:
-      raise UsageError(f"--lr must be positive, got {self.lr}")
+    for name in ("lr", "initial_loss_scale", "min_loss_scale"):
+      if getattr(self, name) is not None and getattr(self, name) <= 0:
+        raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+    if self.min_loss_scale > self.initial_loss_scale:
+      raise UsageError(f"--min-loss-scale {self.min_loss_scale:g} exceeds --initial-loss-scale"
+                       f" {self.initial_loss_scale:g}")
     if self.warmup_steps > self.decay_steps:
       raise UsageError(f"--lr-warmup-steps {self.warmup_steps} exceeds the decay steps"
                        f" {self.decay_steps}; lower it or raise --lr-decay-steps")
@@ -169,10 +183,11 @@ HELP = {
     "hidden_size": "override the preset's model width d_model",
     "num_attention_heads": "override the preset's attention heads (must divide the hidden size)",
     "seq_len": "override the preset's tokens per sequence",
-    "dtype": "compute dtype float32|bfloat16 (default: bfloat16 on GPU, float32 on CPU);"
-             " parameters and optimizer state stay float32",
+    "dtype": "compute dtype float32|bfloat16|float16 (default: bfloat16 on GPU, float32 on"
+             " CPU); parameters and optimizer state stay float32; float16 scales the loss"
+             " dynamically (Megatron's --fp16)",
     "attention": "auto|xla|cudnn: implementation of attention (default auto: cuDNN's fused"
-                 " attention on an NVIDIA GPU in bfloat16, XLA's otherwise)",
+                 " attention on an NVIDIA GPU in bfloat16 or float16, XLA's otherwise)",
     "remat": "recompute each layer's activations in the backward pass (less memory)",
     "sequence_parallel": "shard activations along the sequence over tp between layers",
     "virtual_stages": "stages per pp device of a circular (interleaved) pipeline (default 1)",
@@ -195,8 +210,17 @@ HELP = {
     "weight_decay": "decoupled weight decay, times the learning rate (default 0.01)",
     "clip_grad": "clip the gradient to this global norm, 0 for none (default 1.0); with Dion's"
                  " per-replica gradients the norm of their mean",
-    "max_skipped": "stop after this many consecutive steps with a non-finite loss or"
-                   " gradient (default 10); skipped steps change nothing",
+    "max_skipped": "stop after this many consecutive skipped steps (default 10): steps whose"
+                   " loss, gradient, new parameters or optimizer state would not be finite,"
+                   " float16 overflows included; skipped steps change nothing",
+    "initial_loss_scale": "--dtype float16: the loss scale a run starts from (default 65536 ="
+                          " 2^16, as torch.amp's; each halving is a skipped step: from Megatron's"
+                          " 2^32, tiny skips 16, past the default --max-skipped); a resumed run"
+                          " continues from its saved scale",
+    "loss_scale_window": "--dtype float16: double the loss scale after this many finite steps"
+                         " in a row (default 1000, as Megatron's)",
+    "min_loss_scale": "--dtype float16: never halve the loss scale below this (default 1, as"
+                      " Megatron's)",
     "dion_rank_fraction": "Dion's rank r / min(m, n), in (0, 1] (default 1; 0.25 cuts"
                           " its compute and data-parallel traffic)",
     "dion_momentum": "Dion's error-feedback momentum mu (default 0.95)",
@@ -236,7 +260,7 @@ HELP = {
 def _parser() -> argparse.ArgumentParser:
   parser = Parser(prog="python -m train.gpt", argument_default=argparse.SUPPRESS,
                   description="Train a GPT with Dion (or AdamW, Lion, Muon) on a device mesh.")
-  choices = {"preset": PRESET_NAMES, "dtype": ("float32", "bfloat16"),
+  choices = {"preset": PRESET_NAMES, "dtype": ("float32", "bfloat16", "float16"),
              "attention": ("auto", "xla", "cudnn"), "optimizer": OPTIMIZERS,
              "lr_decay_style": DECAY_STYLES, "dion_qr_method": ("rcqr", "cqr", "qr"),
              "dion_scale_rule": ("fan_ratio", "spectral", "max_one", "none"),

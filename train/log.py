@@ -4,8 +4,9 @@
     tokens/s: 3345 | TFLOP/s per device: 0.02 | learning rate: 1.000000E-02 |
     lm loss: 5.123456E+00 | grad norm: 1.234 | skipped iterations: 0 | nan iterations: 0
 
-(one line). MFU appears where the device's peak is known. Only process 0 writes;
-:func:`read_metrics` is the one reader of what it writes.
+(one line). MFU appears where the device's peak is known, the loss scale (after the lm
+loss, as Megatron's) in float16 runs: that of the interval's last step. Only process 0
+writes; :func:`read_metrics` is the one reader of what it writes.
 """
 from __future__ import annotations
 
@@ -44,8 +45,11 @@ class Logger:
     self.start, self.count = now, 0
     self.losses, self.nan, self.skipped = [], 0, 0
     self.grad_norm, self.lr = math.nan, math.nan
+    self.loss_scale = None
 
-  def step(self, loss: float, grad_norm: float, lr: float, skipped: bool) -> None:
+  def step(self, loss: float, grad_norm: float, lr: float, skipped: bool,
+           loss_scale: float | None = None) -> None:
+    """One step's numbers; ``loss_scale`` (the scale its loss was multiplied by) in float16 runs."""
     self.count += 1
     self.skipped += skipped
     self.nan += not math.isfinite(loss)
@@ -53,6 +57,7 @@ class Logger:
       self.losses.append(loss)
       self.grad_norm = grad_norm
     self.lr = lr
+    self.loss_scale = loss_scale
 
   def flush(self, step: int) -> None:
     """Writes the line of the interval that ends at ``step``."""
@@ -71,8 +76,11 @@ class Logger:
     if self.peak:
       record["mfu"] = tflops / self.peak
       fields.append(f"MFU: {100 * record['mfu']:.1f}%")
-    fields += [f"learning rate: {self.lr:.6E}", f"lm loss: {loss:.6E}",
-               f"grad norm: {self.grad_norm:.3f}", f"skipped iterations: {self.skipped}",
+    fields += [f"learning rate: {self.lr:.6E}", f"lm loss: {loss:.6E}"]
+    if self.loss_scale is not None:
+      record["loss_scale"] = self.loss_scale
+      fields.append(f"loss scale: {self.loss_scale:.1f}")
+    fields += [f"grad norm: {self.grad_norm:.3f}", f"skipped iterations: {self.skipped}",
                f"nan iterations: {self.nan}"]
     self._write(" | ".join(fields), record)
     self._reset(now)

@@ -67,12 +67,12 @@ def _mesh(cfg: Config) -> jax.sharding.Mesh:
 
 
 def _attention(cfg: Config, dtype: str) -> str:
-  on_gpu = jax.default_backend() == "gpu"
+  fused = jax.default_backend() == "gpu" and dtype in ("bfloat16", "float16")
   if cfg.attention == "auto":
-    return "cudnn" if on_gpu and dtype == "bfloat16" else "xla"
-  if cfg.attention == "cudnn" and not (on_gpu and dtype == "bfloat16"):
-    raise UsageError(f"--attention cudnn needs an NVIDIA GPU and --dtype bfloat16 (here:"
-                     f" {jax.default_backend()}, {dtype}); use --attention xla")
+    return "cudnn" if fused else "xla"
+  if cfg.attention == "cudnn" and not fused:
+    raise UsageError(f"--attention cudnn needs an NVIDIA GPU and --dtype bfloat16 or float16"
+                     f" (here: {jax.default_backend()}, {dtype}); use --attention xla")
   return cfg.attention
 
 
@@ -131,6 +131,13 @@ def _check_same_model(saved: dict, model_cfg: models.GPTConfig, cfg: Config, whe
                      f" {saved['train']['optimizer']} or start a new --run-dir")
 
 
+def _loss_scaling(cfg: Config, model_cfg: models.GPTConfig) -> tuple[step_lib.Scaling | None, float]:
+  """float16's dynamic loss scaling and its initial scale; none (scale 1) for other dtypes."""
+  if model_cfg.dtype != "float16":
+    return None, 1.0
+  return step_lib.Scaling(cfg.loss_scale_window, cfg.min_loss_scale), cfg.initial_loss_scale
+
+
 def config_record(cfg: Config, model_cfg: models.GPTConfig) -> dict:
   train = dataclasses.replace(cfg, run_dir=cfg.run_path,
                               ckpt_dir=cfg.ckpt_path if cfg.ckpt_dir else None).to_json()
@@ -161,10 +168,12 @@ def setup(cfg: Config) -> Run:
   with jax.set_mesh(mesh):
     graphdef, params = models.init(model_cfg, par, cfg.seed)
     tx = optim.optimizer(cfg, params, mesh, models.param_specs(params))
-    state = step_lib.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+    scaling, initial_scale = _loss_scaling(cfg, model_cfg)
+    fresh_scale = step_lib.initial_loss_scale(initial_scale)
+    state = step_lib.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), fresh_scale)
     train_step = step_lib.make_train_step(graphdef, par, tx, optim.schedule(cfg),
                                           optim.per_replica_mask(cfg, params, mesh),
-                                          1 if pp > 1 else accum, cfg.clip_grad)
+                                          1 if pp > 1 else accum, cfg.clip_grad, scaling)
     eval_step = step_lib.make_eval_step(graphdef, par, 1 if pp > 1 else accum)
 
   checkpoints = ckpt_lib.Checkpoints(cfg.ckpt_path, cfg.keep, create=not cfg.resume)
@@ -175,6 +184,8 @@ def setup(cfg: Config) -> Run:
     _check_same_model(saved, model_cfg, cfg, cfg.ckpt_path)
     with jax.set_mesh(mesh):
       state = checkpoints.restore_state(start_step, state, pp, cfg.virtual_stages)
+    if saved["model"]["dtype"] != model_cfg.dtype:  # a scale belongs to the dtype it was found for
+      state = state._replace(loss_scale=fresh_scale)
     train_batches.set_state(meta["data"])
     if start_step >= cfg.steps:
       raise UsageError(f"--resume: the checkpoint is at step {start_step}, which already reaches"
@@ -226,11 +237,13 @@ def train(run: Run) -> int:
                  f" run directory {cfg.run_path}")
   state, consecutive = run.state, 0
   pending = None  # the previous step's metrics, read while the next step runs
+  scaled = run.model_cfg.dtype == "float16"
 
   def account(step: int, metrics: step_lib.StepMetrics) -> None:
     nonlocal consecutive
     m = jax.device_get(metrics)
-    logger.step(float(m.loss), float(m.grad_norm), float(m.learning_rate), bool(m.skipped))
+    logger.step(float(m.loss), float(m.grad_norm), float(m.learning_rate), bool(m.skipped),
+                float(m.loss_scale) if scaled else None)
     consecutive = consecutive + 1 if m.skipped else 0
     if step % cfg.log_interval == 0 or step == cfg.steps:
       logger.flush(step)
@@ -268,9 +281,17 @@ def train(run: Run) -> int:
   if consecutive >= cfg.max_skipped:
     kept = (f"the last good checkpoint is step {last_saved} in {cfg.ckpt_path}" if last_saved
             else "no checkpoint was written")
-    print(f"error: stopped after {consecutive} consecutive iterations with a non-finite loss or"
-          f" gradient (--max-skipped {cfg.max_skipped}); {kept}; lower --lr, raise"
+    print(f"error: stopped after {consecutive} consecutive iterations with a non-finite loss,"
+          f" gradient or update (--max-skipped {cfg.max_skipped}); {kept}; lower --lr, raise"
           " --lr-warmup-steps or check the data", file=sys.stderr)
+    return EXIT_DIVERGED
+  if not jax.jit(step_lib.all_finite)(state.params, state.opt_state):
+    # The step's guard keeps a finite state finite, so this one started non-finite.
+    origin = (f"as in the checkpoint of step {run.start_step} in {cfg.ckpt_path} it resumed from"
+              if run.start_step else "from the initialization")
+    print(f"error: the parameters or optimizer state are not finite at the end of the run,"
+          f" {origin}, and every step on them is skipped; resume from an earlier checkpoint or"
+          " start a new --run-dir", file=sys.stderr)
     return EXIT_DIVERGED
   logger.message(f"done: {cfg.steps - run.start_step} steps in {time.perf_counter() - start:.1f} s")
   return 0
