@@ -39,9 +39,9 @@ from jax.sharding import PartitionSpec as P
 
 import dion_jax
 import models
+from dion_jax.parallel import REPLICA_AXIS
 from train.cli import UsageError
 
-REPLICA_AXIS = "rp"
 # Top-level state fields that older checkpoints lack, restored fresh when absent.
 ADDED_LATER = ("loss_scale",)
 
