@@ -4,7 +4,7 @@
 
 The package in layers (imports point down only):
 
-- ``dion_jax.optimizers``: Dion, Muon, NorMuon, Dion2 on one skeleton, routed by labels.
+- ``dion_jax.optimizers``: Dion, Muon, NorMuon, Dion2, NorDion2 on one skeleton, routed by labels.
 - ``dion_jax.linalg``: orthonormal factors: ``orthonormalize`` (QR family) and
   ``polar_factor`` (Polar Express / Newton–Schulz).
 - ``dion_jax.kernels``: Pallas GPU kernels beside their XLA compositions, loaded
@@ -22,6 +22,7 @@ from dion_jax.optimizers import (
     DION2_STATIC_ARGS,
     LABELS,
     MUON_STATIC_ARGS,
+    NORDION2_STATIC_ARGS,
     NORMUON_STATIC_ARGS,
     SCALE_RULE_ALIASES,
     SCALE_RULES,
@@ -36,12 +37,14 @@ from dion_jax.optimizers import (
     default_labels,
     dion,
     dion2,
+    dion3,
     dion_matrix_step,
     dion_rank,
     leaf_frames,
     matrix_frame,
     matrix_optimizer,
     muon,
+    nordion2,
     normuon,
     scale_by_dion,
     scale_by_orthogonal,
@@ -72,6 +75,7 @@ __all__ = [
     "LABELS",
     "MUON_STATIC_ARGS",
     "MatrixFrame",
+    "NORDION2_STATIC_ARGS",
     "NORMUON_STATIC_ARGS",
     "SCALE_RULES",
     "SCALE_RULE_ALIASES",
@@ -87,6 +91,7 @@ __all__ = [
     "default_labels",
     "dion",
     "dion2",
+    "dion3",
     "dion_matrix_step",
     "dion_rank",
     "embedding",
@@ -96,6 +101,7 @@ __all__ = [
     "matrix_frame",
     "matrix_optimizer",
     "muon",
+    "nordion2",
     "normuon",
     "orthonormalize",
     "parse_mesh_spec",

@@ -20,6 +20,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "ef_decay": (lambda v: v >= 0, "a number >= 0"),
     "epsilon": (lambda v: v >= 0, "a number >= 0"),
     "weight_decay": (lambda v: v >= 0, "a number >= 0"),
+    "scalar_weight_decay": (lambda v: v >= 0, "a number >= 0"),
     "muon_beta2": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
     "b1": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
     "b2": (lambda v: 0 <= v < 1, "a number in [0, 1)"),

@@ -69,3 +69,25 @@ def dion2_steps(X, grads, lr, fraction=0.25, ef_decay=0.95, wd=0.0):
     X = _apply(X, U if rows else U.T, lr, wd)
     out.append((X, M.copy()))
   return out
+
+
+def nordion2_steps(X, grads, lr, fraction=0.25, mu=0.95, beta2=0.95, wd=0.0):
+  """[(X, M, V)] after each step: the k = ceil(fraction·m) rows of M + G with the largest
+  L1 norms are orthogonalized, NorMuon-normalized (their second moments only) and
+  applied; their rows of M decay by mu."""
+  X, M = np.asarray(X, np.float64), np.zeros(np.shape(X))
+  V = np.zeros((X.shape[0], 1))
+  out = []
+  for G in grads:
+    M = M + G
+    k = max(1, math.ceil(fraction * M.shape[0]))
+    idx = np.argsort(-np.abs(M).sum(axis=1), kind="stable")[:k]
+    O = polar(M[idx])
+    M[idx] *= mu
+    V[idx] = beta2 * V[idx] + (1 - beta2) * np.mean(O * O, axis=1, keepdims=True)
+    N = O / (np.sqrt(V[idx]) + 1e-8)
+    U = np.zeros_like(M)
+    U[idx] = N * np.linalg.norm(O) / max(np.linalg.norm(N), 1e-8)
+    X = _apply(X, U, lr, wd)
+    out.append((X, M.copy(), V.copy()))
+  return out

@@ -1,4 +1,4 @@
-"""Muon, NorMuon and Dion2 on the (rp, fs, tp, pp) mesh equal one device."""
+"""Muon, NorMuon, Dion2 and NorDion2 on the (rp, fs, tp, pp) mesh equal one device."""
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,7 @@ OPTIMIZERS = {
     "muon": lambda **kw: dion_jax.muon(nesterov=True, **kw),
     "normuon": lambda **kw: dion_jax.normuon(num_heads={"qkv": 6}, **kw),
     "dion2_global": lambda **kw: dion_jax.dion2(selection_scope="global", **kw),
+    "nordion2": lambda **kw: dion_jax.nordion2(**kw),
 }
 
 

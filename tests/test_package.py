@@ -99,5 +99,5 @@ def test_import_changes_nothing_in_the_process():
 
 
 def test_every_public_name_resolves():
-  assert len(dion_jax.__all__) == len(set(dion_jax.__all__)) == 44
+  assert len(dion_jax.__all__) == len(set(dion_jax.__all__)) == 47
   assert all(hasattr(dion_jax, name) for name in dion_jax.__all__)

@@ -218,6 +218,7 @@ def dion(
     rank_multiple_of: int = 1,
     mu: float = 0.95,
     weight_decay: float = 0.01,
+    scalar_weight_decay: float | None = None,
     cautious_wd: bool = False,
     epsilon: float = 1e-8,
     qr_method: str = "rcqr",
@@ -251,7 +252,9 @@ def dion(
       dimension_numbers, partition_specs, mesh, replicate_sync, backend: see
       :func:`scale_by_dion`.
     weight_decay: decoupled weight decay, multiplied by the base learning rate, for
-      Dion and the scalar optimizer alike.
+      Dion and (unless ``scalar_weight_decay`` is given) the scalar optimizer.
+    scalar_weight_decay: the scalar optimizer's weight decay, for embeddings, LM head
+      and vectors (default: ``weight_decay``; the reference's recipe uses 0).
     cautious_wd: decay a matrix weight only where it agrees in sign with its update
       (:func:`dion_jax.add_decayed_weights`).
     scalar_optimizer: ``"adamw"`` or ``"lion"`` for non-matrix parameters,
@@ -276,7 +279,8 @@ def dion(
       mesh=mesh, replicate_sync=replicate_sync, backend=backend,
   )  # fmt: skip
   return matrix_optimizer(
-      matrix, learning_rate, weight_decay=weight_decay, cautious_wd=cautious_wd, mu=mu,
+      matrix, learning_rate, weight_decay=weight_decay, scalar_weight_decay=scalar_weight_decay,
+      cautious_wd=cautious_wd, mu=mu,
       scalar_optimizer=scalar_optimizer, scalar_learning_rate=scalar_learning_rate, b1=b1, b2=b2,
       scalar_epsilon=scalar_epsilon, lm_head_lr_scale=lm_head_lr_scale, labels=labels,
       dimension_numbers=dimension_numbers,

@@ -1,4 +1,5 @@
-"""``scale_by_orthogonal``: Muon, NorMuon or Dion2 (``dion_jax.optimizers.orthogonal_math``)
+"""``scale_by_orthogonal``: Muon, NorMuon, Dion2 or NorDion2
+(``dion_jax.optimizers.orthogonal_math``)
 as an optax transformation on the shared skeleton, on one device or sharded over the
 (rp, fs, tp, pp) mesh.
 
@@ -32,15 +33,13 @@ from dion_jax.optimizers.skeleton import MatrixRule, scale_by_matrix_rule
 from dion_jax.parallel.layout import Layout, Placement
 from dion_jax.parallel.mesh import axis_names
 
-ALGORITHMS = ("muon", "normuon", "dion2")
-SELECTION_SCOPES = ("local", "global")
-# Structural arguments shared by muon, normuon and dion2, for optax.inject_hyperparams
+# Structural arguments shared by muon, normuon, dion2 and nordion2, for optax.inject_hyperparams
 # (as dion_jax.STATIC_ARGS); each adds its own.
 STATIC_ARGS = ("labels", "scale_rule", "dimension_numbers", "momentum_dtype", "ortho_dtype", "ortho_method",
                "lm_head_lr_scale", "cautious_wd")  # fmt: skip
-# The arguments muon, normuon and dion2 share, for their docstrings.
+# The arguments the four share, for their docstrings.
 COMMON_DOC = """
-    weight_decay, cautious_wd, scalar_optimizer, scalar_learning_rate, b1, b2,
+    weight_decay, scalar_weight_decay, cautious_wd, scalar_optimizer, scalar_learning_rate, b1, b2,
       scalar_epsilon, lm_head_lr_scale, labels: as for :func:`dion_jax.dion`.
     epsilon, ortho_method, ortho_dtype, scale_rule, momentum_dtype, dimension_numbers,
       partition_specs, mesh, replicate_sync, backend: see
@@ -53,8 +52,9 @@ class ScaleByOrthogonalState(NamedTuple):
 
   Attributes:
     momentum: per matrix parameter, M in the parameter's layout (``momentum_dtype``).
-    variance: NorMuon only (else empty): per parameter, the second moment of each
-      output neuron, float32, the parameter's shape with its fan_in axis of size 1.
+    variance: NorMuon and NorDion2 only (else empty): per parameter, the second moment
+      of each output neuron, float32, the parameter's shape with its fan_in axis of
+      size 1.
   """
 
   momentum: optax.Updates
@@ -112,39 +112,45 @@ def scale_by_orthogonal(
     replicate_sync: bool = True,
     backend: str = "auto",
 ) -> optax.GradientTransformation:
-  """The update direction ``scale·U`` of Muon, NorMuon or Dion2 for matrix parameters.
+  """The update direction ``scale·U`` of Muon, NorMuon, Dion2 or NorDion2 for matrix
+  parameters.
 
   Args:
-    algorithm: ``"muon"``, ``"normuon"`` or ``"dion2"``
+    algorithm: ``"muon"``, ``"normuon"``, ``"dion2"`` or ``"nordion2"``
       (``dion_jax.optimizers.orthogonal_math``).
-    mu, nesterov: Muon's and NorMuon's momentum.
-    muon_beta2: NorMuon's decay of the per-neuron second moment.
-    fraction, ef_decay, selection_scope: Dion2's selected fraction of the shorter
-      side, the decay of the selected slices of M, and ``"local"`` / ``"global"``.
+    mu, nesterov: Muon's and NorMuon's momentum; NorDion2's decay of its selected
+      rows of M (the reference's name for it; NorDion2 has no other momentum).
+    muon_beta2: NorMuon's and NorDion2's decay of the per-neuron second moment.
+    fraction, ef_decay, selection_scope: Dion2's and NorDion2's selected fraction of
+      the shorter side (NorDion2: of the output neurons), Dion2's decay of the selected
+      slices of M, and ``"local"`` / ``"global"``.
     epsilon: added to the scaled Frobenius norm before the polar iterations.
     ortho_method: ``"polar_express"`` or ``"newton_schulz"`` (``dion_jax.linalg.polar``).
     ortho_dtype: ``jnp.bfloat16`` (inputs rounded to bf16) or ``jnp.float32``.
     scale_rule: the update scale from (fan_out, fan_in), as for Dion (aliases
       ``"spectral_norm"``, ``"rms_norm"``, None accepted).
     momentum_dtype: dtype of M (default: the parameter's).
-    num_heads: Muon/NorMuon: split each fan_out axis into this many heads; an int,
+    num_heads: Muon/NorMuon/NorDion2: split each fan_out axis into this many heads; an int,
       a pytree of ints/None matching the parameters, or a callable ``params -> tree``.
     dimension_numbers, partition_specs, mesh, replicate_sync, backend: as for
       :func:`dion_jax.scale_by_dion`; ``backend`` picks the polar iterations' kernels.
   """
-  validation.check_choice("algorithm", algorithm, ALGORITHMS)
+  validation.check_choice("algorithm", algorithm, math_lib.ALGORITHMS)
   validation.check_numbers(mu=mu, muon_beta2=muon_beta2, fraction=fraction, ef_decay=ef_decay, epsilon=epsilon)
-  validation.check_choice("selection_scope", selection_scope, SELECTION_SCOPES)
+  validation.check_choice("selection_scope", selection_scope, math_lib.SELECTION_SCOPES)
   validation.check_choice("ortho_method", ortho_method, tuple(polar.METHODS))
   validation.check_choice("backend", backend, backend_lib.BACKENDS)
   polar.check_dtype(ortho_dtype)
+  selects = algorithm in ("dion2", "nordion2")
   if algorithm == "dion2" and num_heads is not None:
-    raise ValueError("num_heads is supported by Muon and NorMuon only, as in the reference; got it for dion2")
+    raise ValueError("num_heads is supported by Muon, NorMuon and NorDion2 only, as in the reference; got it for dion2")
+  if algorithm == "nordion2":
+    ef_decay = mu
   hp = math_lib.FamilyHyperParams(
       algorithm, mu, nesterov, muon_beta2, fraction, ef_decay, selection_scope, epsilon,
       ortho_method, ortho_dtype, backend,
   )  # fmt: skip
-  normuon = algorithm == "normuon"
+  normuon = algorithm in ("normuon", "nordion2")
 
   def views(params):
     return leaf_views(params, dimension_numbers=dimension_numbers, partition_specs=partition_specs,
@@ -162,16 +168,19 @@ def scale_by_orthogonal(
 
     def step(g, M, *V):
       M_b, g_b = view.to_blocks(M), view.to_blocks(g)
-      if algorithm == "dion2":
-        out_is_longer = fr.fan_out > fr.fan_in
+      selected = None
+      if selects:
+        # Dion2 selects along the shorter side; NorDion2 always selects neurons.
+        out_is_longer = algorithm == "dion2" and fr.fan_out > fr.fan_in
         select = view.in_axis if out_is_longer else view.out_axis + (view.heads > 1)
         lo = min(fr.row_axis, fr.col_axis)
-        M_b, U = math_lib.dion2_step(M_b, g_b, hp, axes, 1 if select == lo else 2, fr.shape[select])
+        M_b, U, selected = math_lib.dion2_step(M_b, g_b, hp, axes, 1 if select == lo else 2, fr.shape[select])
+        selected = selected if algorithm == "nordion2" else None
       else:
         M_b, U = math_lib.muon_step(M_b, g_b, hp, axes)
       new_V = ()
       if normuon:
-        U, V_b = math_lib.normuon_normalize(U, view.to_blocks(V[0]), hp, axes, view.blocks_fan_in_axis)
+        U, V_b = math_lib.normuon_normalize(U, view.to_blocks(V[0]), hp, axes, view.blocks_fan_in_axis, selected)
         new_V = (view.from_blocks(V_b, view.split(V[0]).shape),)
       U = view.from_blocks(scale * U, view.split(g).shape).astype(g.dtype)
       return (U, view.from_blocks(M_b, view.split(M).shape)) + new_V
@@ -189,7 +198,7 @@ _ROUTING_ARGS = frozenset(inspect.signature(matrix_optimizer).parameters) - {"ma
 
 def orthogonal_optimizer(algorithm: str, arguments: dict[str, Any]) -> optax.GradientTransformation:
   """:func:`dion_jax.matrix_optimizer` around ``scale_by_orthogonal(algorithm)``: the
-  body of ``muon``, ``normuon`` and ``dion2``, whose ``arguments`` (their keyword
+  body of ``muon``, ``normuon``, ``dion2`` and ``nordion2``, whose ``arguments`` (their keyword
   arguments and ``learning_rate``) go to whichever of the two takes them."""
   direction = scale_by_orthogonal(algorithm, **{k: v for k, v in arguments.items() if k in _DIRECTION_ARGS})
   routing = {k: v for k, v in arguments.items() if k in _ROUTING_ARGS}

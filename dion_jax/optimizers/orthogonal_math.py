@@ -1,6 +1,6 @@
-"""The matrix algebra of Muon, NorMuon and Dion2 on a batch of (sharded) matrices.
+"""The matrix algebra of Muon, NorMuon, Dion2 and NorDion2 on a batch of (sharded) matrices.
 
-All three keep a momentum M per matrix and return an update direction U built from a
+All four keep a momentum M per matrix and return an update direction U built from a
 polar factor (``dion_jax.linalg.polar``); weight decay and the learning rate are
 chained after them (``dion_jax.optimizers.routing``). In the reference's (fan_out, fan_in) frame, with
 gradient G:
@@ -22,6 +22,15 @@ the k = ceil(fraction·s) slices (rows or columns) of M + G with the largest L1 
 
 and U is zero outside the selected slices.
 
+NorDion2 (microsoft/dion ``nordion2.py``, exported as ``Dion3``): Dion2's selection and
+error feedback, always on output neurons (rows in this frame, whatever the shape), with
+its decay named ``mu``, then NorMuon's normalization of the selected rows only::
+
+    M ← M + G;   S = top-k rows of M;   M_S ← mu·M_S;   O_S = polar(M_S)
+    v_S ← beta2·v_S + (1 − beta2)·mean_j O_Sj²;   U_S = O_S / (sqrt(v_S) + 1e-8), rescaled to ‖O‖_F
+
+and v of the other rows is left as it is.
+
 Layout: every function takes (B, a, b) blocks, the parameter's matrix axes in their own
 order (no transposes of M), and :class:`Axes`, the mesh axes that shard a and b
 inside ``shard_map`` (none on one device). Whole matrices are assembled one device
@@ -38,7 +47,7 @@ from dion_jax.linalg.polar import polar_factor
 from dion_jax.parallel import megabatch
 from dion_jax.parallel.collectives import axis_size, psum
 
-ALGORITHMS = ("muon", "normuon", "dion2")
+ALGORITHMS = ("muon", "normuon", "dion2", "nordion2")
 SELECTION_SCOPES = ("local", "global")
 
 
@@ -86,9 +95,11 @@ def muon_step(M, G, hp: FamilyHyperParams, axes: Axes = Axes()):
   return M, polar_of_blocks(X, hp, axes)
 
 
-def normuon_normalize(U, V, hp: FamilyHyperParams, axes: Axes, fan_in_axis: int):
+def normuon_normalize(U, V, hp: FamilyHyperParams, axes: Axes, fan_in_axis: int, selected=None):
   """NorMuon's row normalization of U (B, a, b); ``V`` has U's shape with the fan_in
-  axis of size 1. Returns ``(U, V)`` in float32 and V's dtype."""
+  axis of size 1, as has ``selected`` (bool), the neurons whose V is updated (all when
+  None; NorDion2 updates only its selected rows, whose U is zero elsewhere). Returns
+  ``(U, V)`` in float32 and V's dtype."""
   names_in = axes.a if fan_in_axis == 1 else axes.b
   fan_in = U.shape[fan_in_axis] * axis_size(names_in)
   U = U.astype(jnp.float32)
@@ -96,15 +107,17 @@ def normuon_normalize(U, V, hp: FamilyHyperParams, axes: Axes, fan_in_axis: int)
   norm = frobenius(U)
   neuron = psum(jnp.sum(U * U, axis=fan_in_axis, keepdims=True), names_in) / fan_in
   V32 = V.astype(jnp.float32)
-  V32 = V32 + (1 - hp.muon_beta2) * (neuron - V32)
+  updated = V32 + (1 - hp.muon_beta2) * (neuron - V32)
+  V32 = updated if selected is None else jnp.where(selected, updated, V32)
   U_n = U / (jnp.sqrt(V32) + 1e-8)
   U_n = U_n * (norm / jnp.maximum(frobenius(U_n), 1e-8))
   return U_n, V32.astype(V.dtype)
 
 
 def dion2_step(M, G, hp: FamilyHyperParams, axes: Axes, select_axis: int, s_total: int):
-  """Dion2's ``(M, U)`` on (B, a, b) blocks, selecting slices along ``select_axis``
-  (1 or 2) of global length ``s_total``.
+  """Dion2's ``(M, U, selected)`` on (B, a, b) blocks, selecting slices along
+  ``select_axis`` (1 or 2) of global length ``s_total``; ``selected`` (bool) is True on
+  the selected slices, of shape (B, s, 1) or (B, 1, s).
 
   ``"global"``: the L1 norms of all s slices are assembled on every device (s floats
   per matrix), the exact top-k is taken there, and each device sends only the
@@ -143,6 +156,7 @@ def dion2_step(M, G, hp: FamilyHyperParams, axes: Axes, select_axis: int, s_tota
   U = jnp.zeros(Bs.shape, jnp.float32).at[b_idx, idx_bxk].set(U_rows.astype(jnp.float32), mode="drop")
   selected = jnp.zeros((batch, s_local), bool).at[b_idx, idx_bxk].set(True, mode="drop")
   Bs = jnp.where(selected[..., None], hp.ef_decay * Bs, Bs).astype(M.dtype)
+  selected = selected[..., None]
   if select_axis == 2:
-    Bs, U = jnp.swapaxes(Bs, 1, 2), jnp.swapaxes(U, 1, 2)
-  return Bs, U
+    Bs, U, selected = (jnp.swapaxes(x, 1, 2) for x in (Bs, U, selected))
+  return Bs, U, selected

@@ -83,6 +83,7 @@ def matrix_optimizer(
     learning_rate: optax.ScalarOrSchedule,
     *,
     weight_decay: float,
+    scalar_weight_decay: float | None = None,
     cautious_wd: bool = False,
     mu: float = 0.95,
     scalar_optimizer: str = "adamw",
@@ -97,18 +98,21 @@ def matrix_optimizer(
   """The skeleton every optimizer of the package shares: ``optax.partition`` by labels of
   ``chain(matrix_direction, weight decay, scale_by_learning_rate)`` for ``"dion"``
   leaves and the scalar optimizers for the rest (module docstring); ``mu`` and
-  ``dimension_numbers`` also serve the ``"muon"`` label (optax.contrib.muon)."""
+  ``dimension_numbers`` also serve the ``"muon"`` label (optax.contrib.muon).
+  ``scalar_weight_decay`` (default ``weight_decay``) is the scalar optimizers' and the
+  LM head's decay: the reference's training recipe gives embeddings and LM head none."""
   validation.check_numbers(
-      learning_rate=learning_rate, weight_decay=weight_decay, scalar_learning_rate=scalar_learning_rate,
-      b1=b1, b2=b2, lm_head_lr_scale=lm_head_lr_scale,
+      learning_rate=learning_rate, weight_decay=weight_decay, scalar_weight_decay=scalar_weight_decay,
+      scalar_learning_rate=scalar_learning_rate, b1=b1, b2=b2, lm_head_lr_scale=lm_head_lr_scale,
   )  # fmt: skip
   validation.check_choice("scalar_optimizer", scalar_optimizer, SCALAR_OPTIMIZERS)
   scalar_lr = learning_rate if scalar_learning_rate is None else scalar_learning_rate
+  scalar_wd = weight_decay if scalar_weight_decay is None else scalar_weight_decay
 
-  def scalar(lr):
-    if scalar_optimizer == "lion":
-      return optax.lion(lr, b1=b1, b2=b2, weight_decay=weight_decay)
-    return optax.adamw(lr, b1=b1, b2=b2, eps=scalar_epsilon, weight_decay=weight_decay)
+  def scalar(name, lr):
+    if name == "lion":
+      return optax.lion(lr, b1=b1, b2=b2, weight_decay=scalar_wd)
+    return optax.adamw(lr, b1=b1, b2=b2, eps=scalar_epsilon, weight_decay=scalar_wd)
 
   def scaled(lr, factor):
     return (lambda count: lr(count) * factor) if callable(lr) else lr * factor
@@ -132,9 +136,9 @@ def matrix_optimizer(
     head_scale = _lm_head_scale(params, lm_head_lr_scale, scalar_optimizer, labels_of)
     return {
         "dion": matrix,
-        "adamw": optax.adamw(scalar_lr, b1=b1, b2=b2, eps=scalar_epsilon, weight_decay=weight_decay),
-        "lion": optax.lion(scalar_lr, b1=b1, b2=b2, weight_decay=weight_decay),
-        "lm_head": scalar(scaled(scalar_lr, head_scale)),
+        "adamw": scalar("adamw", scalar_lr),
+        "lion": scalar("lion", scalar_lr),
+        "lm_head": scalar(scalar_optimizer, scaled(scalar_lr, head_scale)),
         "muon": optax.contrib.muon(
             learning_rate, beta=mu, weight_decay=weight_decay,
             muon_weight_dimension_numbers=_muon_dimension_numbers(dimension_numbers),
