@@ -409,6 +409,24 @@ def test_lion_scalar_optimizer_and_lm_head_scale(head_scale):
   assert not np.allclose(_leaf(got, *path), unscaled, atol=1e-4)
 
 
+@pytest.mark.parametrize("make", [dion_jax.dion, dion_jax.dion2, dion_jax.nordion2, dion_jax.normuon])
+def test_scalar_weight_decay_is_the_scalar_groups_own(make):
+  """scalar_weight_decay=0 (the reference's recipe for embeddings and LM head): the
+  scalar leaves follow optax's AdamW without decay, the matrices are as before."""
+  lr, wd = 3e-3, 0.1
+  params = _linen_params()
+  grads = _linen_grads(params)
+  got = _run_alone(make(lr, weight_decay=wd, scalar_weight_decay=0.0), params, grads)[-1]
+  alike = _run_alone(make(lr, weight_decay=wd), params, grads)[-1]
+  for path in [("params", "lm_head", "kernel"), ("params", "wte", "embedding"), ("params", "ln_f", "scale")]:
+    adamw = optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=0.0)
+    want = _run_alone(adamw, _leaf(params, *path), [_leaf(g, *path) for g in grads])[-1]
+    np.testing.assert_allclose(_leaf(got, *path), want, rtol=1e-6, atol=1e-7, err_msg=str(path))
+    assert not np.allclose(_leaf(alike, *path), want, rtol=1e-6, atol=1e-7), path
+  path = ("params", "h_1", "fc1", "kernel")
+  np.testing.assert_array_equal(_leaf(got, *path), _leaf(alike, *path))
+
+
 @pytest.mark.parametrize("as_callable", [False, True])
 def test_user_labels(as_callable):
   lr, wd = 0.05, 0.1

@@ -20,11 +20,11 @@ import os
 from train.cli import Parser, UsageError
 
 PRESET_NAMES = ("tiny", "small", "350m", "1b")
-OPTIMIZERS = ("dion", "dion2", "normuon", "muon", "adamw", "lion")
+OPTIMIZERS = ("dion", "dion2", "nordion2", "normuon", "muon", "adamw", "lion")
 # Base learning rates; --lr overrides. The orthogonal family's is the reference's own
 # (microsoft/dion's 160m configs); on tiny, 200 steps, the best of a 2x grid was 0.04
 # for all four (benchmarks/results/optimizer_comparison.md).
-DEFAULT_LR = {"dion": 0.02, "dion2": 0.02, "normuon": 0.02, "muon": 0.02, "adamw": 3e-3, "lion": 3e-4}
+DEFAULT_LR = {"dion": 0.02, "dion2": 0.02, "nordion2": 0.02, "normuon": 0.02, "muon": 0.02, "adamw": 3e-3, "lion": 3e-4}
 DECAY_STYLES = ("constant", "linear", "cosine", "wsd")
 
 
@@ -54,6 +54,7 @@ class Config:
   lr_decay_steps: int | None = None
   lr_wsd_decay_steps: int | None = None
   weight_decay: float = 0.01
+  scalar_weight_decay: float = 0.0
   clip_grad: float = 1.0
   max_skipped: int = 10
   # float16 loss scaling
@@ -146,7 +147,7 @@ class Config:
       if value is not None and value < 1:
         raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
     for name in ("eval_every", "eval_tokens", "save_every", "lr_warmup_steps", "clip_grad",
-                 "weight_decay", "min_lr", "lr_decay_steps", "lr_wsd_decay_steps"):
+                 "weight_decay", "scalar_weight_decay", "min_lr", "lr_decay_steps", "lr_wsd_decay_steps"):
       if (getattr(self, name) or 0) < 0:
         raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
     if not 0 < self.dion_rank_fraction <= 1:
@@ -196,7 +197,8 @@ HELP = {
     "valid_data": "validation data spec (default: stdlib:val for the embedded corpus, none otherwise)",
     "vocab_size": "tokenizer vocabulary size, where the data does not record it (Megatron datasets)",
     "optimizer": "%s (default dion: Dion on matrices, --dion-scalar-optimizer on the rest;"
-                 " dion2 (fraction 1/4), normuon and muon: dion_jax's, sharded like Dion, with"
+                 " dion2 (fraction 1/4), nordion2 (fraction 1/4), normuon and muon: dion_jax's,"
+                 " sharded like Dion, with"
                  " the same scalar optimizer on the rest; adamw, lion: optax's on everything)"
                  % "|".join(OPTIMIZERS),
     "lr": "peak learning rate (default: %s)" % ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items()),
@@ -207,7 +209,10 @@ HELP = {
     "lr_decay_steps": "steps over which warmup and decay run (default --steps); set it when a"
                       " run is split over several invocations",
     "lr_wsd_decay_steps": "final decay steps of wsd (default: a fifth of the decay steps)",
-    "weight_decay": "decoupled weight decay, times the learning rate (default 0.01)",
+    "weight_decay": "decoupled weight decay of the matrices, times the learning rate (default 0.01)",
+    "scalar_weight_decay": "weight decay of everything else: embeddings, LM head, norms (default 0,"
+                           " microsoft/dion's recipe; runs saved before this flag resume with"
+                           " --weight-decay's value)",
     "clip_grad": "clip the gradient to this global norm, 0 for none (default 1.0); with Dion's"
                  " per-replica gradients the norm of their mean",
     "max_skipped": "stop after this many consecutive skipped steps (default 10): steps whose"
@@ -306,4 +311,6 @@ def saved_config(run_path: str) -> dict:
   saved = {k: v for k, v in saved.items() if k in known and k not in _PER_INVOCATION}
   if "data" in saved:
     saved["data"] = tuple(saved["data"])
+  if "weight_decay" in saved:  # Runs saved before --scalar-weight-decay decayed all alike.
+    saved.setdefault("scalar_weight_decay", saved["weight_decay"])
   return saved

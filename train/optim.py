@@ -44,28 +44,39 @@ def per_replica_mask(cfg: Config, params: Any, mesh: jax.sharding.Mesh) -> Any |
   return jax.tree.map(lambda label: label == "dion", dion_jax.default_labels(params))
 
 
+def _optax_everywhere(cfg: Config, lr: optax.Schedule, params: Any) -> optax.GradientTransformation:
+  """optax's adamw or lion on every parameter: ``--weight-decay`` on the matrices that
+  the Dion family would take, ``--scalar-weight-decay`` on the rest."""
+  make = {"adamw": optax.adamw, "lion": optax.lion}[cfg.optimizer]
+  if cfg.weight_decay == cfg.scalar_weight_decay:  # One state, as runs saved before the split.
+    return make(lr, b1=B1, b2=B2, weight_decay=cfg.weight_decay)
+  decays = {"matrix": cfg.weight_decay, "scalar": cfg.scalar_weight_decay}
+  groups = jax.tree.map(lambda label: "matrix" if label == "dion" else "scalar", dion_jax.default_labels(params))
+  return optax.partition({k: make(lr, b1=B1, b2=B2, weight_decay=wd) for k, wd in decays.items()}, groups)
+
+
 def optimizer(cfg: Config, params: Any, mesh: jax.sharding.Mesh, specs: Any) -> optax.GradientTransformation:
   """The update rule of ``--optimizer`` (without clipping: the train step clips)."""
   lr = schedule(cfg)
-  if cfg.optimizer == "adamw":
-    return optax.adamw(lr, b1=B1, b2=B2, weight_decay=cfg.weight_decay)
-  if cfg.optimizer == "lion":
-    return optax.lion(lr, b1=B1, b2=B2, weight_decay=cfg.weight_decay)
-  if cfg.optimizer in ("dion2", "normuon", "muon"):
+  if cfg.optimizer in ("adamw", "lion"):
+    return _optax_everywhere(cfg, lr, params)
+  decay = dict(weight_decay=cfg.weight_decay, scalar_weight_decay=cfg.scalar_weight_decay)
+  if cfg.optimizer in ("dion2", "nordion2", "normuon", "muon"):
     # They orthogonalize whole (or selected parts of) matrices from the averaged
     # gradient: no per-replica gradients (replicate_sync=False).
-    # Dion2 selects its rows by the exact top-k of the whole matrix ("global"), so that
-    # every mesh trains like one device.
+    # Dion2 and NorDion2 select by the exact top-k of the whole matrix ("global"), so
+    # that every mesh trains like one device.
     family, kw = {"dion2": (dion_jax.dion2, {"selection_scope": "global"}),
+                  "nordion2": (dion_jax.nordion2, {"selection_scope": "global"}),
                   "normuon": (dion_jax.normuon, {}), "muon": (dion_jax.muon, {})}[cfg.optimizer]
-    return family(lr, weight_decay=cfg.weight_decay, scale_rule=cfg.dion_scale_rule,
+    return family(lr, **decay, scale_rule=cfg.dion_scale_rule,
                   scalar_optimizer=cfg.dion_scalar_optimizer, mesh=mesh, partition_specs=specs,
                   ortho_dtype=jnp.dtype(cfg.ortho_dtype), replicate_sync=False, **kw)
   return dion_jax.dion(
       lr,
       rank_fraction=cfg.dion_rank_fraction,
       mu=cfg.dion_momentum,
-      weight_decay=cfg.weight_decay,
+      **decay,
       qr_method=cfg.dion_qr_method,
       scale_rule=cfg.dion_scale_rule,
       scalar_optimizer=cfg.dion_scalar_optimizer,
