@@ -4,7 +4,7 @@
     python -m benchmarks.comm_report --optimizer muon --mesh fs=4,tp=2 --layers 8 --d-model 256
 
 Compiles one update of the matrix transformation (``scale_by_dion``, or
-``scale_by_orthogonal`` for dion2/normuon/muon) for the Dion-labelled matrices of a
+``scale_by_orthogonal`` for dion2/nordion2/normuon/muon) for the Dion-labelled matrices of a
 GPT (abstract arrays: nothing is allocated), counts every collective with
 ``dion_jax.accounting``, and prints the bytes per device over each set of mesh axes
 next to two baselines:
@@ -37,7 +37,7 @@ import models
 from benchmarks import harness
 from dion_jax import accounting
 
-OPTIMIZERS = ("dion", "dion2", "normuon", "muon")
+OPTIMIZERS = ("dion", "dion2", "nordion2", "normuon", "muon")
 
 
 def gpt_matrices(layers: int, d_model: int, pp: int) -> tuple[dict, dict]:
@@ -128,8 +128,8 @@ def report(mesh, shapes, specs, optimizer: str, rank_fractions: list[float]) -> 
       lines.append(f"| {rf:g} | {local / 2**20:.2f} MiB | {single / 2**20:.2f} MiB | {local / single:.3f} |")
     return "\n".join(lines)
   tx = lambda **kw: transformation(optimizer, mesh, specs, **kw)  # noqa: E731
-  if optimizer == "dion2":
-    rows = {f"dion2 (fraction 0.25, {scope})": accounting.update_stats(
+  if optimizer in ("dion2", "nordion2"):
+    rows = {f"{optimizer} (fraction 0.25, {scope})": accounting.update_stats(
         tx(fraction=0.25, selection_scope=scope), params, mesh) for scope in ("local", "global")}
   else:
     rows = {optimizer: accounting.update_stats(tx(), params, mesh)}
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m benchmarks.comm_report", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--optimizer", default="dion", choices=OPTIMIZERS,
-                      help="dion (default: per rank fraction), or dion2/normuon/muon beside Dion at rank 1/4")
+                      help="dion (default: per rank fraction), or dion2/nordion2/normuon/muon beside Dion at rank 1/4")
   parser.add_argument("--mesh", default="rp=2,fs=2,tp=2", help="mesh spec (default rp=2,fs=2,tp=2)")
   parser.add_argument("--matrices", default="gpt", choices=("gpt", "gpt124m-fused"),
                       help="the repository's GPT (default) or GPT-124M shapes with a fused qkv")

@@ -1,4 +1,4 @@
-"""Optimizer-step time of Dion2, NorMuon and our Muon against optax's Muon and Dion, one CPU device.
+"""Optimizer-step time of Dion2, NorDion2, NorMuon and our Muon against optax's Muon and Dion, one CPU device.
 
     python -m benchmarks.family_step --layers 6 --d-model 512 --rounds 5
 
@@ -8,7 +8,7 @@ kernels stacked over layers), every optimizer jitted, timed in interleaved round
 ±10%), and reported as a ratio to ``optax.contrib.muon``. Ours run their default
 bf16 Polar Express and, as a second row, float32 (``--float32`` adds those rows):
 optax's Muon iterates in float32 with its Newton–Schulz coefficients. Dion runs at
-rank 1/4 with RCQR, Dion2 at fraction 1/4.
+rank 1/4 with RCQR, Dion2 and NorDion2 at fraction 1/4.
 """
 
 import jax.numpy as jnp
@@ -26,11 +26,13 @@ def optimizers(float32: bool) -> dict:
       ),
       "dion (rank 1/4)": dion_jax.dion(0.01, rank_fraction=0.25, **labels),
       "dion2 (fraction 1/4)": dion_jax.dion2(0.01, fraction=0.25, **labels),
+      "nordion2 (fraction 1/4)": dion_jax.nordion2(0.01, fraction=0.25, **labels),
       "normuon": dion_jax.normuon(0.01, **labels),
       "muon": dion_jax.muon(0.01, **labels),
   }
   if float32:
     out["dion2 (fraction 1/4), float32"] = dion_jax.dion2(0.01, ortho_dtype=jnp.float32, **labels)
+    out["nordion2 (fraction 1/4), float32"] = dion_jax.nordion2(0.01, ortho_dtype=jnp.float32, **labels)
     out["normuon, float32"] = dion_jax.normuon(0.01, ortho_dtype=jnp.float32, **labels)
     out["muon, float32"] = dion_jax.muon(0.01, ortho_dtype=jnp.float32, **labels)
     out["muon, float32 newton_schulz"] = dion_jax.muon(

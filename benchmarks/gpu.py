@@ -60,6 +60,7 @@ def optimizers() -> dict[str, Callable[[], optax.GradientTransformation]]:
       "dion r=1/4": lambda: dion_jax.dion(0.01, rank_fraction=0.25, **matrix),
       "dion r=1/16": lambda: dion_jax.dion(0.01, rank_fraction=1 / 16, **matrix),
       "dion2 1/4": lambda: dion_jax.dion2(0.01, fraction=0.25, **matrix),
+      "nordion2 1/4": lambda: dion_jax.nordion2(0.01, fraction=0.25, **matrix),
       "normuon": lambda: dion_jax.normuon(0.01, **matrix),
       "muon": lambda: dion_jax.muon(0.01, **matrix),
       "optax muon": lambda: optax.contrib.muon(0.01, muon_weight_dimension_numbers=lambda p: jax.tree.map(

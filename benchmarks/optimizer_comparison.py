@@ -15,7 +15,7 @@ per optimizer the lr of the lowest final validation loss; draws the best runs wi
 to ``OUT_DIR/optimizer_comparison.{json,md}``.
 
 Optimizer names: ``dion`` (``--dion-rank-fraction 1``), ``dion-1/4`` (rank fraction
-0.25), ``dion2`` (fraction 1/4), ``normuon``, ``muon``, ``adamw``, ``lion``. A name may carry its own scales,
+0.25), ``dion2`` (fraction 1/4), ``nordion2`` (fraction 1/4), ``normuon``, ``muon``, ``adamw``, ``lion``. A name may carry its own scales,
 ``dion-1/4:0.5,1,2``, to spend a tight budget where it matters; the rest use
 ``--lrs-scale``. The run directories (checkpoints included, outside OUT_DIR by default)
 are kept; with ``--reuse`` a run whose ``metrics.jsonl`` already holds its final
@@ -43,6 +43,7 @@ OPTIMIZERS = {
     "dion": ("dion", ["--dion-rank-fraction", "1"]),
     "dion-1/4": ("dion", ["--dion-rank-fraction", "0.25"]),
     "dion2": ("dion2", []),
+    "nordion2": ("nordion2", []),
     "normuon": ("normuon", []),
     "muon": ("muon", []),
     "adamw": ("adamw", []),

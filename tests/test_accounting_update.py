@@ -1,6 +1,6 @@
 """One optimizer update's measured communication and state bytes, against bytes
 counted by hand: Dion's compressed sync moves (m + n)·r values per matrix over rp
-instead of m·n; Muon moves each bf16 block four times; Dion2 a fraction of that."""
+instead of m·n; Muon moves each bf16 block four times; Dion2 and NorDion2 a fraction of that."""
 
 import jax
 
@@ -80,6 +80,28 @@ def test_dion2_local_moves_a_fraction_of_it():
       ("all-to-all", ("tp",)): 2 * selected,
       ("all-reduce", ("tp",)): norms,
   }
+
+
+def test_nordion2_moves_selected_neurons_and_their_norms():
+  """NorDion2 selects output neurons, fan_out = 1024, split over tp; fan_in over fs."""
+  mesh = dion_jax.make_mesh("fs=4,tp=2")
+  params = _params(mesh, LAYERS, D_IN, D_OUT)
+  run = lambda scope: _by_op(accounting.update_stats(
+      _orthogonal(mesh, "nordion2", fraction=0.25, selection_scope=scope), params, mesh))
+  per_neuron = LAYERS * D_OUT // 2 * 4  # One float32 per local neuron and layer.
+  # Each neuron's L1 norm and (after the polar factor) its mean square are psums over
+  # fs; the block's two Frobenius norms one float per layer over fs and tp.
+  sums = {("all-reduce", ("fs",)): 2 * per_neuron, ("all-reduce", ("fs", "tp")): 2 * LAYERS * 4}
+  # local: each tp shard takes ceil(512/4) = 128 of its 512 neurons, (fan_in/fs = 64)-long
+  # bf16 rows, gathered whole and sent back over fs and tp like Muon's blocks.
+  selected = LAYERS * 128 * 64 * 2
+  assert run("local") == {**sums, ("all-to-all", ("fs",)): 2 * selected, ("all-to-all", ("tp",)): 2 * selected}
+  # global: the exact top ceil(1024/4) = 256 neurons of all norms (gathered over tp); each
+  # tp shard adds its owned rows into the (256, 64) block of half the layers
+  # (reduce-scatter), gathered over fs and back, and broadcast to both tp shards.
+  block = LAYERS * 256 * 64 * 2
+  assert run("global") == {**sums, ("reduce-scatter", ("tp",)): block, ("all-to-all", ("fs",)): block,
+                           ("all-gather", ("tp",)): block + LAYERS * D_OUT * 4}
 
 
 def test_ring_allreduce_and_full_gradient_bytes():
