@@ -4,15 +4,26 @@
     cfg = models.preset("small", num_layers=6)         # any field can be overridden
 
 The presets follow microsoft/dion's GPT: pre-norm RMSNorm, rotary embeddings, QK-norm,
-ReLU² MLP (4x), untied embedding and LM head, no biases.
+ReLU² MLP (4x), untied embedding and LM head, no biases. Options of the same model cover
+Llama 3 (``mlp="swiglu"``, grouped-query attention with ``num_kv_heads``, ``qk_norm="none"``,
+``tie_embeddings``) and Qwen3 (Llama with ``qk_norm="rms_scale"`` and an explicit
+``head_dim``); ``models/hf.py`` maps Hugging Face configs onto them.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 
+import numpy as np
+
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
+MLP_KINDS = ("relu2", "swiglu")
+# QK-norm: none (Llama), RMS without a scale after the rotary embedding (the reference),
+# RMS with a learnable per-head-dim scale before it (Qwen3).
+QK_NORMS = ("none", "rms", "rms_scale")
+# torch's F.rms_norm with eps=None, as the reference calls it, uses float32's machine epsilon.
+FLOAT32_EPS = float(np.finfo(np.float32).eps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,10 +33,21 @@ class GPTConfig:
   Attributes:
     vocab_size: tokens the data can hold; the embedding and LM head are padded to
       a multiple of 128 (:attr:`padded_vocab`).
-    num_layers, d_model, num_heads: depth, width, attention heads (d_model / num_heads
-      per head, even for the rotary embedding).
+    num_layers, d_model, num_heads: depth, width, attention (query) heads.
+    num_kv_heads: key/value heads of grouped-query attention (None: num_heads); divides
+      num_heads.
+    head_dim: width of each head (None: d_model / num_heads, resolved at construction);
+      even for the rotary embedding.
     seq_len: tokens per training sequence.
-    mlp_ratio: hidden width of the MLP over d_model.
+    mlp_ratio: hidden width of the MLP over d_model, unless ``mlp_dim`` is given.
+    mlp_dim: hidden width of the MLP (None: mlp_ratio · d_model).
+    mlp: ``"relu2"`` (the reference: up, ReLU², down) or ``"swiglu"`` (Llama: silu(gate)·up, down).
+    qk_norm: one of :data:`QK_NORMS`.
+    norm_eps: epsilon of every RMSNorm (default float32's machine epsilon, the reference's).
+    tie_embeddings: the LM head is the embedding table's transpose (no ``lm_head`` parameter).
+    mask_vocab_padding: the padded rows of the vocabulary get logit -inf, so that the loss
+      and the softmax cover ``vocab_size`` tokens exactly (imported checkpoints, whose
+      padding rows are zeros); the reference trains its padding rows instead.
     dtype: compute dtype, ``"float32"``, ``"bfloat16"`` or ``"float16"``; parameters
       and optimizer state stay float32, softmax and the loss run in float32. float16's
       narrow range needs loss scaling in training (``train/step.py``).
@@ -44,6 +66,14 @@ class GPTConfig:
   num_heads: int = 4
   seq_len: int = 128
   mlp_ratio: int = 4
+  num_kv_heads: int | None = None
+  head_dim: int | None = None
+  mlp_dim: int | None = None
+  mlp: str = "relu2"
+  qk_norm: str = "rms"
+  norm_eps: float = FLOAT32_EPS
+  tie_embeddings: bool = False
+  mask_vocab_padding: bool = False
   dtype: str = "float32"
   remat: bool = False
   rope_base: float = 10000.0
@@ -51,18 +81,32 @@ class GPTConfig:
   unroll: bool = False
 
   def __post_init__(self):
-    for name in ("vocab_size", "num_layers", "d_model", "num_heads", "seq_len", "mlp_ratio"):
+    for name in ("vocab_size", "num_layers", "d_model", "num_heads", "seq_len", "mlp_ratio",
+                 "num_kv_heads", "head_dim", "mlp_dim"):
       value = getattr(self, name)
+      if value is None and name in ("num_kv_heads", "head_dim", "mlp_dim"):
+        continue
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
-    if self.d_model % self.num_heads:
-      raise ValueError(
-          f"GPTConfig: d_model {self.d_model} is not divisible by num_heads {self.num_heads};"
-          " choose num_heads that divides d_model")
+    if self.head_dim is None:
+      if self.d_model % self.num_heads:
+        raise ValueError(
+            f"GPTConfig: d_model {self.d_model} is not divisible by num_heads {self.num_heads};"
+            " choose num_heads that divides d_model, or give head_dim")
+      object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
     if self.head_dim % 2:
       raise ValueError(
-          f"GPTConfig: head size d_model/num_heads = {self.head_dim} must be even for the"
-          " rotary embedding; change d_model or num_heads")
+          f"GPTConfig: head size {self.head_dim} must be even for the rotary embedding;"
+          " change d_model, num_heads or head_dim")
+    if self.num_heads % self.kv_heads:
+      raise ValueError(f"GPTConfig: num_kv_heads {self.kv_heads} does not divide num_heads"
+                       f" {self.num_heads}; each key/value head serves a whole group of queries")
+    if self.mlp not in MLP_KINDS:
+      raise ValueError(f"GPTConfig.mlp must be one of {MLP_KINDS}, got {self.mlp!r}")
+    if self.qk_norm not in QK_NORMS:
+      raise ValueError(f"GPTConfig.qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
+    if not self.norm_eps >= 0:
+      raise ValueError(f"GPTConfig.norm_eps must be >= 0, got {self.norm_eps!r}")
     if self.dtype not in COMPUTE_DTYPES:
       raise ValueError(f"GPTConfig.dtype must be one of {COMPUTE_DTYPES}, got {self.dtype!r}")
     if self.attention not in ATTENTION_IMPLEMENTATIONS:
@@ -73,12 +117,12 @@ class GPTConfig:
                        " attention='xla' for float32")
 
   @property
-  def head_dim(self) -> int:
-    return self.d_model // self.num_heads
+  def kv_heads(self) -> int:
+    return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
   @property
   def d_mlp(self) -> int:
-    return self.mlp_ratio * self.d_model
+    return self.mlp_ratio * self.d_model if self.mlp_dim is None else self.mlp_dim
 
   @property
   def padded_vocab(self) -> int:
@@ -87,9 +131,13 @@ class GPTConfig:
 
   def num_params(self, embeddings: bool = True) -> int:
     """Parameters of the model; without the embedding table when ``embeddings`` is False."""
-    d, v = self.d_model, self.padded_vocab
-    per_layer = 4 * d * d + 2 * d * self.d_mlp + 2 * d
-    return self.num_layers * per_layer + d + d * v + (d * v if embeddings else 0)
+    d, v, h = self.d_model, self.padded_vocab, self.head_dim
+    attention = 2 * d * h * (self.num_heads + self.kv_heads)
+    mlp = (3 if self.mlp == "swiglu" else 2) * d * self.d_mlp
+    qk_scales = 2 * h if self.qk_norm == "rms_scale" else 0
+    per_layer = attention + mlp + 2 * d + qk_scales
+    head = 0 if self.tie_embeddings else d * v
+    return self.num_layers * per_layer + d + head + (d * v if embeddings or self.tie_embeddings else 0)
 
   def flops_per_token(self) -> float:
     """Training flops per token: 6·N (N without the embedding lookup) + attention.
@@ -98,7 +146,8 @@ class GPTConfig:
     layer forward, times 3 with the backward pass: 12·L·T·d (the PaLM count, which
     counts the causal mask's zeros too).
     """
-    return 6 * self.num_params(embeddings=False) + 12 * self.num_layers * self.seq_len * self.d_model
+    attention = 12 * self.num_layers * self.seq_len * self.num_heads * self.head_dim
+    return 6 * self.num_params(embeddings=False) + attention
 
 
 PRESETS: dict[str, dict] = {

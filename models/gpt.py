@@ -3,6 +3,9 @@
 Like microsoft/dion's ``models/gpt_model.py``: pre-norm RMSNorm, rotary embeddings,
 QK-norm, causal attention, ReLU² MLP, untied embedding and LM head, no biases. Query,
 key and value are three kernels, so Dion orthonormalizes each as its own matrix.
+:class:`GPTConfig`'s options make the same model Llama 3 or Qwen3: grouped-query
+attention (N query heads share K key/value heads), a SwiGLU MLP (``gate``, ``up``,
+``down``), learnable QK-norm scales, a tied LM head.
 
 NNX modules define the parameters and one layer's math. Training works on the pure
 dict of arrays (``nnx.split`` then ``to_pure_dict``), which optax, Dion's labels and
@@ -15,13 +18,21 @@ Parameter tree (Flax layout, blocks stacked ``(stages, layers_per_stage, ...)``)
 
     embed/embedding                 [V, D]
     blocks/attn_norm/scale          [S, Ls, D]
-    blocks/attn/{query,key,value}   [S, Ls, D, D]      column-parallel
-    blocks/attn/out/kernel          [S, Ls, D, D]      row-parallel
+    blocks/attn/query/kernel        [S, Ls, D, N·H]    column-parallel
+    blocks/attn/{key,value}/kernel  [S, Ls, D, K·H]    column-parallel (K = N without GQA)
+    blocks/attn/{query,key}_norm/scale  [S, Ls, H]     qk_norm="rms_scale" only
+    blocks/attn/out/kernel          [S, Ls, N·H, D]    row-parallel
     blocks/mlp_norm/scale           [S, Ls, D]
-    blocks/mlp/up/kernel            [S, Ls, D, 4D]     column-parallel
-    blocks/mlp/down/kernel          [S, Ls, 4D, D]     row-parallel
+    blocks/mlp/{gate,up}/kernel     [S, Ls, D, F]      column-parallel (gate: swiglu only)
+    blocks/mlp/down/kernel          [S, Ls, F, D]      row-parallel
     final_norm/scale                [D]
-    lm_head/kernel                  [D, V]             vocab-parallel
+    lm_head/kernel                  [D, V]             vocab-parallel (absent when tied)
+
+H = head_dim (D / N by default), F = d_mlp (4D by default).
+
+Batches are dicts of int [B, T]: "inputs" and "targets" (a target -1 is not counted), and
+for packed sequences "segment_ids" (attention stays within a segment) and "positions"
+(the rotary position of each token, restarting at each document).
 
 Parallelism is in ``models/sharding.py`` (TP, SP, FS by annotation) and
 ``models/pipeline.py`` (PP by ``shard_map``).
@@ -30,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 from dion_jax import parallel
@@ -42,12 +54,10 @@ from models import pipeline
 from models.config import GPTConfig
 from models.sharding import Parallelism, param_specs, shardings, to_layers, to_stages
 
-_NORM_EPS = 1e-6
 
-
-def _rms_norm(x: jax.Array) -> jax.Array:
+def _rms_norm(x: jax.Array, eps: float) -> jax.Array:
   x32 = x.astype(jnp.float32)
-  return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + _NORM_EPS)).astype(x.dtype)
+  return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + eps)).astype(x.dtype)
 
 
 class Dense(nnx.Module):
@@ -67,63 +77,89 @@ class Dense(nnx.Module):
 
 
 class Attention(nnx.Module):
-  """Causal self-attention with rotary embeddings and QK-norm; heads split over tp."""
+  """Causal self-attention with rotary embeddings, optional QK-norm and grouped-query
+  attention; query and key/value heads split over tp."""
 
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
-    d = cfg.d_model
-    self.query = Dense(d, d, "column", rngs=rngs)
-    self.key = Dense(d, d, "column", rngs=rngs)
-    self.value = Dense(d, d, "column", rngs=rngs)
-    self.out = Dense(d, d, "row", rngs=rngs)
-    self.num_heads = cfg.num_heads
-    self.implementation = cfg.attention
+    d, h = cfg.d_model, cfg.head_dim
+    self.query = Dense(d, cfg.num_heads * h, "column", rngs=rngs)
+    self.key = Dense(d, cfg.kv_heads * h, "column", rngs=rngs)
+    self.value = Dense(d, cfg.kv_heads * h, "column", rngs=rngs)
+    self.out = Dense(cfg.num_heads * h, d, "row", rngs=rngs)
+    if cfg.qk_norm == "rms_scale":
+      self.query_norm = nnx.RMSNorm(h, epsilon=cfg.norm_eps, rngs=rngs)
+      self.key_norm = nnx.RMSNorm(h, epsilon=cfg.norm_eps, rngs=rngs)
+    self.cfg = cfg
 
-  def __call__(self, x_BxTxD: jax.Array, rope: tuple[jax.Array, jax.Array],
-               par: Parallelism) -> jax.Array:
-    B, T, D = x_BxTxD.shape
-    N = self.num_heads
+  def _qk(self, z_BxTxNxH: jax.Array, norm: str, rope) -> jax.Array:
+    qk_norm, eps = self.cfg.qk_norm, self.cfg.norm_eps
+    if qk_norm == "rms":  # rotary first, then the unscaled norm, as the reference orders them
+      return _rms_norm(_rotary(z_BxTxNxH, *rope), eps)
+    if qk_norm == "rms_scale":  # the scale is per dimension: it must come before the rotation
+      z_BxTxNxH = getattr(self, norm)(z_BxTxNxH).astype(z_BxTxNxH.dtype)
+    return _rotary(z_BxTxNxH, *rope)
+
+  def __call__(self, x_BxTxD: jax.Array, rope: tuple[jax.Array, jax.Array], par: Parallelism,
+               segment_ids_BxT: jax.Array | None = None) -> jax.Array:
+    B, T, _ = x_BxTxD.shape
+    H = self.cfg.head_dim
 
     def heads(dense):
-      return par.constrain(dense(x_BxTxD, par).reshape(B, T, N, D // N), "batch", None, "heads", None)
+      z = dense(x_BxTxD, par)
+      return par.constrain(z.reshape(B, T, z.shape[-1] // H, H), "batch", None, "heads", None)
 
-    # Rotary first, then QK-norm, as the reference orders them.
-    q_BxTxNxH = _rms_norm(_rotary(heads(self.query), *rope))
-    k_BxTxNxH = _rms_norm(_rotary(heads(self.key), *rope))
-    v_BxTxNxH = heads(self.value)
-    dtype = v_BxTxNxH.dtype
-    if self.implementation == "xla" and dtype == jnp.float16:
+    q_BxTxNxH = self._qk(heads(self.query), "query_norm", rope)
+    k_BxTxKxH = self._qk(heads(self.key), "key_norm", rope)
+    v_BxTxKxH = heads(self.value)
+    dtype = v_BxTxKxH.dtype
+    if self.cfg.attention == "xla" and dtype == jnp.float16:
       # XLA's attention asks float16 dots for float32 results (F16_F16_F32), which the
       # CPU's dot_general refuses at compile time: run it in float32 (its softmax is anyway).
-      q_BxTxNxH, k_BxTxNxH, v_BxTxNxH = (t.astype(jnp.float32) for t in (q_BxTxNxH, k_BxTxNxH, v_BxTxNxH))
+      q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = (t.astype(jnp.float32) for t in (q_BxTxNxH, k_BxTxKxH, v_BxTxKxH))
+    mask = None
+    if segment_ids_BxT is not None:  # packed documents never attend to each other
+      mask = (segment_ids_BxT[:, None, :, None] == segment_ids_BxT[:, None, None, :])
     o_BxTxNxH = jax.nn.dot_product_attention(
-        q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, is_causal=True, implementation=self.implementation)
+        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask=mask, is_causal=True,
+        implementation=self.cfg.attention)
     o_BxTxNxH = par.constrain(o_BxTxNxH.astype(dtype), "batch", None, "heads", None)
-    return self.out(o_BxTxNxH.reshape(B, T, D), par)
+    return self.out(o_BxTxNxH.reshape(B, T, -1), par)
 
 
-def _rotary(x_BxTxNxH: jax.Array, cos_TxH2: jax.Array, sin_TxH2: jax.Array) -> jax.Array:
+def _rotary(x_BxTxNxH: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """Rotates each pair (x[i], x[i + H/2]) by minus the angle, as the reference does (Hugging
+  Face rotates by plus the angle: ``models/hf.py`` flips signs of the kernels to match)."""
   x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
-  cos, sin = cos_TxH2[:, None, :], sin_TxH2[:, None, :]
+  cos, sin = cos[..., None, :], sin[..., None, :]  # over heads
   return jnp.concatenate([x1 * cos + x2 * sin, x2 * cos - x1 * sin], -1).astype(x_BxTxNxH.dtype)
 
 
-def rotary_tables(cfg: GPTConfig, seq_len: int) -> tuple[jax.Array, jax.Array]:
-  """cos and sin of the rotary angles, [seq_len, head_dim / 2] in float32."""
+def rotary_tables(cfg: GPTConfig, seq_len: int, positions_BxT: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
+  """cos and sin of the rotary angles in float32: [seq_len, head_dim / 2] for positions
+  0..seq_len-1, or [B, T, head_dim / 2] for the given positions."""
   half = cfg.head_dim // 2
   inv_freq_H2 = 1.0 / cfg.rope_base ** (jnp.arange(half, dtype=jnp.float32) / half)
-  angles_TxH2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq_H2[None, :]
-  return jnp.cos(angles_TxH2), jnp.sin(angles_TxH2)
+  pos = jnp.arange(seq_len) if positions_BxT is None else positions_BxT
+  angles = pos.astype(jnp.float32)[..., None] * inv_freq_H2
+  return jnp.cos(angles), jnp.sin(angles)
 
 
 class MLP(nnx.Module):
-  """Column-parallel up, ReLU², row-parallel down."""
+  """Column-parallel up (and gate), ReLU² (or SwiGLU: silu(gate)·up), row-parallel down."""
 
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    if cfg.mlp == "swiglu":
+      self.gate = Dense(cfg.d_model, cfg.d_mlp, "column", rngs=rngs)
     self.up = Dense(cfg.d_model, cfg.d_mlp, "column", rngs=rngs)
     self.down = Dense(cfg.d_mlp, cfg.d_model, "row", rngs=rngs)
+    self.kind = cfg.mlp
 
   def __call__(self, x_BxTxD: jax.Array, par: Parallelism) -> jax.Array:
     h_BxTxF = par.constrain(self.up(x_BxTxD, par), "batch", None, "mlp")
+    if self.kind == "swiglu":
+      g_BxTxF = par.constrain(self.gate(x_BxTxD, par), "batch", None, "mlp")
+      return self.down(jax.nn.silu(g_BxTxF) * h_BxTxF, par)
     return self.down(jnp.square(jax.nn.relu(h_BxTxF)), par)
 
 
@@ -131,24 +167,27 @@ class Block(nnx.Module):
   """One pre-norm transformer layer. The residual stream stays float32."""
 
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
-    self.attn_norm = nnx.RMSNorm(cfg.d_model, epsilon=_NORM_EPS, rngs=rngs)
+    self.attn_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
     self.attn = Attention(cfg, rngs=rngs)
-    self.mlp_norm = nnx.RMSNorm(cfg.d_model, epsilon=_NORM_EPS, rngs=rngs)
+    self.mlp_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
     self.mlp = MLP(cfg, rngs=rngs)
     self.dtype = jnp.dtype(cfg.dtype)
 
-  def __call__(self, x_BxTxD: jax.Array, rope, par: Parallelism) -> jax.Array:
+  def __call__(self, x_BxTxD: jax.Array, rope, par: Parallelism,
+               segment_ids_BxT: jax.Array | None = None) -> jax.Array:
     # With SP the norms run on sequence shards; the constraint to a full sequence before
     # each column-parallel product is the all-gather, the one after each row-parallel
     # product the reduce-scatter.
     h = par.constrain(self.attn_norm(x_BxTxD).astype(self.dtype), "batch", None, None)
-    x_BxTxD += par.constrain(self.attn(h, rope, par).astype(jnp.float32), "batch", "seq", None)
+    attn = self.attn(h, rope, par, segment_ids_BxT)
+    x_BxTxD += par.constrain(attn.astype(jnp.float32), "batch", "seq", None)
     h = par.constrain(self.mlp_norm(x_BxTxD).astype(self.dtype), "batch", None, None)
     return x_BxTxD + par.constrain(self.mlp(h, par).astype(jnp.float32), "batch", "seq", None)
 
 
 class GPT(nnx.Module):
-  """Embedding, ``num_layers`` stacked :class:`Block` s (leading layer axis), final norm, LM head."""
+  """Embedding, ``num_layers`` stacked :class:`Block` s (leading layer axis), final norm, LM head
+  (the embedding's transpose when ``tie_embeddings``)."""
 
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -161,29 +200,46 @@ class GPT(nnx.Module):
       return Block(cfg, rngs=rngs)
 
     self.blocks = stack(rngs)
-    self.final_norm = nnx.RMSNorm(D, epsilon=_NORM_EPS, rngs=rngs)
-    self.lm_head = Dense(D, V, "column", rngs=rngs)
+    self.final_norm = nnx.RMSNorm(D, epsilon=cfg.norm_eps, rngs=rngs)
+    if not cfg.tie_embeddings:
+      self.lm_head = Dense(D, V, "column", rngs=rngs)
 
   def embed_tokens(self, tokens_BxT: jax.Array, par: Parallelism) -> jax.Array:
     table_VxD = par.weight(self.embed.embedding[...], "row")
     return par.constrain(jnp.take(table_VxD, tokens_BxT, axis=0), "batch", "seq", None)
 
+  def logits(self, x_BxTxD: jax.Array, par: Parallelism) -> jax.Array:
+    """Final norm and LM head: float32 logits [B, T, padded vocab], vocab-parallel over tp;
+    -inf on the padding rows with ``mask_vocab_padding``."""
+    h = par.constrain(self.final_norm(x_BxTxD).astype(self.cfg.dtype), "batch", None, None)
+    if self.cfg.tie_embeddings:
+      table_VxD = par.weight(self.embed.embedding[...], "row").astype(h.dtype)
+      logits_BxTxV = h @ table_VxD.T
+    else:
+      logits_BxTxV = self.lm_head(h, par)
+    logits_BxTxV = par.constrain(logits_BxTxV.astype(jnp.float32), "batch", None, "vocab")
+    if self.cfg.mask_vocab_padding:
+      real_V = jnp.arange(logits_BxTxV.shape[-1]) < self.cfg.vocab_size
+      logits_BxTxV = jnp.where(real_V, logits_BxTxV, -jnp.inf)
+    return logits_BxTxV
+
   def token_losses(self, x_BxTxD: jax.Array, targets_BxT: jax.Array, par: Parallelism) -> jax.Array:
-    """Cross-entropy of each position [B, T], float32, never gathering the vocabulary.
+    """Cross-entropy of each position [B, T], float32, never gathering the vocabulary
+    (a target -1 gives the log-sum-exp alone: the caller leaves it out).
 
     The logits stay vocab-parallel over tp: the log-sum-exp and the target's logit
     (a one-hot contraction, not a gather) reduce over tp as [B, T] partial results.
     """
-    h = par.constrain(self.final_norm(x_BxTxD).astype(self.cfg.dtype), "batch", None, None)
-    logits_BxTxV = par.constrain(self.lm_head(h, par).astype(jnp.float32), "batch", None, "vocab")
+    logits_BxTxV = self.logits(x_BxTxD, par)
     onehot_BxTxV = jax.nn.one_hot(targets_BxT, logits_BxTxV.shape[-1], dtype=jnp.float32)
     onehot_BxTxV = par.constrain(onehot_BxTxV, "batch", None, "vocab")
-    target_logit_BxT = jnp.sum(logits_BxTxV * onehot_BxTxV, -1)
+    # where, not a product: -inf padding logits times a zero one-hot would be NaN.
+    target_logit_BxT = jnp.sum(jnp.where(onehot_BxTxV > 0, logits_BxTxV, 0.0), -1)
     return jax.nn.logsumexp(logits_BxTxV, -1) - target_logit_BxT
 
 
 def apply_layers(block_graphdef: Any, layers: Any, x_BxTxD: jax.Array, rope,
-                 par: Parallelism, cfg: GPTConfig) -> jax.Array:
+                 par: Parallelism, cfg: GPTConfig, segment_ids_BxT: jax.Array | None = None) -> jax.Array:
   """Runs the layers ``layers`` (leaves [L, ...], in order) over ``x`` with a scan.
 
   The backward pass keeps only matrix products (``dots_saveable``; nothing with
@@ -194,7 +250,7 @@ def apply_layers(block_graphdef: Any, layers: Any, x_BxTxD: jax.Array, rope,
 
   def layer(x, i):
     params = jax.tree.map(lambda stack: stack[i], layers)
-    return nnx.merge(block_graphdef, params)(x, rope, par), None
+    return nnx.merge(block_graphdef, params)(x, rope, par, segment_ids_BxT), None
 
   policies = jax.checkpoint_policies
   policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
@@ -203,32 +259,55 @@ def apply_layers(block_graphdef: Any, layers: Any, x_BxTxD: jax.Array, rope,
   return jax.lax.scan(layer, x_BxTxD, jnp.arange(num_layers), unroll=cfg.unroll)[0]
 
 
+def _create(cfg: GPTConfig, par: Parallelism, seed: int) -> Callable[[], Any]:
+  def create():
+    params = nnx.to_pure_dict(nnx.state(GPT(cfg, rngs=nnx.Rngs(seed))))
+    params["blocks"] = to_stages(params["blocks"], par.pp, par.virtual_stages)
+    return params
+
+  return create
+
+
+def abstract(cfg: GPTConfig, par: Parallelism = Parallelism()) -> tuple[Any, Any]:
+  """``(graphdef, shapes)``: the GPT's graph and its parameters as ``ShapeDtypeStruct`` s
+  carrying their shardings on ``par.mesh`` (none without a mesh), blocks in stages.
+
+  Checks that the mesh divides the model (heads, key/value heads, every sharded dimension).
+  """
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
+  shapes = jax.eval_shape(_create(cfg, par, 0))
+  if par.mesh is None:
+    return graphdef, shapes
+  if cfg.num_heads % par.tp or cfg.kv_heads % par.tp:
+    raise ValueError(f"tp={par.tp} does not divide num_heads={cfg.num_heads} and num_kv_heads="
+                     f"{cfg.kv_heads}; choose a tp that divides both (heads are split over tp)")
+  specs = param_specs(shapes)
+  parallel.tree_check_divisible(shapes, specs, par.mesh)
+  return graphdef, jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                shapes, shardings(par.mesh, specs))
+
+
 def init(cfg: GPTConfig, par: Parallelism = Parallelism(), seed: int = 0) -> tuple[Any, Any]:
   """Creates the GPT: ``(graphdef, params)``, params a pure dict sharded on ``par.mesh``.
 
   Layers are drawn in layer order from ``seed`` and then stacked into ``par``'s stages,
   so every mesh starts from the same model.
   """
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(seed))))
-
-  def create():
-    params = nnx.to_pure_dict(nnx.state(GPT(cfg, rngs=nnx.Rngs(seed))))
-    params["blocks"] = to_stages(params["blocks"], par.pp, par.virtual_stages)
-    return params
-
+  graphdef, shapes = abstract(cfg, par)
   if par.mesh is None:
-    return graphdef, jax.jit(create)()
-  if cfg.num_heads % par.tp:
-    raise ValueError(f"tp={par.tp} does not divide num_heads={cfg.num_heads}; choose a tp that divides it")
-  specs = param_specs(jax.eval_shape(create))
-  parallel.tree_check_divisible(jax.eval_shape(create), specs, par.mesh)
-  return graphdef, jax.jit(create, out_shardings=shardings(par.mesh, specs))()
+    return graphdef, jax.jit(_create(cfg, par, seed))()
+  out_shardings = jax.tree.map(lambda s: s.sharding, shapes)
+  return graphdef, jax.jit(_create(cfg, par, seed), out_shardings=out_shardings)()
 
 
 def loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], par: Parallelism = Parallelism(),
-         scale: jax.Array | None = None) -> jax.Array:
-  """Mean next-token cross-entropy of ``batch`` ("inputs", "targets": int [B, T]), times
-  ``scale`` when given.
+         scale: jax.Array | None = None, denominator: jax.Array | None = None) -> jax.Array:
+  """Next-token cross-entropy of ``batch`` (module docstring), summed over the counted
+  targets (those >= 0) and divided by ``denominator`` (default: their number, the mean),
+  times ``scale`` when given.
+
+  A train step over micro-batches or replicas passes the count of the whole global batch
+  as ``denominator``, so that their losses add up to its mean exactly.
 
   With pp > 1 the batch is split into ``par.microbatches`` micro-batches that flow
   through the pipeline; otherwise the whole batch goes through the layer scan at once.
@@ -240,23 +319,29 @@ def loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], par: Paralleli
   """
   if par.mesh is not None and jax.sharding.get_abstract_mesh().empty:
     raise ValueError("models.loss on a mesh must run under `with jax.set_mesh(par.mesh):`")
+  counted_BxT = batch["targets"] >= 0
+  if denominator is None:
+    denominator = jnp.maximum(jnp.sum(counted_BxT), 1).astype(jnp.float32)
   if par.pp > 1:
-    return _pipeline_loss(graphdef, params, batch, scale, par)
+    if "segment_ids" in batch:
+      raise ValueError("packed sequences (segment_ids) are not supported with a pipeline (pp > 1)")
+    return _pipeline_loss(graphdef, params, batch, scale, denominator, par)
   model = nnx.merge(graphdef, params)
-  rope = rotary_tables(model.cfg, batch["inputs"].shape[1])
+  rope = rotary_tables(model.cfg, batch["inputs"].shape[1], batch.get("positions"))
   layers = to_layers(params["blocks"], 1)
   x = model.embed_tokens(batch["inputs"], par)
-  x = apply_layers(nnx.graphdef(model.blocks), layers, x, rope, par, model.cfg)
-  return _scaled(jnp.mean(model.token_losses(x, batch["targets"], par)), scale)
+  x = apply_layers(nnx.graphdef(model.blocks), layers, x, rope, par, model.cfg, batch.get("segment_ids"))
+  losses_BxT = jnp.where(counted_BxT, model.token_losses(x, batch["targets"], par), 0.0)
+  return _scaled(jnp.sum(losses_BxT) / denominator, scale)
 
 
 def _scaled(loss: jax.Array, scale: jax.Array | None) -> jax.Array:
   return loss if scale is None else loss * scale
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5))
 def _pipeline_loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], scale: jax.Array | None,
-                   par: Parallelism) -> jax.Array:
+                   denominator: jax.Array, par: Parallelism) -> jax.Array:
   """:func:`loss` with the layers in a pipeline over ``pp`` (``shard_map`` manual over pp only).
 
   Embedding, final norm, LM head and loss run inside the same ``shard_map``: device 0
@@ -267,23 +352,24 @@ def _pipeline_loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], scal
   on jax 0.10 differentiating a ``shard_map`` nested in another one (the per-replica
   gradient's, manual over rp) fails to lower, while this form nests at any depth.
   """
-  return _pipeline_call(graphdef, params, batch, scale, par, with_grad=False)
+  return _pipeline_call(graphdef, params, batch, scale, denominator, par, with_grad=False)
 
 
-def _pipeline_fwd(graphdef, params, batch, scale, par):
-  return _pipeline_call(graphdef, params, batch, scale, par, with_grad=True)
+def _pipeline_fwd(graphdef, params, batch, scale, denominator, par):
+  return _pipeline_call(graphdef, params, batch, scale, denominator, par, with_grad=True)
 
 
 def _pipeline_bwd(graphdef, par, grads, cotangent):
   del graphdef, par
-  # No cotangent for the batch (integers) or the loss scale (a constant of the step).
-  return jax.tree.map(lambda g: cotangent * g, grads), None, None
+  # No cotangent for the batch (integers), the loss scale or the denominator (constants
+  # of the step).
+  return jax.tree.map(lambda g: cotangent * g, grads), None, None, None
 
 
 _pipeline_loss.defvjp(_pipeline_fwd, _pipeline_bwd)
 
 
-def _pipeline_call(graphdef, params, batch, scale, par: Parallelism, with_grad: bool):
+def _pipeline_call(graphdef, params, batch, scale, denominator, par: Parallelism, with_grad: bool):
   M, pp, v = par.microbatches, par.pp, par.virtual_stages
   B, T = batch["inputs"].shape
   if B % M:
@@ -293,7 +379,7 @@ def _pipeline_call(graphdef, params, batch, scale, par: Parallelism, with_grad: 
   def microbatched(x_BxT):  # micro-batch i = rows i, i + M, ...: keeps the batch sharding
     return x_BxT.reshape(B // M, M, T).swapaxes(0, 1)
 
-  def local_loss(params, inputs_MxbxT, targets_MxbxT, scale):
+  def local_loss(params, inputs_MxbxT, targets_MxbxT, scale, denominator):
     model = nnx.merge(graphdef, params)
     rope = rotary_tables(model.cfg, T)
     block_graphdef = nnx.graphdef(model.blocks)
@@ -307,15 +393,16 @@ def _pipeline_call(graphdef, params, batch, scale, par: Parallelism, with_grad: 
     m = M // pp
     targets_mxbxT = jax.lax.dynamic_slice_in_dim(targets_MxbxT, jax.lax.axis_index(pipeline.AXIS) * m, m)
     x_BxTxD = x_mxbxTxD.reshape(-1, T, x_mxbxTxD.shape[-1])
-    losses = model.token_losses(x_BxTxD, targets_mxbxT.reshape(-1, T), par)
-    return _scaled(jax.lax.psum(jnp.sum(losses), pipeline.AXIS) / (B * T), scale)
+    targets_BxT = targets_mxbxT.reshape(-1, T)
+    losses = jnp.where(targets_BxT >= 0, model.token_losses(x_BxTxD, targets_BxT, par), 0.0)
+    return _scaled(jax.lax.psum(jnp.sum(losses), pipeline.AXIS) / denominator, scale)
 
   specs = jax.tree.map(lambda _: P(), params)
   specs["blocks"] = jax.tree.map(lambda _: P(pipeline.AXIS), params["blocks"])
   return jax.shard_map(
       jax.value_and_grad(local_loss) if with_grad else local_loss,
       mesh=jax.sharding.get_abstract_mesh(),
-      in_specs=(specs, P(), P(), P()),
+      in_specs=(specs, P(), P(), P(), P()),
       out_specs=(P(), specs) if with_grad else P(),
       axis_names={pipeline.AXIS},
-  )(params, microbatched(batch["inputs"]), microbatched(batch["targets"]), scale)
+  )(params, microbatched(batch["inputs"]), microbatched(batch["targets"]), scale, denominator)

@@ -32,6 +32,7 @@ DECAY_STYLES = ("constant", "linear", "cosine", "wsd")
 class Config:
   # model
   preset: str = "tiny"
+  init_from: str | None = None
   num_layers: int | None = None
   hidden_size: int | None = None
   num_attention_heads: int | None = None
@@ -114,11 +115,16 @@ class Config:
     return os.path.abspath(self.ckpt_dir or os.path.join(self.run_path, "checkpoints"))
 
   @property
+  def hf_dir(self) -> str | None:
+    """The Hugging Face checkpoint directory of ``--init-from hf:DIR`` (absolute), or None."""
+    return None if self.init_from is None else os.path.abspath(self.init_from[len("hf:"):])
+
+  @property
   def data_spec(self) -> str:
     """``--data`` as a ``data.load_source`` spec (a Megatron-style blend ``W1 S1 W2 S2``
     becomes ``W1:S1,W2:S2``; ``fineweb:`` and ``megatron:`` prefixes are dropped, the
     loader tells the formats apart)."""
-    parts = [_strip_format(p) for p in self.data]
+    parts = [strip_format(p) for p in self.data]
     if len(parts) == 1:
       return parts[0]
     if len(parts) % 2:
@@ -129,7 +135,7 @@ class Config:
   @property
   def valid_spec(self) -> str | None:
     if self.valid_data is not None:
-      return _strip_format(self.valid_data) or None
+      return strip_format(self.valid_data) or None
     return "stdlib:val" if self.data_spec in ("stdlib", "stdlib:train") else None
 
   def check(self) -> None:
@@ -165,13 +171,23 @@ class Config:
     if any(v is not None for v in multi) and None in multi:
       raise UsageError("multi-host runs need all of --coordinator HOST:PORT, --num-processes"
                        " and --process-id (or --distributed to let JAX detect them)")
+    if self.init_from is not None:
+      if not self.init_from.startswith("hf:") or len(self.init_from) == 3:
+        raise UsageError(f"--init-from {self.init_from}: expected hf:DIR, a Hugging Face"
+                         " checkpoint directory (config.json + safetensors)")
+      shape_flags = [f"--{n.replace('_', '-')}" for n in ("num_layers", "hidden_size", "num_attention_heads")
+                     if getattr(self, n) is not None]
+      if shape_flags:
+        raise UsageError(f"--init-from takes the model's shape from its config.json; drop"
+                         f" {', '.join(shape_flags)}")
     self.data_spec  # noqa: B018  raises on a malformed blend
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
 
 
-def _strip_format(spec: str) -> str:
+def strip_format(spec: str) -> str:
+  """A data spec without its ``fineweb:`` / ``megatron:`` prefix (the loader tells them apart)."""
   for prefix in ("fineweb:", "megatron:"):
     if spec.startswith(prefix):
       return spec[len(prefix):]
@@ -180,6 +196,9 @@ def _strip_format(spec: str) -> str:
 
 HELP = {
     "preset": "model size: %s (default tiny: 4 layers x 128, seq 128)" % "|".join(PRESET_NAMES),
+    "init_from": "hf:DIR: start from a Hugging Face Llama or Qwen3 checkpoint (config.json +"
+                 " safetensors) instead of a random preset; --seq-len sets the training length"
+                 " (default min(max_position_embeddings, 1024))",
     "num_layers": "override the preset's number of transformer layers",
     "hidden_size": "override the preset's model width d_model",
     "num_attention_heads": "override the preset's attention heads (must divide the hidden size)",

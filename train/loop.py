@@ -25,6 +25,7 @@ import dion_jax
 import models
 from dion_jax.parallel import format_mesh_spec
 from train import checkpoint as ckpt_lib
+from train import hf as hf_io
 from train import optim
 from train import step as step_lib
 from train.cli import UsageError
@@ -76,8 +77,18 @@ def _attention(cfg: Config, dtype: str) -> str:
   return cfg.attention
 
 
-def _model_config(cfg: Config, vocab_size: int) -> models.GPTConfig:
+def _model_config(cfg: Config, vocab_size: int | None) -> models.GPTConfig:
   dtype = cfg.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+  if cfg.hf_dir is not None:
+    hf_config = hf_io.read_config(cfg.hf_dir)
+    seq_len = cfg.seq_len or min(hf_config.get("max_position_embeddings", 1024), 1024)
+    model_cfg = hf_io.model_config(cfg.hf_dir, seq_len=seq_len, dtype=dtype, remat=cfg.remat,
+                                   attention=_attention(cfg, dtype))
+    if vocab_size is not None and vocab_size > model_cfg.vocab_size:
+      raise UsageError(f"the data's tokens go up to {vocab_size} but {cfg.hf_dir} has a vocabulary"
+                       f" of {model_cfg.vocab_size}; tokenize the data with its tokenizer"
+                       " (python -m data.convert tokenize --tokenizer DIR)")
+    return model_cfg
   overrides = {"vocab_size": vocab_size, "remat": cfg.remat, "dtype": dtype,
                "attention": _attention(cfg, dtype)}
   for flag, field in (("num_layers", "num_layers"), ("hidden_size", "d_model"),
@@ -141,7 +152,10 @@ def _loss_scaling(cfg: Config, model_cfg: models.GPTConfig) -> tuple[step_lib.Sc
 def config_record(cfg: Config, model_cfg: models.GPTConfig) -> dict:
   train = dataclasses.replace(cfg, run_dir=cfg.run_path,
                               ckpt_dir=cfg.ckpt_path if cfg.ckpt_dir else None).to_json()
-  return {"train": train, "model": dataclasses.asdict(model_cfg)}
+  record = {"train": train, "model": dataclasses.asdict(model_cfg)}
+  if cfg.hf_dir is not None:  # what train.export writes back, even if the directory goes
+    record["hf_config"] = hf_io.read_config(cfg.hf_dir)
+  return record
 
 
 def setup(cfg: Config) -> Run:
@@ -151,7 +165,7 @@ def setup(cfg: Config) -> Run:
   source = data.load_source(cfg.data_spec, progress=jax.process_index() == 0)
   valid_source = data.load_source(cfg.valid_spec, progress=False) if cfg.valid_spec else None
   vocab = cfg.vocab_size or source.vocab_size
-  if vocab is None:
+  if vocab is None and cfg.hf_dir is None:
     raise UsageError(f"--data {' '.join(cfg.data)} does not record its vocabulary size; pass"
                      " --vocab-size (e.g. 50257 for GPT-2 tokens)")
   model_cfg = _model_config(cfg, vocab)
@@ -166,7 +180,10 @@ def setup(cfg: Config) -> Run:
                                    global_batch_size=cfg.global_batch_size, seed=cfg.seed,
                                    shard_index=shard[0], shard_count=shard[1])
   with jax.set_mesh(mesh):
-    graphdef, params = models.init(model_cfg, par, cfg.seed)
+    if cfg.hf_dir is not None and not cfg.resume:
+      graphdef, params = hf_io.load(cfg.hf_dir, model_cfg, par)
+    else:
+      graphdef, params = models.init(model_cfg, par, cfg.seed)
     tx = optim.optimizer(cfg, params, mesh, models.param_specs(params))
     scaling, initial_scale = _loss_scaling(cfg, model_cfg)
     fresh_scale = step_lib.initial_loss_scale(initial_scale)
@@ -231,7 +248,7 @@ def train(run: Run) -> int:
   logger = Logger(cfg.run_path, cfg.steps, tokens_per_step, run.model_cfg.flops_per_token(),
                   run.mesh.size, jax.devices()[0].device_kind, jax.process_index() == 0)
   mesh_desc = format_mesh_spec(dict(run.mesh.shape))
-  logger.message(f"training {cfg.preset} ({run.model_cfg.num_params() / 1e6:.2f}M parameters,"
+  logger.message(f"training {cfg.init_from or cfg.preset} ({run.model_cfg.num_params() / 1e6:.2f}M parameters,"
                  f" {run.model_cfg.dtype}) with {cfg.optimizer} on mesh {mesh_desc}"
                  f" ({jax.process_count()} process(es)), steps {run.start_step + 1}..{cfg.steps},"
                  f" run directory {cfg.run_path}")

@@ -92,15 +92,14 @@ def logits(graphdef: Any, params: Any, tokens_BxT: jax.Array) -> jax.Array:
   """Next-token logits at every position, float32 [B, T, padded vocab], on one device.
 
   ``models.loss`` only ever forms the loss (its logits stay vocab-parallel), so the
-  model's final norm and LM head are applied here to the layers' output.
+  model's final norm and LM head (``GPT.logits``) are applied here to the layers' output.
   """
   par = models.Parallelism()
   model = nnx.merge(graphdef, params)
   rope = gpt.rotary_tables(model.cfg, tokens_BxT.shape[1])
   x_BxTxD = model.embed_tokens(tokens_BxT, par)
   x_BxTxD = gpt.apply_layers(nnx.graphdef(model.blocks), params["blocks"], x_BxTxD, rope, par, model.cfg)
-  h_BxTxD = model.final_norm(x_BxTxD).astype(model.cfg.dtype)
-  return model.lm_head(h_BxTxD, par).astype(jnp.float32)
+  return model.logits(x_BxTxD, par)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))

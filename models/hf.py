@@ -1,0 +1,248 @@
+"""Hugging Face Llama and Qwen3 checkpoints as :class:`GPTConfig` options, and their tensors
+as our parameter leaves (and back), in NumPy: no torch, no file format here.
+
+Configs: :func:`from_hf_config` maps a ``config.json`` dict (``LlamaForCausalLM``,
+``Qwen3ForCausalLM``) onto a :class:`GPTConfig`; :func:`to_hf_config` writes one back.
+
+Tensors. Every parameter leaf of the GPT (``models/gpt.py``'s tree) is read from one
+Hugging Face tensor per layer:
+
+    embed/embedding                   model.embed_tokens.weight          [V, D]
+    blocks/attn_norm/scale            model.layers.{i}.input_layernorm.weight
+    blocks/attn/{query,key,value,out}/kernel   ...self_attn.{q,k,v,o}_proj.weight (transposed)
+    blocks/attn/{query,key}_norm/scale         ...self_attn.{q,k}_norm.weight (Qwen3)
+    blocks/mlp_norm/scale             model.layers.{i}.post_attention_layernorm.weight
+    blocks/mlp/{gate,up,down}/kernel  model.layers.{i}.mlp.{gate,up,down}_proj.weight (transposed)
+    final_norm/scale                  model.norm.weight
+    lm_head/kernel                    lm_head.weight (transposed; absent when tied)
+
+with three changes of form, each exact: torch's ``(fan_out, fan_in)`` weights become Flax's
+``(fan_in, fan_out)`` kernels; the vocabulary is padded with zero rows to
+``padded_vocab`` (and those rows masked out of the softmax: ``mask_vocab_padding``); and
+the second half of every query and key head changes sign. Our rotary embedding rotates
+each pair (x[i], x[i + H/2]) by minus the angle (the reference's convention), Hugging
+Face's by plus it; negating x[i + H/2] of both query and key maps one onto the other and
+leaves every query-key product, hence the model, unchanged (QK-norm scales are per
+dimension and commute with it).
+
+:func:`read_leaf` assembles any slice of a leaf from slices of the tensors, so that a
+process reads only what its devices hold (``train/hf.py``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from models.config import GPTConfig
+from models.sharding import to_stages
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+
+# leaf path (without "blocks/") -> Hugging Face name, with {i} the layer.
+_LAYER_NAMES = {
+    "attn_norm/scale": "model.layers.{i}.input_layernorm.weight",
+    "attn/query/kernel": "model.layers.{i}.self_attn.q_proj.weight",
+    "attn/key/kernel": "model.layers.{i}.self_attn.k_proj.weight",
+    "attn/value/kernel": "model.layers.{i}.self_attn.v_proj.weight",
+    "attn/out/kernel": "model.layers.{i}.self_attn.o_proj.weight",
+    "attn/query_norm/scale": "model.layers.{i}.self_attn.q_norm.weight",
+    "attn/key_norm/scale": "model.layers.{i}.self_attn.k_norm.weight",
+    "mlp_norm/scale": "model.layers.{i}.post_attention_layernorm.weight",
+    "mlp/gate/kernel": "model.layers.{i}.mlp.gate_proj.weight",
+    "mlp/up/kernel": "model.layers.{i}.mlp.up_proj.weight",
+    "mlp/down/kernel": "model.layers.{i}.mlp.down_proj.weight",
+}
+_TOP_NAMES = {
+    "embed/embedding": "model.embed_tokens.weight",
+    "final_norm/scale": "model.norm.weight",
+    "lm_head/kernel": "lm_head.weight",
+}
+_ROTATED = ("attn/query/kernel", "attn/key/kernel")
+
+
+class UnsupportedCheckpoint(ValueError):
+  """A Hugging Face checkpoint this model cannot represent (one line: what and why)."""
+
+
+def from_hf_config(hf: dict, *, seq_len: int, dtype: str = "float32", **options) -> GPTConfig:
+  """The :class:`GPTConfig` of a Hugging Face ``config.json`` dict.
+
+  Args:
+    hf: the parsed config.json.
+    seq_len: training sequence length (a checkpoint only records its maximum).
+    dtype: compute dtype.
+    options: other GPTConfig fields (remat, attention, unroll).
+
+  Raises:
+    UnsupportedCheckpoint: another architecture, or an option we do not implement.
+  """
+  archs = hf.get("architectures") or []
+  kind = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+  if kind is None:
+    raise UnsupportedCheckpoint(f"architecture {archs or hf.get('model_type')} is not supported;"
+                                f" supported: {', '.join(ARCHITECTURES)}")
+  rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  checks = {
+      "hidden_act": (hf.get("hidden_act", "silu"), "silu"),
+      "attention_bias": (bool(hf.get("attention_bias", False)), False),
+      "mlp_bias": (bool(hf.get("mlp_bias", False)), False),
+      "rope type": (rope_type, "default"),
+      "use_sliding_window": (bool(hf.get("use_sliding_window", False)), False),
+  }
+  for name, (got, want) in checks.items():
+    if got != want:
+      raise UnsupportedCheckpoint(f"{archs[0]} with {name}={got!r} is not supported (only {want!r})")
+  theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+  heads = hf["num_attention_heads"]
+  return GPTConfig(
+      vocab_size=hf["vocab_size"], num_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"],
+      num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, mlp_dim=hf["intermediate_size"],
+      mlp="swiglu", qk_norm="rms_scale" if kind == "qwen3" else "none",
+      norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_base=float(theta),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)), mask_vocab_padding=True,
+      seq_len=seq_len, dtype=dtype, **options)
+
+
+def to_hf_config(cfg: GPTConfig, base: dict | None = None) -> dict:
+  """A ``config.json`` dict for ``cfg``: ``base`` (the imported checkpoint's, keeping its
+  token ids and the like) with our fields written over it.
+
+  Raises:
+    UnsupportedCheckpoint: ``cfg`` is no Llama or Qwen3 (the reference GPT's ReLU² MLP
+      and unscaled QK-norm have no Hugging Face architecture).
+  """
+  if cfg.mlp != "swiglu" or cfg.qk_norm == "rms":
+    raise UnsupportedCheckpoint(
+        f"this model (mlp={cfg.mlp}, qk_norm={cfg.qk_norm}) is no Llama or Qwen3: only models"
+        " with mlp=swiglu and qk_norm none (Llama) or rms_scale (Qwen3) export")
+  qwen3 = cfg.qk_norm == "rms_scale"
+  out = dict(base or {})
+  out.pop("rope_scaling", None)
+  out.update(
+      architectures=["Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"],
+      model_type="qwen3" if qwen3 else "llama", vocab_size=cfg.vocab_size,
+      hidden_size=cfg.d_model, intermediate_size=cfg.d_mlp, num_hidden_layers=cfg.num_layers,
+      num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+      hidden_act="silu", rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_base,
+      rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base},
+      tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, torch_dtype="float32")
+  out.setdefault("max_position_embeddings", cfg.seq_len)
+  if not qwen3:
+    out["mlp_bias"] = False
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSource:
+  """Where one parameter leaf comes from.
+
+  Attributes:
+    names: the Hugging Face tensor of each layer of the stack (one name when not stacked).
+    transpose: the tensor is torch's (fan_out, fan_in) of our (fan_in, fan_out) kernel.
+    head_dim: flip the sign of the second half of each head of the kernel's columns
+      (query and key; 0: none).
+    padded_axis: our axis holding the vocabulary, padded with zeros past ``vocab``.
+    vocab: the real vocabulary size.
+  """
+  names: tuple[str, ...]
+  transpose: bool
+  head_dim: int = 0
+  padded_axis: int | None = None
+  vocab: int = 0
+
+
+def leaf_sources(cfg: GPTConfig) -> dict[str, LeafSource]:
+  """The :class:`LeafSource` of every leaf, by its '/'-joined path (blocks in layer order)."""
+  layers = range(cfg.num_layers)
+  out = {}
+  for path, name in _TOP_NAMES.items():
+    if path == "lm_head/kernel" and cfg.tie_embeddings:
+      continue
+    padded = {"embed/embedding": 0, "lm_head/kernel": 1}.get(path)
+    out[path] = LeafSource((name,), path.endswith("kernel"), padded_axis=padded, vocab=cfg.vocab_size)
+  for path, name in _LAYER_NAMES.items():
+    if (("gate" in path and cfg.mlp != "swiglu")
+        or ("_norm/" in path and path.startswith("attn/") and cfg.qk_norm != "rms_scale")):
+      continue
+    out["blocks/" + path] = LeafSource(tuple(name.format(i=i) for i in layers), path.endswith("kernel"),
+                                       head_dim=cfg.head_dim if path in _ROTATED else 0)
+  return out
+
+
+def _head_signs(columns: slice, head_dim: int) -> np.ndarray:
+  c = np.arange(columns.start, columns.stop)
+  return np.where(c % head_dim >= head_dim // 2, -1.0, 1.0).astype(np.float32)
+
+
+def read_core(source: LeafSource, name: str, index: tuple[slice, ...], shape: tuple[int, ...],
+              get: Callable[[str, tuple[slice, ...]], np.ndarray]) -> np.ndarray:
+  """Slice ``index`` of one (non-stacked) leaf of global ``shape`` as float32, from
+  ``get(name, hf_index)``, which reads a slice of a Hugging Face tensor."""
+  index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+  want = tuple(s.stop - s.start for s in index)
+  read = list(index)
+  if source.padded_axis is not None:  # rows past the vocabulary are padding: zeros
+    s = index[source.padded_axis]
+    read[source.padded_axis] = slice(min(s.start, source.vocab), min(s.stop, source.vocab))
+  hf_index = tuple(read[::-1]) if source.transpose else tuple(read)
+  x = np.asarray(get(name, hf_index)).astype(np.float32)
+  if source.transpose:
+    x = x.T
+  if x.shape != want:
+    x = np.pad(x, [(0, w - g) for w, g in zip(want, x.shape)])
+  if source.head_dim:
+    x = x * _head_signs(index[-1], source.head_dim)
+  return x
+
+
+def read_leaf(source: LeafSource, index: tuple[slice, ...], shape: tuple[int, ...], pp: int,
+              virtual_stages: int, get: Callable[[str, tuple[slice, ...]], np.ndarray]) -> np.ndarray:
+  """Slice ``index`` of a leaf of global ``shape``: stacked leaves ``(stages, layers per
+  stage, ...)`` in ``pp``'s stage layout (:func:`models.to_stages`), others as they are."""
+  if not is_stacked(source):
+    return read_core(source, source.names[0], index, shape, get)
+  layer_ids = to_stages(np.arange(len(source.names)), pp, virtual_stages)  # [S, Ls]
+  ids = layer_ids[index[0], index[1]]
+  core_index, core_shape = index[2:], shape[2:]
+  rows = [[read_core(source, source.names[i], core_index, core_shape, get) for i in row] for row in ids]
+  return np.asarray(rows, np.float32).reshape(ids.shape + rows[0][0].shape)
+
+
+def is_stacked(source: LeafSource) -> bool:
+  """Whether the leaf is a stack of layers (one tensor per layer)."""
+  return source.names[0].startswith("model.layers.")
+
+
+def to_hf_tensors(cfg: GPTConfig, params: Any) -> dict[str, np.ndarray]:
+  """Hugging Face tensors (float32) of host ``params`` whose blocks are in layer order
+  ``[num_layers, ...]`` (``models.to_layers``)."""
+  flat = flatten(params)
+  out = {}
+  for path, source in leaf_sources(cfg).items():
+    x = np.asarray(flat[path], np.float32)
+    layers = x if is_stacked(source) else x[None]
+    for name, w in zip(source.names, layers):
+      if source.head_dim:
+        w = w * _head_signs(slice(0, w.shape[-1]), source.head_dim)
+      if source.padded_axis is not None:
+        w = np.take(w, np.arange(cfg.vocab_size), axis=source.padded_axis)
+      out[name] = np.ascontiguousarray(w.T if source.transpose else w)
+  unknown = set(flat) - set(leaf_sources(cfg))
+  if unknown:
+    raise UnsupportedCheckpoint(f"parameters {sorted(unknown)} have no Hugging Face tensor")
+  return out
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+  """Leaves of a nested dict by their '/'-joined path."""
+  if not isinstance(tree, dict):
+    return {prefix: tree}
+  out = {}
+  for k, v in tree.items():
+    out.update(flatten(v, f"{prefix}/{k}" if prefix else str(k)))
+  return out

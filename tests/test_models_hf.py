@@ -1,0 +1,110 @@
+"""Hugging Face Llama and Qwen3 checkpoints imported into the GPT: transformers (PyTorch,
+CPU) is the independent reference. Tiny random models are built from configs (no
+download) and written with ``save_pretrained``."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dion_jax
+import models
+from models import hf as hf_map
+from train import hf as hf_io
+from train import sample
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+SEQ = 12
+COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
+ARCHS = {
+    # vocab 200: padded to 256, its padding masked; GQA 4 query heads over 2 kv heads
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+              dict(vocab_size=200, tie_word_embeddings=False, rope_theta=5e5)),
+    # an explicit head_dim (32 != 64 / 4), QK-norm with scales, tied embeddings
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+              dict(vocab_size=256, head_dim=32, tie_word_embeddings=True)),
+}
+
+
+def make_hf_model(arch: str, directory, seed: int = 0, **overrides):
+  """A random tiny ``arch`` model saved in ``directory``; returns the torch model."""
+  config_cls, model_cls, extra = ARCHS[arch]
+  torch.manual_seed(seed)
+  config = config_cls(**{**COMMON, **extra, **overrides}, attn_implementation="eager")
+  model = model_cls(config).eval()
+  with torch.no_grad():  # random norm scales, so that a misplaced scale shows
+    for name, p in model.named_parameters():
+      if name.endswith("norm.weight"):
+        p.copy_(1 + 0.5 * torch.randn_like(p))
+  model.save_pretrained(directory, safe_serialization=True)
+  return model
+
+
+def hf_logits(model, tokens_BxT: np.ndarray) -> np.ndarray:
+  with torch.no_grad():
+    return model(torch.as_tensor(tokens_BxT, dtype=torch.long)).logits.double().numpy()
+
+
+def tokens(vocab: int, seed: int = 0, batch: int = 4) -> np.ndarray:
+  return np.random.default_rng(seed).integers(0, vocab, (batch, SEQ + 1)).astype(np.int32)
+
+
+def np_loss(logits_BxTxV: np.ndarray, targets_BxT: np.ndarray) -> float:
+  m = logits_BxTxV.max(-1, keepdims=True)
+  lse = np.log(np.exp(logits_BxTxV - m).sum(-1)) + m[..., 0]
+  return float(np.mean(lse - np.take_along_axis(logits_BxTxV, targets_BxT[..., None], -1)[..., 0]))
+
+
+def our_logits(cfg, graphdef, params, tokens_BxT) -> np.ndarray:
+  params = dict(params, blocks=models.to_layers(params["blocks"], 1))
+  return np.asarray(sample.logits(graphdef, params, jnp.asarray(tokens_BxT)))[..., :cfg.vocab_size]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_import_matches_transformers_logits(tmp_path, arch):
+  model = make_hf_model(arch, tmp_path)
+  cfg = hf_io.model_config(str(tmp_path), seq_len=SEQ)
+  assert cfg.kv_heads == 2 and cfg.mlp == "swiglu"
+  graphdef, params = hf_io.load(str(tmp_path), cfg, models.Parallelism())
+  t = tokens(cfg.vocab_size)[:, :-1]
+  np.testing.assert_allclose(our_logits(cfg, graphdef, params, t), hf_logits(model, t), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_import_on_fs_tp_pp_mesh(tmp_path, arch):
+  """Read onto fs=2,tp=2,pp=2 slice by slice: the same arrays as on one device, and the
+  mesh's loss is transformers' loss."""
+  model = make_hf_model(arch, tmp_path)
+  cfg = hf_io.model_config(str(tmp_path), seq_len=SEQ)
+  mesh = dion_jax.make_mesh("fs=2,tp=2,pp=2", jax.devices()[:8])
+  par = models.Parallelism(mesh, microbatches=2)
+  graphdef, params = hf_io.load(str(tmp_path), cfg, par)
+  _, single = hf_io.load(str(tmp_path), cfg, models.Parallelism())
+  layered = dict(params, blocks=models.to_layers(params["blocks"], 2))
+  single = dict(single, blocks=models.to_layers(single["blocks"], 1))
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), layered, single)
+  t = tokens(cfg.vocab_size)
+  batch = {"inputs": jnp.asarray(t[:, :-1]), "targets": jnp.asarray(t[:, 1:])}
+  with jax.set_mesh(mesh):
+    loss = float(jax.jit(lambda p, b: models.loss(graphdef, p, b, par))(params, batch))
+  assert loss == pytest.approx(np_loss(hf_logits(model, t[:, :-1]), t[:, 1:]), rel=1e-5)
+
+
+def test_kv_heads_must_split_over_tp(tmp_path):
+  make_hf_model("llama", tmp_path, num_key_value_heads=1)
+  cfg = hf_io.model_config(str(tmp_path), seq_len=SEQ)
+  mesh = dion_jax.make_mesh("tp=2", jax.devices()[:2])
+  with pytest.raises(ValueError, match="num_kv_heads=1"):
+    hf_io.load(str(tmp_path), cfg, models.Parallelism(mesh))
+
+
+def test_unsupported_checkpoints_are_named():
+  base = {**COMMON, "vocab_size": 10, "architectures": ["LlamaForCausalLM"]}
+  with pytest.raises(hf_map.UnsupportedCheckpoint, match="GPT2LMHeadModel"):
+    hf_map.from_hf_config({**base, "architectures": ["GPT2LMHeadModel"]}, seq_len=8)
+  with pytest.raises(hf_map.UnsupportedCheckpoint, match="rope type='llama3'"):
+    hf_map.from_hf_config({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, seq_len=8)
+  with pytest.raises(hf_map.UnsupportedCheckpoint, match="no Llama or Qwen3"):
+    hf_map.to_hf_config(models.preset("tiny"))

@@ -1,0 +1,121 @@
+"""Hugging Face checkpoints through the command lines: fine-tune with ``train.gpt --init-from
+hf:DIR``, ``train.export`` back (transformers loads it with our logits; import of the export
+is bit-exact), ``train.eval`` on both; bad input is one line and exit 2."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from tests.test_models_hf import hf_logits, make_hf_model, np_loss
+from train import eval as eval_lib
+from train import export as export_lib
+from train import gpt
+from train import hf as hf_io
+from train import sample
+
+transformers = pytest.importorskip("transformers")
+
+SEQ = 16
+# A vocabulary above the byte tokenizer's 257 so that the embedded corpus can train it.
+VOCAB = 384
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """A tiny random Qwen3 (tied embeddings, explicit head_dim) fine-tuned 2 steps on fs=2,tp=2."""
+  root = tmp_path_factory.mktemp("hf")
+  source = root / "qwen3"
+  make_hf_model("qwen3", source, vocab_size=VOCAB)
+  (source / "tokenizer.json").write_text("{}")  # copied by the export, never parsed here
+  run = root / "run"
+  flags = ["--init-from", f"hf:{source}", "--steps", "2", "--global-batch-size", "4",
+           "--seq-len", str(SEQ), "--run-dir", str(run), "--eval-every", "0", "--eval-tokens", "0",
+           "--mesh", "fs=2,tp=2", "--save-every", "2", "--log-interval", "1", "--lr", "0.01"]
+  assert gpt.main(flags) == 0
+  return source, run
+
+
+def _records(run):
+  with open(run / "metrics.jsonl") as f:
+    return [json.loads(line) for line in f if '"loss"' in line]
+
+
+def test_fine_tune_export_loads_in_transformers(trained, tmp_path):
+  source, run = trained
+  assert [r["step"] for r in _records(run)] == [1, 2]
+  out = tmp_path / "export"
+  assert export_lib.main([str(run), "--output", str(out)]) == 0
+  assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out))
+  model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+  restored = sample.restore(str(run))
+  tokens = np.random.default_rng(0).integers(0, VOCAB, (2, SEQ)).astype(np.int32)
+  ours = np.asarray(sample.logits(restored.graphdef, restored.params, jnp.asarray(tokens)))[..., :VOCAB]
+  np.testing.assert_allclose(ours, hf_logits(model, tokens), atol=1e-4, rtol=0)
+  # the model trained: its weights moved away from the source's
+  _, initial = hf_io.load(str(source), restored.cfg, models.Parallelism())
+  assert not np.allclose(np.asarray(initial["embed"]["embedding"]), np.asarray(restored.params["embed"]["embedding"]))
+
+
+def test_import_export_import_is_bit_exact(trained, tmp_path):
+  _, run = trained
+  restored = sample.restore(str(run))
+  out = tmp_path / "sharded"
+  # a shard limit below the model's size: several files and an index
+  assert export_lib.main([str(run), "--output", str(out), "--max-shard-bytes", "100000"]) == 0
+  assert (out / "model.safetensors.index.json").exists()
+  cfg = hf_io.model_config(str(out), seq_len=SEQ)
+  _, params = hf_io.load(str(out), cfg, models.Parallelism())
+  params = dict(params, blocks=models.to_layers(params["blocks"], 1))
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, restored.params)
+
+
+def test_eval_of_run_and_export_agree_with_transformers(trained, tmp_path, capsys):
+  _, run = trained
+  out = tmp_path / "export"
+  assert export_lib.main([str(run), "--output", str(out)]) == 0
+  capsys.readouterr()
+  flags = ["--data", "stdlib:val", "--tokens", "100", "--seq-len", str(SEQ)]
+  losses = []
+  for model in (str(run), f"hf:{out}"):
+    assert eval_lib.main([model, *flags]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("validation lm loss: ") and "perplexity" in line
+    losses.append(float(line.split()[3]))
+  assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+  # the definition, recomputed from transformers: windows i·T .. i·T + T of the first 100 tokens
+  w = eval_lib.windows("stdlib:val", 100, SEQ)
+  assert w.shape == (6, SEQ + 1)
+  model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+  assert losses[1] == pytest.approx(np_loss(hf_logits(model, w[:, :-1]), w[:, 1:]), rel=1e-5)
+
+
+def test_bad_input_one_line_exit_2(trained, tmp_path, capsys):
+  source, run = trained
+  bad = tmp_path / "gpt2"
+  bad.mkdir()
+  config = json.loads((source / "config.json").read_text())
+  (bad / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+  cases = [
+      (gpt.main, ["--init-from", f"hf:{bad}", "--run-dir", str(tmp_path / "r1")], "GPT2LMHeadModel"),
+      (gpt.main, ["--init-from", f"hf:{source}", "--num-layers", "3", "--run-dir", str(tmp_path / "r2")],
+       "--num-layers"),
+      (eval_lib.main, [f"hf:{tmp_path / 'missing'}", "--data", "stdlib:val"], "config.json"),
+      (export_lib.main, [str(run), "--output", str(source)], "already exists"),
+  ]
+  for main, argv, message in cases:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and message in err, err
+  # mismatched shapes: config.json says more layers than the weights hold
+  wrong = tmp_path / "wrong"
+  wrong.mkdir()
+  (wrong / "config.json").write_text(json.dumps({**config, "intermediate_size": 100}))
+  os.symlink(source / "model.safetensors", wrong / "model.safetensors")
+  assert eval_lib.main([f"hf:{wrong}", "--data", "stdlib:val"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert "mlp.gate_proj.weight has shape" in err and "\n" not in err
+  assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()

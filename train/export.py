@@ -1,0 +1,77 @@
+"""A run's checkpoint as a Hugging Face checkpoint: ``python -m train.export RUN_DIR --output DIR``.
+
+Writes ``config.json`` (the imported checkpoint's, with the model's fields written over it,
+when the run started from ``--init-from hf:DIR``), the weights as ``model.safetensors`` (or
+shards and ``model.safetensors.index.json`` above ``--max-shard-bytes``) and, for a run
+from a Hugging Face checkpoint, its tokenizer files. Only Llama- and Qwen3-shaped models
+export (``models/hf.py``). Atomic: the files go to a temporary directory beside DIR,
+renamed to DIR only when complete, so a failed export leaves nothing.
+
+Bad input prints one ``error: ...`` line on stderr and exits with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+
+from models import hf as hf_map
+from train import cli
+from train import hf as hf_io
+from train import sample
+from train.cli import UsageError
+
+
+def export(run_dir: str, output: str, step: int | None = None,
+           max_shard_bytes: int = hf_io.MAX_SHARD_BYTES) -> list[str]:
+  """Exports checkpoint ``step`` (the latest when None) of ``run_dir`` to ``output``;
+  returns the files written."""
+  run_dir = os.path.abspath(run_dir)
+  if os.path.exists(output):
+    raise UsageError(f"{output} already exists; choose a new --output directory")
+  restored = sample.restore(run_dir, step)
+  try:
+    hf_map.to_hf_config(restored.cfg)
+  except hf_map.UnsupportedCheckpoint as e:
+    raise UsageError(str(e)) from None
+  with open(os.path.join(run_dir, "config.json")) as f:
+    record = json.load(f)
+  tokenizer_from = record["train"].get("init_from")
+  tokenizer_from = tokenizer_from[3:] if tokenizer_from else None
+  params = jax.tree.map(np.asarray, restored.params)
+  return hf_io.save(output, restored.cfg, params, record.get("hf_config"), tokenizer_from,
+                    max_shard_bytes)
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = cli.Parser(prog="python -m train.export",
+                      description="Write a run's checkpoint as a Hugging Face checkpoint directory.")
+  parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of python -m train.gpt")
+  parser.add_argument("--output", required=True, metavar="DIR", help="directory to create (must not exist)")
+  parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+  parser.add_argument("--max-shard-bytes", type=int, default=hf_io.MAX_SHARD_BYTES,
+                      help="split the weights into shards of at most this size (default 2 GiB)")
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  def start():
+    args = _parser().parse_args(argv)
+    if args.max_shard_bytes < 1:
+      raise UsageError(f"--max-shard-bytes must be positive, got {args.max_shard_bytes}")
+    return args, export(args.run_dir, args.output, args.step, args.max_shard_bytes)
+
+  def report(done) -> int:
+    args, files = done
+    print(f"exported {args.run_dir} to {args.output}: {', '.join(files)}")
+    return 0
+
+  return cli.run(start, report)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

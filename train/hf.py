@@ -1,0 +1,173 @@
+"""Hugging Face checkpoint directories: read onto a mesh, written atomically.
+
+A directory holds ``config.json`` and the weights as ``model.safetensors`` or as shards
+named by ``model.safetensors.index.json`` (its ``weight_map``: tensor -> file), plus the
+tokenizer's files. Reading goes through the ``safetensors`` library, leaf by leaf with
+``jax.make_array_from_callback``: each process reads, with ``safe_open(...).get_slice``,
+only the slices its own devices hold, so no host ever holds the whole model. The mapping
+of names and layouts is ``models/hf.py``'s. Nothing here imports torch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import jax
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+import models
+from models import hf as hf_map
+from train.cli import UsageError
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
+# Above this many bytes of weights an export is split into shards (transformers' default
+# max_shard_size is 5 GB; smaller shards load with less peak memory).
+MAX_SHARD_BYTES = 2 * 2**30
+
+
+def read_config(directory: str) -> dict:
+  """The checkpoint's config.json; a missing directory or file is a UsageError."""
+  path = os.path.join(directory, CONFIG)
+  if not os.path.isfile(path):
+    raise UsageError(f"{directory}: no {CONFIG}; pass a Hugging Face checkpoint directory"
+                     " (config.json + safetensors)")
+  with open(path) as f:
+    return json.load(f)
+
+
+def model_config(directory: str, **kwargs) -> models.GPTConfig:
+  """:func:`models.hf.from_hf_config` of the directory's config, errors as UsageError."""
+  try:
+    return hf_map.from_hf_config(read_config(directory), **kwargs)
+  except (hf_map.UnsupportedCheckpoint, KeyError) as e:
+    raise UsageError(f"{directory}: {e if not isinstance(e, KeyError) else f'config.json lacks {e}'}") from None
+
+
+def _weight_files(directory: str) -> dict[str, str]:
+  """Tensor name -> the safetensors file that holds it."""
+  index = os.path.join(directory, INDEX)
+  if os.path.isfile(index):
+    with open(index) as f:
+      return {k: os.path.join(directory, v) for k, v in json.load(f)["weight_map"].items()}
+  single = os.path.join(directory, SINGLE)
+  if not os.path.isfile(single):
+    raise UsageError(f"{directory}: neither {SINGLE} nor {INDEX}; only safetensors weights are read")
+  with safe_open(single, "np") as f:
+    return dict.fromkeys(f.keys(), single)
+
+
+class _Reader:
+  """Slices of the directory's tensors, files opened once."""
+
+  def __init__(self, directory: str):
+    self.directory = directory
+    self.files = _weight_files(directory)
+    self._open: dict[str, Any] = {}
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self._handle(name).get_slice(name).get_shape())
+
+  def _handle(self, name: str):
+    if name not in self.files:
+      raise UsageError(f"{self.directory}: the checkpoint has no tensor {name}")
+    path = self.files[name]
+    if path not in self._open:
+      self._open[path] = safe_open(path, "np")
+    return self._open[path]
+
+  def __call__(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+    return self._handle(name).get_slice(name)[index]
+
+
+def _check_shapes(cfg: models.GPTConfig, reader: _Reader, directory: str) -> None:
+  """Every tensor the model needs exists with the shape the config implies."""
+  flat = hf_map.flatten(jax.tree.map(lambda s: s.shape, models.abstract(cfg)[1]))
+  for path, source in hf_map.leaf_sources(cfg).items():
+    shape = flat[path][2:] if hf_map.is_stacked(source) else flat[path]
+    if source.padded_axis is not None:
+      shape = tuple(cfg.vocab_size if a == source.padded_axis else n for a, n in enumerate(shape))
+    want = tuple(reversed(shape)) if source.transpose else tuple(shape)
+    for name in source.names:
+      got = reader.shape(name)
+      if got != want:
+        raise UsageError(f"{directory}: tensor {name} has shape {list(got)}, but config.json"
+                         f" implies {list(want)}")
+
+
+def load(directory: str, cfg: models.GPTConfig, par: models.Parallelism) -> tuple[Any, Any]:
+  """``(graphdef, params)`` of the checkpoint in ``directory``, laid out like
+  ``models.init(cfg, par)``'s: each leaf built on the mesh from the slices of its devices."""
+  reader = _Reader(directory)
+  _check_shapes(cfg, reader, directory)
+  graphdef, shapes = models.abstract(cfg, par)
+  sources = hf_map.leaf_sources(cfg)
+
+  def build(path, struct):
+    source = sources["/".join(str(getattr(k, "key", k)) for k in path)]
+
+    def read(index):
+      return hf_map.read_leaf(source, index, struct.shape, par.pp, par.virtual_stages, reader)
+
+    if par.mesh is None:
+      return jax.device_put(read(tuple(slice(None) for _ in struct.shape)))
+    return jax.make_array_from_callback(struct.shape, struct.sharding, read)
+
+  return graphdef, jax.tree_util.tree_map_with_path(build, shapes)
+
+
+def save(directory: str, cfg: models.GPTConfig, params: Any, base_config: dict | None = None,
+         tokenizer_from: str | None = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+  """Writes host ``params`` (blocks in layer order) as a Hugging Face checkpoint into
+  ``directory``, which must not exist: everything goes to a temporary directory beside it,
+  renamed into place only when complete. Returns the files written."""
+  if os.path.exists(directory):
+    raise UsageError(f"{directory} already exists; choose a new --output directory")
+  config = hf_map.to_hf_config(cfg, base_config)
+  tensors = hf_map.to_hf_tensors(cfg, params)
+  parent = os.path.dirname(os.path.abspath(directory))
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+  try:
+    with open(os.path.join(tmp, CONFIG), "w") as f:
+      json.dump(config, f, indent=2)
+    _write_weights(tmp, tensors, max_shard_bytes)
+    for name in TOKENIZER_FILES if tokenizer_from else ():
+      if os.path.isfile(os.path.join(tokenizer_from, name)):
+        shutil.copy(os.path.join(tokenizer_from, name), tmp)
+    os.rename(tmp, directory)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  return sorted(os.listdir(directory))
+
+
+def _write_weights(directory: str, tensors: dict[str, np.ndarray], max_shard_bytes: int) -> None:
+  total = sum(t.nbytes for t in tensors.values())
+  metadata = {"format": "pt"}  # transformers refuses safetensors files without it
+  if total <= max_shard_bytes:
+    save_file(tensors, os.path.join(directory, SINGLE), metadata=metadata)
+    return
+  shards: list[dict[str, np.ndarray]] = [{}]
+  size = 0
+  for name, t in tensors.items():
+    if size and size + t.nbytes > max_shard_bytes:
+      shards.append({})
+      size = 0
+    shards[-1][name] = t
+    size += t.nbytes
+  weight_map = {}
+  for k, shard in enumerate(shards, 1):
+    file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+    save_file(shard, os.path.join(directory, file), metadata=metadata)
+    weight_map.update(dict.fromkeys(shard, file))
+  with open(os.path.join(directory, INDEX), "w") as f:
+    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
