@@ -100,7 +100,10 @@ class Attention(nnx.Module):
     return _rotary(z_BxTxNxH, *rope)
 
   def __call__(self, x_BxTxD: jax.Array, rope: tuple[jax.Array, jax.Array], par: Parallelism,
-               segment_ids_BxT: jax.Array | None = None) -> jax.Array:
+               segment_ids_BxT: jax.Array | None = None, logit_max: bool = False
+               ) -> tuple[jax.Array, jax.Array | None]:
+    """The attention's output [B, T, D], and with ``logit_max`` each query head's largest
+    pre-softmax logit [N] (else None)."""
     B, T, _ = x_BxTxD.shape
     H = self.cfg.head_dim
 
@@ -123,7 +126,24 @@ class Attention(nnx.Module):
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask=mask, is_causal=True,
         implementation=self.cfg.attention)
     o_BxTxNxH = par.constrain(o_BxTxNxH.astype(dtype), "batch", None, "heads", None)
-    return self.out(o_BxTxNxH.reshape(B, T, -1), par)
+    out = self.out(o_BxTxNxH.reshape(B, T, -1), par)
+    return out, (_logit_max(q_BxTxNxH, k_BxTxKxH, segment_ids_BxT) if logit_max else None)
+
+
+def _logit_max(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, segment_ids_BxT: jax.Array | None) -> jax.Array:
+  """Each query head's largest logit q·k/sqrt(H) over the positions it attends to, [N]
+  float32, for QK-clip: the scores again, outside the attention kernel (cuDNN's never
+  leave it), without a gradient. Query head n reads key head n // (N/K), as in
+  ``jax.nn.dot_product_attention``."""
+  B, T, N, H = q_BxTxNxH.shape
+  K = k_BxTxKxH.shape[2]
+  q_BxTxKxGxH = jax.lax.stop_gradient(q_BxTxNxH).astype(jnp.float32).reshape(B, T, K, N // K, H)
+  k_BxTxKxH = jax.lax.stop_gradient(k_BxTxKxH).astype(jnp.float32)
+  s_BxKxGxTxT = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxTxKxH) / math.sqrt(H)
+  mask = jnp.tril(jnp.ones((T, T), bool))
+  if segment_ids_BxT is not None:
+    mask = mask & (segment_ids_BxT[:, None, None, :, None] == segment_ids_BxT[:, None, None, None, :])
+  return jnp.max(jnp.where(mask, s_BxKxGxTxT, -jnp.inf), axis=(0, 3, 4)).reshape(N)
 
 
 def _rotary(x_BxTxNxH: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -174,15 +194,17 @@ class Block(nnx.Module):
     self.dtype = jnp.dtype(cfg.dtype)
 
   def __call__(self, x_BxTxD: jax.Array, rope, par: Parallelism,
-               segment_ids_BxT: jax.Array | None = None) -> jax.Array:
+               segment_ids_BxT: jax.Array | None = None, logit_max: bool = False
+               ) -> tuple[jax.Array, jax.Array | None]:
+    """The layer's output, and with ``logit_max`` its attention's logit maxima [N]."""
     # With SP the norms run on sequence shards; the constraint to a full sequence before
     # each column-parallel product is the all-gather, the one after each row-parallel
     # product the reduce-scatter.
     h = par.constrain(self.attn_norm(x_BxTxD).astype(self.dtype), "batch", None, None)
-    attn = self.attn(h, rope, par, segment_ids_BxT)
+    attn, logits_N = self.attn(h, rope, par, segment_ids_BxT, logit_max)
     x_BxTxD += par.constrain(attn.astype(jnp.float32), "batch", "seq", None)
     h = par.constrain(self.mlp_norm(x_BxTxD).astype(self.dtype), "batch", None, None)
-    return x_BxTxD + par.constrain(self.mlp(h, par).astype(jnp.float32), "batch", "seq", None)
+    return x_BxTxD + par.constrain(self.mlp(h, par).astype(jnp.float32), "batch", "seq", None), logits_N
 
 
 class GPT(nnx.Module):
@@ -239,8 +261,10 @@ class GPT(nnx.Module):
 
 
 def apply_layers(block_graphdef: Any, layers: Any, x_BxTxD: jax.Array, rope,
-                 par: Parallelism, cfg: GPTConfig, segment_ids_BxT: jax.Array | None = None) -> jax.Array:
-  """Runs the layers ``layers`` (leaves [L, ...], in order) over ``x`` with a scan.
+                 par: Parallelism, cfg: GPTConfig, segment_ids_BxT: jax.Array | None = None,
+                 logit_max: bool = False) -> Any:
+  """Runs the layers ``layers`` (leaves [L, ...], in order) over ``x`` with a scan;
+  with ``logit_max`` returns ``(x, logit maxima [L, N])`` (:func:`loss`).
 
   The backward pass keeps only matrix products (``dots_saveable``; nothing with
   ``remat``): each layer's parameters are sliced from the stack inside the checkpointed
@@ -250,13 +274,14 @@ def apply_layers(block_graphdef: Any, layers: Any, x_BxTxD: jax.Array, rope,
 
   def layer(x, i):
     params = jax.tree.map(lambda stack: stack[i], layers)
-    return nnx.merge(block_graphdef, params)(x, rope, par, segment_ids_BxT), None
+    return nnx.merge(block_graphdef, params)(x, rope, par, segment_ids_BxT, logit_max)
 
   policies = jax.checkpoint_policies
   policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
   layer = jax.checkpoint(layer, policy=policy)
   num_layers = jax.tree.leaves(layers)[0].shape[0]
-  return jax.lax.scan(layer, x_BxTxD, jnp.arange(num_layers), unroll=cfg.unroll)[0]
+  x_BxTxD, logits_LxN = jax.lax.scan(layer, x_BxTxD, jnp.arange(num_layers), unroll=cfg.unroll)
+  return (x_BxTxD, logits_LxN) if logit_max else x_BxTxD
 
 
 def _create(cfg: GPTConfig, par: Parallelism, seed: int) -> Callable[[], Any]:
@@ -301,10 +326,15 @@ def init(cfg: GPTConfig, par: Parallelism = Parallelism(), seed: int = 0) -> tup
 
 
 def loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], par: Parallelism = Parallelism(),
-         scale: jax.Array | None = None, denominator: jax.Array | None = None) -> jax.Array:
+         scale: jax.Array | None = None, denominator: jax.Array | None = None,
+         logit_max: bool = False) -> Any:
   """Next-token cross-entropy of ``batch`` (module docstring), summed over the counted
   targets (those >= 0) and divided by ``denominator`` (default: their number, the mean),
   times ``scale`` when given.
+
+  With ``logit_max`` returns ``(loss, logits)``: ``logits`` [S, Ls, N] (the blocks'
+  stage layout), each layer's and query head's largest attention logit over the batch
+  (QK-clip's input, ``models.qk_clip``).
 
   A train step over micro-batches or replicas passes the count of the whole global batch
   as ``denominator``, so that their losses add up to its mean exactly.
@@ -325,23 +355,26 @@ def loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], par: Paralleli
   if par.pp > 1:
     if "segment_ids" in batch:
       raise ValueError("packed sequences (segment_ids) are not supported with a pipeline (pp > 1)")
-    return _pipeline_loss(graphdef, params, batch, scale, denominator, par)
+    return _pipeline_loss(graphdef, params, batch, scale, denominator, par, logit_max)
   model = nnx.merge(graphdef, params)
   rope = rotary_tables(model.cfg, batch["inputs"].shape[1], batch.get("positions"))
   layers = to_layers(params["blocks"], 1)
   x = model.embed_tokens(batch["inputs"], par)
-  x = apply_layers(nnx.graphdef(model.blocks), layers, x, rope, par, model.cfg, batch.get("segment_ids"))
+  out = apply_layers(nnx.graphdef(model.blocks), layers, x, rope, par, model.cfg, batch.get("segment_ids"),
+                     logit_max)
+  x = out[0] if logit_max else out
   losses_BxT = jnp.where(counted_BxT, model.token_losses(x, batch["targets"], par), 0.0)
-  return _scaled(jnp.sum(losses_BxT) / denominator, scale)
+  value = _scaled(jnp.sum(losses_BxT) / denominator, scale)
+  return (value, to_stages(out[1], 1)) if logit_max else value
 
 
 def _scaled(loss: jax.Array, scale: jax.Array | None) -> jax.Array:
   return loss if scale is None else loss * scale
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5, 6))
 def _pipeline_loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], scale: jax.Array | None,
-                   denominator: jax.Array, par: Parallelism) -> jax.Array:
+                   denominator: jax.Array, par: Parallelism, logit_max: bool) -> Any:
   """:func:`loss` with the layers in a pipeline over ``pp`` (``shard_map`` manual over pp only).
 
   Embedding, final norm, LM head and loss run inside the same ``shard_map``: device 0
@@ -352,24 +385,26 @@ def _pipeline_loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], scal
   on jax 0.10 differentiating a ``shard_map`` nested in another one (the per-replica
   gradient's, manual over rp) fails to lower, while this form nests at any depth.
   """
-  return _pipeline_call(graphdef, params, batch, scale, denominator, par, with_grad=False)
+  return _pipeline_call(graphdef, params, batch, scale, denominator, par, logit_max, with_grad=False)
 
 
-def _pipeline_fwd(graphdef, params, batch, scale, denominator, par):
-  return _pipeline_call(graphdef, params, batch, scale, denominator, par, with_grad=True)
+def _pipeline_fwd(graphdef, params, batch, scale, denominator, par, logit_max):
+  return _pipeline_call(graphdef, params, batch, scale, denominator, par, logit_max, with_grad=True)
 
 
-def _pipeline_bwd(graphdef, par, grads, cotangent):
+def _pipeline_bwd(graphdef, par, logit_max, grads, cotangent):
   del graphdef, par
   # No cotangent for the batch (integers), the loss scale or the denominator (constants
-  # of the step).
+  # of the step); the logit maxima have no gradient.
+  cotangent = cotangent[0] if logit_max else cotangent
   return jax.tree.map(lambda g: cotangent * g, grads), None, None, None
 
 
 _pipeline_loss.defvjp(_pipeline_fwd, _pipeline_bwd)
 
 
-def _pipeline_call(graphdef, params, batch, scale, denominator, par: Parallelism, with_grad: bool):
+def _pipeline_call(graphdef, params, batch, scale, denominator, par: Parallelism, logit_max: bool,
+                   with_grad: bool):
   M, pp, v = par.microbatches, par.pp, par.virtual_stages
   B, T = batch["inputs"].shape
   if B % M:
@@ -385,24 +420,35 @@ def _pipeline_call(graphdef, params, batch, scale, denominator, par: Parallelism
     block_graphdef = nnx.graphdef(model.blocks)
 
     def stage(layers, x):
-      return apply_layers(block_graphdef, layers, x, rope, par, model.cfg)
+      out = apply_layers(block_graphdef, layers, x, rope, par, model.cfg, logit_max=logit_max)
+      return out if logit_max else (out, None)
 
-    outputs = pipeline.circular(stage, params["blocks"], lambda i: model.embed_tokens(inputs_MxbxT[i], par),
-                                M, pp, v, unroll=model.cfg.unroll)
+    outputs, logits_IxLsxN = pipeline.circular(
+        stage, params["blocks"], lambda i: model.embed_tokens(inputs_MxbxT[i], par), M, pp, v,
+        unroll=model.cfg.unroll)
     x_mxbxTxD = pipeline.scatter_from_last(outputs, pp)
     m = M // pp
     targets_mxbxT = jax.lax.dynamic_slice_in_dim(targets_MxbxT, jax.lax.axis_index(pipeline.AXIS) * m, m)
     x_BxTxD = x_mxbxTxD.reshape(-1, T, x_mxbxTxD.shape[-1])
     targets_BxT = targets_mxbxT.reshape(-1, T)
     losses = jnp.where(targets_BxT >= 0, model.token_losses(x_BxTxD, targets_BxT, par), 0.0)
-    return _scaled(jax.lax.psum(jnp.sum(losses), pipeline.AXIS) / denominator, scale)
+    value = _scaled(jax.lax.psum(jnp.sum(losses), pipeline.AXIS) / denominator, scale)
+    if not logit_max:
+      return value
+    # Each iteration's maxima go to the stage (repeat) it ran; idle iterations to none.
+    repeat_I, active_I = pipeline.iteration_repeats(M, pp, v)
+    active = active_I.reshape(-1, *(1,) * (logits_IxLsxN.ndim - 1))
+    logits_vxLsxN = jnp.full((v, *logits_IxLsxN.shape[1:]), -jnp.inf).at[repeat_I].max(
+        jnp.where(active, logits_IxLsxN, -jnp.inf))
+    return value, logits_vxLsxN
 
   specs = jax.tree.map(lambda _: P(), params)
   specs["blocks"] = jax.tree.map(lambda _: P(pipeline.AXIS), params["blocks"])
+  value_specs = (P(), P(pipeline.AXIS)) if logit_max else P()
   return jax.shard_map(
-      jax.value_and_grad(local_loss) if with_grad else local_loss,
+      jax.value_and_grad(local_loss, has_aux=logit_max) if with_grad else local_loss,
       mesh=jax.sharding.get_abstract_mesh(),
       in_specs=(specs, P(), P(), P(), P()),
-      out_specs=(P(), specs) if with_grad else P(),
+      out_specs=(value_specs, specs) if with_grad else value_specs,
       axis_names={pipeline.AXIS},
   )(params, microbatched(batch["inputs"]), microbatched(batch["targets"]), scale, denominator)

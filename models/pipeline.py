@@ -34,13 +34,15 @@ def finish_iterations(num_micro: int, pp: int, virtual_stages: int) -> np.ndarra
   return (i // pp) * pp * virtual_stages + i % pp + last_stage
 
 
-def circular(stage_fn: Callable[[Any, jax.Array], jax.Array], stage_params: Any,
+def circular(stage_fn: Callable[[Any, jax.Array], tuple[jax.Array, Any]], stage_params: Any,
              inputs_fn: Callable[[jax.Array], jax.Array], num_micro: int, pp: int,
-             virtual_stages: int, unroll: bool = False) -> jax.Array:
-  """Runs the schedule; returns the last stage's outputs ``[num_micro, ...]``.
+             virtual_stages: int, unroll: bool = False) -> tuple[jax.Array, Any]:
+  """Runs the schedule; returns the last stage's outputs ``[num_micro, ...]`` and every
+  iteration's ``aux`` on this device ``[iterations, ...]`` (see :func:`iteration_repeats`).
 
   Args:
-    stage_fn: ``stage_fn(params_of_one_stage, x) -> y``, same shape as x.
+    stage_fn: ``stage_fn(params_of_one_stage, x) -> (y, aux)``, y of x's shape; aux any
+      pytree (None for none).
     stage_params: this device's stages, leaves ``[virtual_stages, ...]`` (repeat r at r).
     inputs_fn: ``inputs_fn(i) -> x``, micro-batch i's input to the first stage.
     num_micro: micro-batches M, a multiple of pp when virtual_stages > 1.
@@ -59,14 +61,23 @@ def circular(stage_fn: Callable[[Any, jax.Array], jax.Array], stage_params: Any,
     repeat = (u // pp) % v
     micro = jnp.clip((u // (pp * v)) * pp + u % pp, 0, num_micro - 1)
     x = jnp.where((j == 0) & (repeat == 0), inputs_fn(micro), state)
-    y = stage_fn(jax.tree.map(lambda a: a[repeat], stage_params), x)
-    return jax.lax.ppermute(y, AXIS, ring), y
+    y, aux = stage_fn(jax.tree.map(lambda a: a[repeat], stage_params), x)
+    return jax.lax.ppermute(y, AXIS, ring), (y, aux)
 
   x0 = inputs_fn(0)
   iterations = jnp.arange(num_micro * v + pp - 1)
   state = jax.lax.pcast(jnp.zeros_like(x0), AXIS, to="varying")
-  _, ys = jax.lax.scan(iteration, state, iterations, unroll=unroll)
-  return ys[finish_iterations(num_micro, pp, v)]
+  _, (ys, aux) = jax.lax.scan(iteration, state, iterations, unroll=unroll)
+  return ys[finish_iterations(num_micro, pp, v)], aux
+
+
+def iteration_repeats(num_micro: int, pp: int, virtual_stages: int) -> tuple[jax.Array, jax.Array]:
+  """For each iteration of :func:`circular` on this device: the repeat (its stage among
+  this device's ``virtual_stages``) and whether it ran a micro-batch (device j is busy
+  in iterations [j, j + M·v)), both ``[iterations]``."""
+  t = jnp.arange(num_micro * virtual_stages + pp - 1)
+  u = t - jax.lax.axis_index(AXIS)
+  return (u // pp) % virtual_stages, (u >= 0) & (u < num_micro * virtual_stages)
 
 
 def scatter_from_last(outputs: jax.Array, pp: int) -> jax.Array:

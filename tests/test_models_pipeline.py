@@ -24,12 +24,19 @@ def test_circular_schedule_composes_stages_in_order(pp, virtual_stages, num_micr
   mesh = dion_jax.make_mesh(f"pp={pp}", jax.devices()[:pp])
 
   def local(params, x):
-    out = pipeline.circular(lambda p, x: p["a"] * x + p["b"], params, lambda i: x[i], num_micro, pp,
-                            virtual_stages)
-    return out[None]
+    # aux: the stage each iteration ran (p["b"] = s), against iteration_repeats' account.
+    out, stage_I = pipeline.circular(lambda p, x: (p["a"] * x + p["b"], p["b"]), params, lambda i: x[i],
+                                     num_micro, pp, virtual_stages)
+    repeat_I, active_I = pipeline.iteration_repeats(num_micro, pp, virtual_stages)
+    return out[None], stage_I[None], repeat_I[None], active_I[None]
 
-  got = jax.shard_map(local, mesh=mesh, in_specs=(P("pp"), P()), out_specs=P("pp"))(stage_params, jnp.asarray(x))
+  got, stage, repeat, active = jax.shard_map(local, mesh=mesh, in_specs=(P("pp"), P()), out_specs=P("pp"))(
+      stage_params, jnp.asarray(x))
   np.testing.assert_array_equal(np.asarray(got)[-1], want)  # the last device holds the outputs
+  for j in range(pp):  # device j runs stage r·pp + j of repeat r, num_micro times each
+    busy = np.asarray(active[j])
+    np.testing.assert_array_equal(np.asarray(stage[j])[busy, 0], np.asarray(repeat[j])[busy] * pp + j)
+    assert np.bincount(np.asarray(repeat[j])[busy], minlength=virtual_stages).tolist() == [num_micro] * virtual_stages
 
 
 def test_to_stages_round_trip_and_circular_placement():

@@ -24,6 +24,14 @@ def test_value_and_grad_per_replica():
     np.testing.assert_allclose(grads["w"][i], halves[i][1]["w"], rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(grads["b"], (halves[0][1]["b"] + halves[1][1]["b"]) / 2, rtol=1e-5, atol=1e-6)
 
+  # has_aux: each replica's aux (here its batch maximum), stacked on a leading rp axis.
+  aux_fn = lambda p, x: (loss_fn(p, x), jnp.max(x, axis=0))  # noqa: E731
+  vg_aux = dion_jax.value_and_grad_per_replica(aux_fn, mesh, {"w": True, "b": False}, has_aux=True)
+  (loss_aux, per_replica), grads_aux = jax.jit(vg_aux)(params, batch)
+  np.testing.assert_array_equal(loss_aux, loss)
+  np.testing.assert_allclose(per_replica, np.stack([np.max(batch[i * 3 : (i + 1) * 3], 0) for i in range(2)]))
+  jax.tree.map(np.testing.assert_array_equal, grads_aux, grads)
+
 
 def test_partition_specs_of_reads_arrays():
   mesh = dion_jax.make_mesh("fs=4,tp=2")

@@ -268,3 +268,22 @@ def test_orthogonal_family_on_a_mesh_matches_one_device(compile_cache, tmp_path,
   one, mesh = train_losses(tmp_path / "one"), train_losses(tmp_path / "mesh")
   assert len(one) == 3 and one[3] < one[1]
   np.testing.assert_allclose([mesh[i] for i in one], list(one.values()), rtol=1e-5)
+
+
+def test_qk_clip_on_a_mesh_matches_one_device(compile_cache, tmp_path, capsys):
+  """QK-clip at a threshold that every step crosses: the same losses, largest logits and
+  clipped heads on fs=2,tp=2 as on one device, and logged; refused with QK-norm."""
+  args = ("--qk-norm", "none", "--qk-clip-threshold", "2", "--steps", "3", "--optimizer", "nordion2",
+          "--ortho-dtype", "float32")
+  assert train(tmp_path / "one", *args, "--mesh", "fs=1") == 0
+  assert train(tmp_path / "mesh", *args, "--mesh", "fs=2,tp=2") == 0
+  one, mesh = ([r for r in records(tmp_path / d) if "loss" in r] for d in ("one", "mesh"))
+  assert [r["clipped_heads"] for r in one] == [r["clipped_heads"] for r in mesh]
+  assert all(r["clipped_heads"] > 0 and r["max_logit"] > 2 for r in one)
+  for key in ("loss", "max_logit"):
+    np.testing.assert_allclose([r[key] for r in mesh], [r[key] for r in one], rtol=1e-5)
+  capsys.readouterr()
+  assert train(tmp_path / "refused", "--qk-clip-threshold", "2") == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: --qk-clip-threshold: QK-clip scales") and err.count("\n") == 1
+  assert not os.path.exists(tmp_path / "refused")

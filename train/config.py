@@ -33,6 +33,7 @@ class Config:
   # model
   preset: str = "tiny"
   init_from: str | None = None
+  qk_norm: str | None = None
   num_layers: int | None = None
   hidden_size: int | None = None
   num_attention_heads: int | None = None
@@ -56,6 +57,7 @@ class Config:
   lr_wsd_decay_steps: int | None = None
   weight_decay: float = 0.01
   scalar_weight_decay: float = 0.0
+  qk_clip_threshold: float | None = None
   clip_grad: float = 1.0
   max_skipped: int = 10
   # float16 loss scaling
@@ -158,7 +160,7 @@ class Config:
         raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
     if not 0 < self.dion_rank_fraction <= 1:
       raise UsageError(f"--dion-rank-fraction must be in (0, 1], got {self.dion_rank_fraction}")
-    for name in ("lr", "initial_loss_scale", "min_loss_scale"):
+    for name in ("lr", "initial_loss_scale", "min_loss_scale", "qk_clip_threshold"):
       if getattr(self, name) is not None and getattr(self, name) <= 0:
         raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
     if self.min_loss_scale > self.initial_loss_scale:
@@ -175,7 +177,8 @@ class Config:
       if not self.init_from.startswith("hf:") or len(self.init_from) == 3:
         raise UsageError(f"--init-from {self.init_from}: expected hf:DIR, a Hugging Face"
                          " checkpoint directory (config.json + safetensors)")
-      shape_flags = [f"--{n.replace('_', '-')}" for n in ("num_layers", "hidden_size", "num_attention_heads")
+      shape_flags = [f"--{n.replace('_', '-')}" for n in ("num_layers", "hidden_size", "num_attention_heads",
+                                                          "qk_norm")
                      if getattr(self, n) is not None]
       if shape_flags:
         raise UsageError(f"--init-from takes the model's shape from its config.json; drop"
@@ -196,6 +199,8 @@ def strip_format(spec: str) -> str:
 
 HELP = {
     "preset": "model size: %s (default tiny: 4 layers x 128, seq 128)" % "|".join(PRESET_NAMES),
+    "qk_norm": "none|rms|rms_scale: QK-norm of the preset's attention (default rms, the reference's;"
+               " none as Llama, rms_scale as Qwen3)",
     "init_from": "hf:DIR: start from a Hugging Face Llama or Qwen3 checkpoint (config.json +"
                  " safetensors) instead of a random preset; --seq-len sets the training length"
                  " (default min(max_position_embeddings, 1024))",
@@ -229,6 +234,10 @@ HELP = {
                       " run is split over several invocations",
     "lr_wsd_decay_steps": "final decay steps of wsd (default: a fifth of the decay steps)",
     "weight_decay": "decoupled weight decay of the matrices, times the learning rate (default 0.01)",
+    "qk_clip_threshold": "QK-clip (MuonClip): after each step, shrink the query and key kernels of every"
+                         " attention head whose largest logit exceeded this, to it (default off;"
+                         " needs --qk-norm none or a Llama checkpoint); the log shows the largest"
+                         " logit and the clipped heads",
     "scalar_weight_decay": "weight decay of everything else: embeddings, LM head, norms (default 0,"
                            " microsoft/dion's recipe; runs saved before this flag resume with"
                            " --weight-decay's value)",
@@ -286,6 +295,7 @@ def _parser() -> argparse.ArgumentParser:
                   description="Train a GPT with Dion (or AdamW, Lion, Muon) on a device mesh.")
   choices = {"preset": PRESET_NAMES, "dtype": ("float32", "bfloat16", "float16"),
              "attention": ("auto", "xla", "cudnn"), "optimizer": OPTIMIZERS,
+             "qk_norm": ("none", "rms", "rms_scale"),
              "lr_decay_style": DECAY_STYLES, "dion_qr_method": ("rcqr", "cqr", "qr"),
              "dion_scale_rule": ("fan_ratio", "spectral", "max_one", "none"),
              "dion_scalar_optimizer": ("adamw", "lion"), "ortho_dtype": ("bfloat16", "float32")}

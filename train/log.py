@@ -46,10 +46,12 @@ class Logger:
     self.losses, self.nan, self.skipped = [], 0, 0
     self.grad_norm, self.lr = math.nan, math.nan
     self.loss_scale = None
+    self.qk_clip = None
 
   def step(self, loss: float, grad_norm: float, lr: float, skipped: bool,
-           loss_scale: float | None = None) -> None:
-    """One step's numbers; ``loss_scale`` (the scale its loss was multiplied by) in float16 runs."""
+           loss_scale: float | None = None, qk_clip: tuple[float, int] | None = None) -> None:
+    """One step's numbers; ``loss_scale`` (the scale its loss was multiplied by) in float16
+    runs; ``qk_clip``: the step's largest attention logit and the heads QK-clip shrank."""
     self.count += 1
     self.skipped += skipped
     self.nan += not math.isfinite(loss)
@@ -58,6 +60,9 @@ class Logger:
       self.grad_norm = grad_norm
     self.lr = lr
     self.loss_scale = loss_scale
+    if qk_clip is not None:
+      largest, clipped = self.qk_clip or (-math.inf, 0)
+      self.qk_clip = (max(largest, qk_clip[0]), clipped + qk_clip[1])
 
   def flush(self, step: int) -> None:
     """Writes the line of the interval that ends at ``step``."""
@@ -80,6 +85,9 @@ class Logger:
     if self.loss_scale is not None:
       record["loss_scale"] = self.loss_scale
       fields.append(f"loss scale: {self.loss_scale:.1f}")
+    if self.qk_clip is not None:
+      record["max_logit"], record["clipped_heads"] = self.qk_clip
+      fields += [f"max attention logit: {self.qk_clip[0]:.2f}", f"QK-clipped heads: {self.qk_clip[1]}"]
     fields += [f"grad norm: {self.grad_norm:.3f}", f"skipped iterations: {self.skipped}",
                f"nan iterations: {self.nan}"]
     self._write(" | ".join(fields), record)

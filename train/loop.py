@@ -92,7 +92,7 @@ def _model_config(cfg: Config, vocab_size: int | None) -> models.GPTConfig:
   overrides = {"vocab_size": vocab_size, "remat": cfg.remat, "dtype": dtype,
                "attention": _attention(cfg, dtype)}
   for flag, field in (("num_layers", "num_layers"), ("hidden_size", "d_model"),
-                      ("num_attention_heads", "num_heads"), ("seq_len", "seq_len")):
+                      ("num_attention_heads", "num_heads"), ("seq_len", "seq_len"), ("qk_norm", "qk_norm")):
     if getattr(cfg, flag) is not None:
       overrides[field] = getattr(cfg, flag)
   return models.preset(cfg.preset, **overrides)
@@ -169,6 +169,11 @@ def setup(cfg: Config) -> Run:
     raise UsageError(f"--data {' '.join(cfg.data)} does not record its vocabulary size; pass"
                      " --vocab-size (e.g. 50257 for GPT-2 tokens)")
   model_cfg = _model_config(cfg, vocab)
+  if cfg.qk_clip_threshold is not None:
+    try:
+      models.qk_clip.check(model_cfg, cfg.qk_clip_threshold)
+    except ValueError as e:
+      raise UsageError(f"--qk-clip-threshold: {e}") from None
   existing = ckpt_lib.existing_steps(cfg.ckpt_path)
   _check_resumable(cfg, existing)
   par = models.Parallelism(mesh, sequence_parallel=cfg.sequence_parallel,
@@ -190,7 +195,9 @@ def setup(cfg: Config) -> Run:
     state = step_lib.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), fresh_scale)
     train_step = step_lib.make_train_step(graphdef, par, tx, optim.schedule(cfg),
                                           optim.per_replica_mask(cfg, params, mesh),
-                                          1 if pp > 1 else accum, cfg.clip_grad, scaling)
+                                          1 if pp > 1 else accum, cfg.clip_grad, scaling,
+                                          None if cfg.qk_clip_threshold is None else
+                                          (cfg.qk_clip_threshold, model_cfg))
     eval_step = step_lib.make_eval_step(graphdef, par, 1 if pp > 1 else accum)
 
   checkpoints = ckpt_lib.Checkpoints(cfg.ckpt_path, cfg.keep, create=not cfg.resume)
@@ -260,7 +267,8 @@ def train(run: Run) -> int:
     nonlocal consecutive
     m = jax.device_get(metrics)
     logger.step(float(m.loss), float(m.grad_norm), float(m.learning_rate), bool(m.skipped),
-                float(m.loss_scale) if scaled else None)
+                float(m.loss_scale) if scaled else None,
+                None if cfg.qk_clip_threshold is None else (float(m.max_logit), int(m.clipped_heads)))
     consecutive = consecutive + 1 if m.skipped else 0
     if step % cfg.log_interval == 0 or step == cfg.steps:
       logger.flush(step)

@@ -15,6 +15,11 @@ float32 before clipping and the optimizer, which see the true gradient. A step w
 scaled gradient overflowed is skipped by the guard and halves the scale; ``window``
 clean steps in a row double it.
 
+QK-clip (``--qk-clip-threshold``) takes each layer's and head's largest attention logit
+from the forward pass (maxed over micro-batches, and over replicas with per-replica
+gradients) and shrinks the query and key kernels of the heads above the threshold after
+the optimizer's update (``models/qk_clip.py``), inside the guard.
+
 With Dion's compressed sync (rp > 1) its matrices' gradients carry a leading rp axis,
 one gradient per replica; the gradient Dion applies is their mean, so the norm that
 clipping and the log see is the mean's, and scaling every replica's gradient by the
@@ -57,6 +62,8 @@ class StepMetrics(NamedTuple):
   learning_rate: jax.Array
   skipped: jax.Array  # bool: the step changed nothing
   loss_scale: jax.Array  # the scale this step's loss was multiplied by
+  max_logit: jax.Array  # the largest attention logit of the step (-inf without QK-clip)
+  clipped_heads: jax.Array  # int32: heads QK-clip shrank (0 without it, or when skipped)
 
 
 def initial_loss_scale(scale: float) -> LossScale:
@@ -97,17 +104,29 @@ def keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
 
 def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTransformation,
                     lr_schedule: optax.Schedule, per_replica: Any | None, accum: int,
-                    clip_grad: float, scaling: Scaling | None = None
+                    clip_grad: float, scaling: Scaling | None = None,
+                    qk_clip: tuple[float, models.GPTConfig] | None = None,
                     ) -> Callable[[TrainState, dict], tuple[TrainState, StepMetrics]]:
-  """The jitted step; ``scaling`` None leaves the loss unscaled (the state's scale unused)."""
+  """The jitted step; ``scaling`` None leaves the loss unscaled (the state's scale unused);
+  ``qk_clip`` is (threshold, the model's config) or None."""
+  logit_max = qk_clip is not None
 
   def value_and_grad(scale):
+    """``((loss, logit maxima [S, Ls, N] or None), grads)`` of one batch."""
+
     def loss_fn(params, batch):
-      return models.loss(graphdef, params, batch, par, scale)
+      out = models.loss(graphdef, params, batch, par, scale, logit_max=logit_max)
+      return out if logit_max else (out, None)
 
     if per_replica is None:
-      return jax.value_and_grad(loss_fn)
-    return dion_jax.value_and_grad_per_replica(loss_fn, par.mesh, per_replica)
+      return jax.value_and_grad(loss_fn, has_aux=True)
+    grad_fn = dion_jax.value_and_grad_per_replica(loss_fn, par.mesh, per_replica, has_aux=True)
+
+    def replicas_maxed(params, batch):
+      (loss, logits), grads = grad_fn(params, batch)
+      return (loss, None if logits is None else logits.max(0)), grads
+
+    return replicas_maxed
 
   def mean_grads(params, batch, scale):
     grad_fn = value_and_grad(scale)
@@ -116,12 +135,16 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
     micro = split_micro(batch, accum)
 
     def add(total, batch_i):
-      return jax.tree.map(jnp.add, total, grad_fn(params, batch_i)), None
+      ((loss, logits), grads), ((loss_i, logits_i), grads_i) = total, grad_fn(params, batch_i)
+      logits = None if logits is None else jnp.maximum(logits, logits_i)
+      return ((loss + loss_i, logits), jax.tree.map(jnp.add, grads, grads_i)), None
 
     first = jax.tree.map(lambda x: x[0], micro)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, params, first))
-    total, _ = jax.lax.scan(add, zeros, micro)
-    return jax.tree.map(lambda x: x / accum, total)
+    (loss0, logits0), grads0 = jax.eval_shape(grad_fn, params, first)
+    zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)  # noqa: E731
+    start = ((zeros(loss0), jax.tree.map(lambda s: jnp.full(s.shape, -jnp.inf, s.dtype), logits0)), zeros(grads0))
+    ((loss, logits), grads), _ = jax.lax.scan(add, start, micro)
+    return ((loss / accum, logits), jax.tree.map(lambda x: x / accum, grads))
 
   def applied_norm(grads):
     if per_replica is None:
@@ -130,7 +153,7 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
 
   def step(state: TrainState, batch: dict) -> tuple[TrainState, StepMetrics]:
     scale = state.loss_scale.scale if scaling else None
-    loss, grads = mean_grads(state.params, batch, scale)
+    (loss, logits), grads = mean_grads(state.params, batch, scale)
     if scaling:
       loss, grads = jax.tree.map(lambda x: x / scale, (loss, grads))
     norm = applied_norm(grads)
@@ -139,6 +162,10 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
       grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    clipped, max_logit = jnp.zeros((), jnp.int32), jnp.asarray(-jnp.inf, jnp.float32)
+    if logit_max:
+      params, clipped = models.qk_clip.qk_clip(params, logits, *qk_clip)
+      max_logit = jnp.max(logits)
     finite = jnp.isfinite(loss) & jnp.isfinite(norm)
     params, opt_state = keep_if(finite, (params, opt_state), (state.params, state.opt_state))
     # A second select for the new state's own check: folding it into the first changes how
@@ -148,7 +175,8 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
     params, opt_state = keep_if(finite, (params, opt_state), (state.params, state.opt_state))
     new = TrainState(params, opt_state, state.updates + finite.astype(state.updates.dtype),
                      next_loss_scale(state.loss_scale, finite, scaling) if scaling else state.loss_scale)
-    return new, StepMetrics(loss, norm, lr_schedule(state.updates), ~finite, state.loss_scale.scale)
+    return new, StepMetrics(loss, norm, lr_schedule(state.updates), ~finite, state.loss_scale.scale, max_logit,
+                            jnp.where(finite, clipped, 0))
 
   return jax.jit(step, donate_argnums=0)
 

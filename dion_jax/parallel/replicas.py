@@ -25,7 +25,8 @@ def value_and_grad_per_replica(
     mesh: jax.sharding.Mesh,
     per_replica: Any,
     batch_spec: P = P(REPLICA_AXIS),
-) -> Callable[..., tuple[jax.Array, Any]]:
+    has_aux: bool = False,
+) -> Callable[..., tuple[Any, Any]]:
   """``jax.value_and_grad(loss_fn)`` for compressed data-parallel sync.
 
   The returned function computes each rp replica's loss and gradient on its share
@@ -40,26 +41,31 @@ def value_and_grad_per_replica(
     mesh: the mesh.
     per_replica: a pytree of bools matching ``params``.
     batch_spec: how the batch is split over ``rp`` (its leading axis by default).
+    has_aux: ``loss_fn`` returns ``(loss, aux)``, as for ``jax.value_and_grad``; each
+      replica's aux comes back stacked on a leading rp axis.
   """
 
   def local(params, batch):
     # Marked as varying over rp: the gradient of a replicated input would be
     # summed over replicas by autodiff; we want each replica's own.
     params = jax.tree.map(lambda p: jax.lax.pcast(p, REPLICA_AXIS, to="varying"), params)
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    value, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, batch)
     grads = jax.tree.map(
         lambda g, keep: g[None] if keep else jax.lax.pmean(g, REPLICA_AXIS), grads, per_replica
     )
-    return jax.lax.pmean(loss, REPLICA_AXIS), grads
+    if has_aux:
+      return (jax.lax.pmean(value[0], REPLICA_AXIS), jax.tree.map(lambda a: a[None], value[1])), grads
+    return jax.lax.pmean(value, REPLICA_AXIS), grads
 
   grad_specs = jax.tree.map(lambda keep: P(REPLICA_AXIS) if keep else P(), per_replica)
+  value_specs = (P(), P(REPLICA_AXIS)) if has_aux else P()
 
   def value_and_grad(params, batch):
     return jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(P(), batch_spec),
-        out_specs=(P(), grad_specs),
+        out_specs=(value_specs, grad_specs),
         axis_names={REPLICA_AXIS},
     )(params, batch)
 
