@@ -15,6 +15,11 @@ float32 before clipping and the optimizer, which see the true gradient. A step w
 scaled gradient overflowed is skipped by the guard and halves the scale; ``window``
 clean steps in a row double it.
 
+The loss is the mean over the counted targets of the whole global batch (a target -1,
+e.g. a prompt token of fine-tuning data or padding, is not counted): every micro-batch
+and every replica divides its sum by the global count, so that their losses and
+gradients add up to exactly the global mean however the targets fall.
+
 With Dion's compressed sync (rp > 1) its matrices' gradients carry a leading rp axis,
 one gradient per replica; the gradient Dion applies is their mean, so the norm that
 clipping and the log see is the mean's, and scaling every replica's gradient by the
@@ -90,6 +95,11 @@ def split_micro(batch: dict[str, jax.Array], accum: int) -> dict[str, jax.Array]
   return jax.tree.map(split, batch)
 
 
+def counted(batch: dict[str, jax.Array]) -> jax.Array:
+  """The number of counted targets (>= 0) of a global batch, float32, at least 1."""
+  return jnp.maximum(jnp.sum(batch["targets"] >= 0), 1).astype(jnp.float32)
+
+
 def keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
   """``new`` where the bool scalar ``ok`` holds, else ``old``, leaf by leaf."""
   return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
@@ -101,16 +111,19 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
                     ) -> Callable[[TrainState, dict], tuple[TrainState, StepMetrics]]:
   """The jitted step; ``scaling`` None leaves the loss unscaled (the state's scale unused)."""
 
-  def value_and_grad(scale):
+  rp = dict(par.mesh.shape)["rp"] if per_replica is not None else 1
+
+  def value_and_grad(scale, denominator):
     def loss_fn(params, batch):
-      return models.loss(graphdef, params, batch, par, scale)
+      return models.loss(graphdef, params, batch, par, scale, denominator)
 
     if per_replica is None:
       return jax.value_and_grad(loss_fn)
     return dion_jax.value_and_grad_per_replica(loss_fn, par.mesh, per_replica)
 
   def mean_grads(params, batch, scale):
-    grad_fn = value_and_grad(scale)
+    # The per-replica gradient averages its replicas' losses: each divides by its share.
+    grad_fn = value_and_grad(scale, counted(batch) / rp)
     if accum == 1:
       return grad_fn(params, batch)
     micro = split_micro(batch, accum)
@@ -120,8 +133,7 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
 
     first = jax.tree.map(lambda x: x[0], micro)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, params, first))
-    total, _ = jax.lax.scan(add, zeros, micro)
-    return jax.tree.map(lambda x: x / accum, total)
+    return jax.lax.scan(add, zeros, micro)[0]
 
   def applied_norm(grads):
     if per_replica is None:
@@ -154,11 +166,14 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
 
 
 def make_eval_step(graphdef: Any, par: models.Parallelism, accum: int) -> Callable[[Any, dict], jax.Array]:
-  """Mean loss of a global batch, micro-batch by micro-batch like the train step."""
+  """Mean loss of a global batch over its counted targets, micro-batch by micro-batch like
+  the train step."""
 
   def loss_fn(params, batch):
+    denominator = counted(batch)
     if accum == 1:
-      return models.loss(graphdef, params, batch, par)
-    return jnp.mean(jax.lax.map(lambda b: models.loss(graphdef, params, b, par), split_micro(batch, accum)))
+      return models.loss(graphdef, params, batch, par, denominator=denominator)
+    micro = split_micro(batch, accum)
+    return jnp.sum(jax.lax.map(lambda b: models.loss(graphdef, params, b, par, denominator=denominator), micro))
 
   return jax.jit(loss_fn)
