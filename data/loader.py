@@ -21,6 +21,7 @@ import grain
 import numpy as np
 
 from data.errors import DataError
+from data.sft import SFTSource
 from data.sources import Blend, TokenSource
 
 
@@ -69,7 +70,7 @@ def _grain_seed(seed: int, component: int) -> int:
   return int(np.random.SeedSequence([seed, component]).generate_state(1)[0])
 
 
-def make_dataset(source: TokenSource | Blend, *, seq_len: int, global_batch_size: int,
+def make_dataset(source: TokenSource | Blend | SFTSource, *, seq_len: int, global_batch_size: int,
                  seed: int = 0, shard_index: int = 0, shard_count: int = 1,
                  num_epochs: int | None = None, shuffle: bool = True) -> grain.MapDataset:
   """The per-shard batch dataset: element t is this shard's part of global step t.
@@ -88,38 +89,48 @@ def make_dataset(source: TokenSource | Blend, *, seq_len: int, global_batch_size
   Returns:
     A `grain.MapDataset` of {"inputs", "targets"}: int32 [global_batch_size /
     shard_count, seq_len]; its length is the number of steps (huge when num_epochs=None).
+    A fine-tuning source (`data.sft`) serves its rows, shuffled like windows, with
+    "segment_ids" and "positions" too.
   """
   if global_batch_size < 1 or shard_count < 1 or global_batch_size % shard_count:
     raise DataError(f"{source.name}: global batch {global_batch_size} must split evenly "
                     f"over {shard_count} shards")
   if not 0 <= shard_index < shard_count:
     raise DataError(f"{source.name}: shard_index {shard_index} not in [0, {shard_count})")
-  parts = source.sources if isinstance(source, Blend) else (source,)
-  windows = Windows(parts, seq_len)
-  datasets = []
-  for k, ids in enumerate(windows.ranges):
-    ds = grain.MapDataset.range(ids.start, ids.stop)
-    datasets.append(ds.shuffle(seed=_grain_seed(seed, k)) if shuffle else ds)
-  ds = datasets[0] if len(datasets) == 1 else grain.MapDataset.mix(datasets, source.weights)
+  if isinstance(source, SFTSource):
+    rows = source.rows(seq_len)
+    ds = grain.MapDataset.range(len(rows["inputs"]))
+    ds = ds.shuffle(seed=_grain_seed(seed, 0)) if shuffle else ds
+    gather = lambda ids_B: {k: v[np.asarray(ids_B)] for k, v in rows.items()}  # noqa: E731
+    unit = f"rows of {seq_len} tokens"
+  else:
+    parts = source.sources if isinstance(source, Blend) else (source,)
+    windows = Windows(parts, seq_len)
+    datasets = []
+    for k, ids in enumerate(windows.ranges):
+      ds = grain.MapDataset.range(ids.start, ids.stop)
+      datasets.append(ds.shuffle(seed=_grain_seed(seed, k)) if shuffle else ds)
+    ds = datasets[0] if len(datasets) == 1 else grain.MapDataset.mix(datasets, source.weights)
+
+    def gather(ids_B):
+      windows_BxL1 = windows.gather(ids_B)
+      return {"inputs": windows_BxL1[:, :-1], "targets": windows_BxL1[:, 1:]}
+
+    unit = f"windows of {seq_len + 1} tokens"
   steps = len(ds) // global_batch_size
   if steps == 0:
-    raise DataError(f"{source.name}: {len(ds)} windows of {seq_len + 1} tokens do not fill "
-                    f"one global batch of {global_batch_size}")
+    raise DataError(f"{source.name}: {len(ds)} {unit} do not fill one global batch of"
+                    f" {global_batch_size}")
   if num_epochs is None:
     # "Forever" as a count: Grain's endless repeat has length sys.maxsize, which its
     # batching overflows with one example per batch; 2**48 windows never run out.
     num_epochs = max(1, 2**48 // (steps * global_batch_size))
   ds = ds[:steps * global_batch_size].repeat(num_epochs)
   ds = ds[shard_index::shard_count].batch(global_batch_size // shard_count)
-
-  def to_example(ids_B):
-    windows_BxL1 = windows.gather(ids_B)
-    return {"inputs": windows_BxL1[:, :-1], "targets": windows_BxL1[:, 1:]}
-
-  return ds.map(to_example)
+  return ds.map(gather)
 
 
-def make_loader(source: TokenSource | Blend, *, seq_len: int, global_batch_size: int,
+def make_loader(source: TokenSource | Blend | SFTSource, *, seq_len: int, global_batch_size: int,
                 seed: int = 0, shard_index: int = 0, shard_count: int = 1,
                 num_epochs: int | None = None, shuffle: bool = True,
                 num_threads: int = 4, prefetch: int = 16) -> grain.DatasetIterator:

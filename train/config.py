@@ -45,6 +45,7 @@ class Config:
   # data
   data: tuple[str, ...] = ("stdlib",)
   valid_data: str | None = None
+  pack: bool = True
   vocab_size: int | None = None
   # optimizer
   optimizer: str = "dion"
@@ -211,8 +212,11 @@ HELP = {
     "sequence_parallel": "shard activations along the sequence over tp between layers",
     "virtual_stages": "stages per pp device of a circular (interleaved) pipeline (default 1)",
     "data": "training data: stdlib (the embedded corpus, default) | fineweb:GLOB |"
-            " megatron:PREFIX | a blend W1 SRC1 W2 SRC2 ... (e.g. 0.7 fineweb:'d/*.bin' 0.3 stdlib)",
+            " megatron:PREFIX | sft:FILE.jsonl (prompt/completion lines, loss on completions,"
+            " tokenized with --init-from's tokenizer, else bytes) | a blend W1 SRC1 W2 SRC2 ... (e.g. 0.7 fineweb:'d/*.bin' 0.3 stdlib)",
     "valid_data": "validation data spec (default: stdlib:val for the embedded corpus, none otherwise)",
+    "pack": "sft: data: pack several examples per sequence, attention kept within each"
+            " (default on; --no-pack: one example per sequence)",
     "vocab_size": "tokenizer vocabulary size, where the data does not record it (Megatron datasets)",
     "optimizer": "%s (default dion: Dion on matrices, --dion-scalar-optimizer on the rest;"
                  " dion2 (fraction 1/4), normuon and muon: dion_jax's, sharded like Dion, with"

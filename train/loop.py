@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import data
+from data import hf_tokenizer
 import dion_jax
 import models
 from dion_jax.parallel import format_mesh_spec
@@ -98,6 +99,12 @@ def _model_config(cfg: Config, vocab_size: int | None) -> models.GPTConfig:
   return models.preset(cfg.preset, **overrides)
 
 
+def _tokenizer(cfg: Config):
+  """The tokenizer of sft: data: --init-from's tokenizer.json when it has one, else bytes."""
+  has_own = cfg.hf_dir is not None and os.path.isfile(os.path.join(cfg.hf_dir, "tokenizer.json"))
+  return hf_tokenizer.load(cfg.hf_dir if has_own else None)
+
+
 def _batch_split(cfg: Config, mesh: jax.sharding.Mesh) -> int:
   """Micro-batches per step, after checking that the batch splits over the mesh."""
   sizes = dict(mesh.shape)
@@ -162,8 +169,15 @@ def setup(cfg: Config) -> Run:
   mesh = _mesh(cfg)
   accum = _batch_split(cfg, mesh)
   pp = dict(mesh.shape)["pp"]
-  source = data.load_source(cfg.data_spec, progress=jax.process_index() == 0)
-  valid_source = data.load_source(cfg.valid_spec, progress=False) if cfg.valid_spec else None
+  tokenizer = _tokenizer(cfg)
+  source = data.load_source(cfg.data_spec, progress=jax.process_index() == 0, tokenizer=tokenizer,
+                            packed=cfg.pack)
+  valid_source = (data.load_source(cfg.valid_spec, progress=False, tokenizer=tokenizer, packed=cfg.pack)
+                  if cfg.valid_spec else None)
+  packed = any(isinstance(s, data.SFTSource) and s.packed for s in (source, valid_source))
+  if packed and pp > 1:
+    raise UsageError("packed fine-tuning data (segment ids) does not run through a pipeline yet;"
+                     " pass --no-pack or a mesh without pp")
   vocab = cfg.vocab_size or source.vocab_size
   if vocab is None and cfg.hf_dir is None:
     raise UsageError(f"--data {' '.join(cfg.data)} does not record its vocabulary size; pass"
