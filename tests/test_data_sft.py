@@ -66,13 +66,19 @@ def test_bad_lines_are_named(tmp_path):
     data.load_source(f"sft:{tmp_path / 'missing.jsonl'}")
 
 
-def test_hf_tokenizer_encodes_with_its_eos(tmp_path):
-  tokenizers = pytest.importorskip("tokenizers")
-  words = ["[UNK]", "</s>", "hello", "world"]
-  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+def make_tokenizer(directory, words) -> None:
+  """A word-level tokenizer.json of ``["[UNK]", "</s>", *words]`` (eos ``</s>``) in ``directory``."""
+  import tokenizers
+
+  vocab = {w: i for i, w in enumerate(["[UNK]", "</s>", *words])}
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
   tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-  tok.save(str(tmp_path / "tokenizer.json"))
-  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+  tok.save(str(directory / "tokenizer.json"))
+  (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+
+
+def test_hf_tokenizer_encodes_with_its_eos(tmp_path):
+  make_tokenizer(tmp_path, ["hello", "world"])
   t = hf_tokenizer.load(str(tmp_path))
   assert t.eod == 1 and t.vocab_size == 4
   assert list(t.encode("hello world other", append_eod=True)) == [2, 3, 0, 1]
