@@ -40,7 +40,8 @@ def circular(stage_fn: Callable[[Any, jax.Array], jax.Array], stage_params: Any,
   """Runs the schedule; returns the last stage's outputs ``[num_micro, ...]``.
 
   Args:
-    stage_fn: ``stage_fn(params_of_one_stage, x) -> y``, same shape as x.
+    stage_fn: ``stage_fn(params_of_one_stage, x, i) -> y``, same shape as x, where i is
+      the micro-batch x belongs to (for what travels beside it, e.g. its segment ids).
     stage_params: this device's stages, leaves ``[virtual_stages, ...]`` (repeat r at r).
     inputs_fn: ``inputs_fn(i) -> x``, micro-batch i's input to the first stage.
     num_micro: micro-batches M, a multiple of pp when virtual_stages > 1.
@@ -59,7 +60,7 @@ def circular(stage_fn: Callable[[Any, jax.Array], jax.Array], stage_params: Any,
     repeat = (u // pp) % v
     micro = jnp.clip((u // (pp * v)) * pp + u % pp, 0, num_micro - 1)
     x = jnp.where((j == 0) & (repeat == 0), inputs_fn(micro), state)
-    y = stage_fn(jax.tree.map(lambda a: a[repeat], stage_params), x)
+    y = stage_fn(jax.tree.map(lambda a: a[repeat], stage_params), x, micro)
     return jax.lax.ppermute(y, AXIS, ring), y
 
   x0 = inputs_fn(0)

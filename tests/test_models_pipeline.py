@@ -24,7 +24,7 @@ def test_circular_schedule_composes_stages_in_order(pp, virtual_stages, num_micr
   mesh = dion_jax.make_mesh(f"pp={pp}", jax.devices()[:pp])
 
   def local(params, x):
-    out = pipeline.circular(lambda p, x: p["a"] * x + p["b"], params, lambda i: x[i], num_micro, pp,
+    out = pipeline.circular(lambda p, x, i: p["a"] * x + p["b"], params, lambda i: x[i], num_micro, pp,
                             virtual_stages)
     return out[None]
 

@@ -174,10 +174,6 @@ def setup(cfg: Config) -> Run:
                             packed=cfg.pack)
   valid_source = (data.load_source(cfg.valid_spec, progress=False, tokenizer=tokenizer, packed=cfg.pack)
                   if cfg.valid_spec else None)
-  packed = any(isinstance(s, data.SFTSource) and s.packed for s in (source, valid_source))
-  if packed and pp > 1:
-    raise UsageError("packed fine-tuning data (segment ids) does not run through a pipeline yet;"
-                     " pass --no-pack or a mesh without pp")
   vocab = cfg.vocab_size or source.vocab_size
   if vocab is None and cfg.hf_dir is None:
     raise UsageError(f"--data {' '.join(cfg.data)} does not record its vocabulary size; pass"
