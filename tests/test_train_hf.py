@@ -146,3 +146,10 @@ def test_orthogonal_family_trains_the_new_matrices(trained, tmp_path, optimizer)
     assert not np.array_equal(restored.params["blocks"]["attn"][name]["kernel"], initial["blocks"]["attn"][name]["kernel"])
   for name in ("gate", "up", "down"):
     assert not np.array_equal(restored.params["blocks"]["mlp"][name]["kernel"], initial["blocks"]["mlp"][name]["kernel"])
+
+
+def test_sample_writes_with_the_run_tokenizer(trained, capsys):
+  _, run = trained
+  assert sample.main([str(run), "--prompt", "w1 w2", "--max-new-tokens", "3"]) == 0
+  words = capsys.readouterr().out.split()
+  assert words[:2] == ["w1", "w2"] and len(words) == 5
