@@ -27,6 +27,13 @@ def _peak_gib() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def _rss_now_gib() -> dict:
+  """Resident memory now, anonymous (arrays) and file-backed (mapped safetensors pages)."""
+  with open("/proc/self/status") as f:
+    fields = dict(line.split(":", 1) for line in f)
+  return {k: int(fields[k].split()[0]) / 2**20 for k in ("RssAnon", "RssFile") if k in fields}
+
+
 def _disk_gib(directory: str) -> float:
   return sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory)) / 2**30
 
@@ -66,7 +73,7 @@ def load(directory: str, mesh: str | None) -> dict:
   _, params = hf_io.load(directory, cfg, par)
   jax.block_until_ready(params)
   return {"stage": "import", "mesh": mesh or "one device", "seconds": time.perf_counter() - start,
-          "peak_rss_gib": _peak_gib(), "disk_gib": _disk_gib(directory)}
+          "peak_rss_gib": _peak_gib(), "rss_now_gib": _rss_now_gib(), "disk_gib": _disk_gib(directory)}
 
 
 def main(argv=None) -> int:

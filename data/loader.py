@@ -65,6 +65,18 @@ class Windows:
     return out
 
 
+def document_segments(inputs_BxT: np.ndarray, eod: int) -> dict[str, np.ndarray]:
+  """Segment ids and positions of windows cut across documents: an EOD token starts the
+  next document (as the context of its first token), so attention never crosses an EOD
+  and positions restart there. int32 [B, T] each."""
+  starts_BxT = inputs_BxT == eod
+  starts_BxT[:, 0] = True
+  segments_BxT = np.cumsum(starts_BxT, axis=1).astype(np.int32)
+  t = np.arange(inputs_BxT.shape[1])
+  start_of_BxT = np.maximum.accumulate(np.where(starts_BxT, t, 0), axis=1)
+  return {"segment_ids": segments_BxT, "positions": (t - start_of_BxT).astype(np.int32)}
+
+
 def _grain_seed(seed: int, component: int) -> int:
   # Grain shuffles epoch e with seed + e; hashing keeps runs with seeds s and s + 1 apart.
   return int(np.random.SeedSequence([seed, component]).generate_state(1)[0])
@@ -72,7 +84,8 @@ def _grain_seed(seed: int, component: int) -> int:
 
 def make_dataset(source: TokenSource | Blend | SFTSource, *, seq_len: int, global_batch_size: int,
                  seed: int = 0, shard_index: int = 0, shard_count: int = 1,
-                 num_epochs: int | None = None, shuffle: bool = True) -> grain.MapDataset:
+                 num_epochs: int | None = None, shuffle: bool = True,
+                 eod: int | None = None) -> grain.MapDataset:
   """The per-shard batch dataset: element t is this shard's part of global step t.
 
   Args:
@@ -85,6 +98,8 @@ def make_dataset(source: TokenSource | Blend | SFTSource, *, seq_len: int, globa
     num_epochs: passes over the data; None repeats forever. For a blend an epoch ends
       when the first source, at its weight, runs out; each source is reshuffled on wrap.
     shuffle: False serves windows in order (e.g. for a fixed validation set).
+    eod: with the end-of-document token, windows also carry "segment_ids" and
+      "positions" (`document_segments`): each document attends only to itself.
 
   Returns:
     A `grain.MapDataset` of {"inputs", "targets"}: int32 [global_batch_size /
@@ -114,7 +129,8 @@ def make_dataset(source: TokenSource | Blend | SFTSource, *, seq_len: int, globa
 
     def gather(ids_B):
       windows_BxL1 = windows.gather(ids_B)
-      return {"inputs": windows_BxL1[:, :-1], "targets": windows_BxL1[:, 1:]}
+      batch = {"inputs": windows_BxL1[:, :-1], "targets": windows_BxL1[:, 1:]}
+      return batch if eod is None else {**batch, **document_segments(batch["inputs"], eod)}
 
     unit = f"windows of {seq_len + 1} tokens"
   steps = len(ds) // global_batch_size
@@ -132,7 +148,7 @@ def make_dataset(source: TokenSource | Blend | SFTSource, *, seq_len: int, globa
 
 def make_loader(source: TokenSource | Blend | SFTSource, *, seq_len: int, global_batch_size: int,
                 seed: int = 0, shard_index: int = 0, shard_count: int = 1,
-                num_epochs: int | None = None, shuffle: bool = True,
+                num_epochs: int | None = None, shuffle: bool = True, eod: int | None = None,
                 num_threads: int = 4, prefetch: int = 16) -> grain.DatasetIterator:
   """Iterator over `make_dataset(...)` (same arguments) with background prefetch.
 
@@ -141,7 +157,7 @@ def make_loader(source: TokenSource | Blend | SFTSource, *, seq_len: int, global
   """
   ds = make_dataset(source, seq_len=seq_len, global_batch_size=global_batch_size,
                     seed=seed, shard_index=shard_index, shard_count=shard_count,
-                    num_epochs=num_epochs, shuffle=shuffle)
+                    num_epochs=num_epochs, shuffle=shuffle, eod=eod)
   options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
   return iter(ds.to_iter_dataset(options))
 

@@ -209,8 +209,13 @@ def read_leaf(source: LeafSource, index: tuple[slice, ...], shape: tuple[int, ..
   layer_ids = to_stages(np.arange(len(source.names)), pp, virtual_stages)  # [S, Ls]
   ids = layer_ids[index[0], index[1]]
   core_index, core_shape = index[2:], shape[2:]
-  rows = [[read_core(source, source.names[i], core_index, core_shape, get) for i in row] for row in ids]
-  return np.asarray(rows, np.float32).reshape(ids.shape + rows[0][0].shape)
+  out = None
+  for pos in np.ndindex(*ids.shape):  # filled layer by layer: no second copy of the slice
+    x = read_core(source, source.names[ids[pos]], core_index, core_shape, get)
+    if out is None:
+      out = np.empty(ids.shape + x.shape, np.float32)
+    out[pos] = x
+  return out
 
 
 def is_stacked(source: LeafSource) -> bool:

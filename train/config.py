@@ -46,6 +46,7 @@ class Config:
   data: tuple[str, ...] = ("stdlib",)
   valid_data: str | None = None
   pack: bool = True
+  document_mask: bool = False
   vocab_size: int | None = None
   # optimizer
   optimizer: str = "dion"
@@ -217,6 +218,9 @@ HELP = {
     "valid_data": "validation data spec (default: stdlib:val for the embedded corpus, none otherwise)",
     "pack": "sft: data: pack several examples per sequence, attention kept within each"
             " (default on; --no-pack: one example per sequence)",
+    "document_mask": "pretraining data: attention within each document of a window and"
+                     " positions restarting at each end-of-document token (Megatron's"
+                     " --reset-attention-mask --reset-position-ids; default off)",
     "vocab_size": "tokenizer vocabulary size, where the data does not record it (Megatron datasets)",
     "optimizer": "%s (default dion: Dion on matrices, --dion-scalar-optimizer on the rest;"
                  " dion2 (fraction 1/4), normuon and muon: dion_jax's, sharded like Dion, with"
