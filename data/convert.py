@@ -5,7 +5,8 @@
                        Megatron-Dion's tools/convert_dion_to_megatron.py does).
   tokenize             text files (one document each) or JSONL files (one document per
                        line, from a string field) -> a Megatron dataset or FineWeb shards,
-                       with the byte tokenizer; every document ends with the EOD token.
+                       with the byte tokenizer or, with --tokenizer DIR, a Hugging Face
+                       tokenizer.json; every document ends with the EOD (eos) token.
 
 Outputs are written into a temporary folder beside them and renamed into place only when
 everything succeeded: a failed or interrupted conversion leaves nothing behind. Bad input
@@ -16,6 +17,7 @@ Examples:
       --output-prefix megatron/fineweb_train --sequence-length 1024
   python -m data.convert tokenize notes.txt corpus.jsonl --output-prefix out/mydata
   python -m data.convert tokenize corpus.jsonl --format fineweb --output-prefix out/mydata
+  python -m data.convert tokenize corpus.jsonl --tokenizer Qwen3-0.6B --output-prefix out/qwen
 """
 import argparse
 import contextlib
@@ -27,7 +29,7 @@ import tempfile
 
 import numpy as np
 
-from data import fineweb, megatron, tokenizer
+from data import fineweb, hf_tokenizer, megatron
 from data.errors import DataError, DataFileNotFoundError
 from data.progress import Progress
 
@@ -128,18 +130,23 @@ def read_documents(path: str, json_key: str):
 
 def tokenize(inputs: list[str], output_prefix: str, *, output_format: str = "megatron",
              json_key: str = "text", shard_tokens: int = 100_000_000,
-             progress: bool = True) -> dict:
-  """Byte-tokenizes `inputs` into a Megatron dataset or FineWeb shards `PREFIX_000000.bin`."""
+             progress: bool = True, tokenizer_dir: str | None = None) -> dict:
+  """Tokenizes `inputs` (bytes, or `tokenizer_dir`'s tokenizer.json) into a Megatron
+  dataset or FineWeb shards `PREFIX_000000.bin`."""
   missing = [p for p in inputs if not os.path.isfile(p)]
   if missing:
     raise DataFileNotFoundError(f"{missing[0]}: no such input file")
+  tok = hf_tokenizer.load(tokenizer_dir)
+  if output_format == "fineweb" and tok.vocab_size > 2**16:
+    raise DataError(f"{tokenizer_dir}: {tok.vocab_size} tokens do not fit FineWeb's uint16;"
+                    " use --format megatron")
   directory, base = os.path.split(output_prefix)
   docs = tokens = 0
   with atomic_outputs(directory) as tmp, Progress(
       "tokenizing", sum(os.path.getsize(p) for p in inputs), "bytes", enabled=progress) as bar:
     if output_format == "megatron":
       writer = megatron.IndexedDatasetWriter(
-          os.path.join(tmp, base), megatron.dtype_for_vocab(tokenizer.VOCAB_SIZE))
+          os.path.join(tmp, base), megatron.dtype_for_vocab(tok.vocab_size))
     else:
       writer = ShardWriter(os.path.join(tmp, base), shard_tokens)
     with writer:
@@ -147,8 +154,9 @@ def tokenize(inputs: list[str], output_prefix: str, *, output_format: str = "meg
         for doc, consumed in read_documents(path, json_key):
           bar.update(consumed)
           if doc:
-            writer.add_document(tokenizer.encode(doc, append_eod=True))
-            docs, tokens = docs + 1, tokens + len(doc) + 1
+            ids = tok.encode(doc, append_eod=True)
+            writer.add_document(ids.astype(megatron.dtype_for_vocab(tok.vocab_size)))
+            docs, tokens = docs + 1, tokens + len(ids)
       if docs == 0:
         raise DataError(f"{inputs[0] if inputs else output_prefix}: no non-empty documents "
                         f"in {len(inputs)} input file(s)")
@@ -188,6 +196,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="output format (default: %(default)s)")
   tok.add_argument("--json-key", default="text",
                    help="JSONL field holding the text (default: %(default)s)")
+  tok.add_argument("--tokenizer", metavar="DIR", default=None,
+                   help="a Hugging Face tokenizer directory (tokenizer.json; its eos token ends"
+                        " each document) instead of bytes")
   tok.add_argument("--shard-tokens", type=int, default=100_000_000,
                    help="fineweb: tokens per shard (default: %(default)s)")
   return parser
@@ -203,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
       summary = tokenize(args.inputs, args.output_prefix, output_format=args.format,
                          json_key=args.json_key, shard_tokens=args.shard_tokens,
-                         progress=progress)
+                         progress=progress, tokenizer_dir=args.tokenizer)
   except (DataError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1

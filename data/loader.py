@@ -21,6 +21,7 @@ import grain
 import numpy as np
 
 from data.errors import DataError
+from data.sft import SFTSource
 from data.sources import Blend, TokenSource
 
 
@@ -64,14 +65,27 @@ class Windows:
     return out
 
 
+def document_segments(inputs_BxT: np.ndarray, eod: int) -> dict[str, np.ndarray]:
+  """Segment ids and positions of windows cut across documents: an EOD token starts the
+  next document (as the context of its first token), so attention never crosses an EOD
+  and positions restart there. int32 [B, T] each."""
+  starts_BxT = inputs_BxT == eod
+  starts_BxT[:, 0] = True
+  segments_BxT = np.cumsum(starts_BxT, axis=1).astype(np.int32)
+  t = np.arange(inputs_BxT.shape[1])
+  start_of_BxT = np.maximum.accumulate(np.where(starts_BxT, t, 0), axis=1)
+  return {"segment_ids": segments_BxT, "positions": (t - start_of_BxT).astype(np.int32)}
+
+
 def _grain_seed(seed: int, component: int) -> int:
   # Grain shuffles epoch e with seed + e; hashing keeps runs with seeds s and s + 1 apart.
   return int(np.random.SeedSequence([seed, component]).generate_state(1)[0])
 
 
-def make_dataset(source: TokenSource | Blend, *, seq_len: int, global_batch_size: int,
+def make_dataset(source: TokenSource | Blend | SFTSource, *, seq_len: int, global_batch_size: int,
                  seed: int = 0, shard_index: int = 0, shard_count: int = 1,
-                 num_epochs: int | None = None, shuffle: bool = True) -> grain.MapDataset:
+                 num_epochs: int | None = None, shuffle: bool = True,
+                 eod: int | None = None) -> grain.MapDataset:
   """The per-shard batch dataset: element t is this shard's part of global step t.
 
   Args:
@@ -84,44 +98,57 @@ def make_dataset(source: TokenSource | Blend, *, seq_len: int, global_batch_size
     num_epochs: passes over the data; None repeats forever. For a blend an epoch ends
       when the first source, at its weight, runs out; each source is reshuffled on wrap.
     shuffle: False serves windows in order (e.g. for a fixed validation set).
+    eod: with the end-of-document token, windows also carry "segment_ids" and
+      "positions" (`document_segments`): each document attends only to itself.
 
   Returns:
     A `grain.MapDataset` of {"inputs", "targets"}: int32 [global_batch_size /
     shard_count, seq_len]; its length is the number of steps (huge when num_epochs=None).
+    A fine-tuning source (`data.sft`) serves its rows, shuffled like windows, with
+    "segment_ids" and "positions" too.
   """
   if global_batch_size < 1 or shard_count < 1 or global_batch_size % shard_count:
     raise DataError(f"{source.name}: global batch {global_batch_size} must split evenly "
                     f"over {shard_count} shards")
   if not 0 <= shard_index < shard_count:
     raise DataError(f"{source.name}: shard_index {shard_index} not in [0, {shard_count})")
-  parts = source.sources if isinstance(source, Blend) else (source,)
-  windows = Windows(parts, seq_len)
-  datasets = []
-  for k, ids in enumerate(windows.ranges):
-    ds = grain.MapDataset.range(ids.start, ids.stop)
-    datasets.append(ds.shuffle(seed=_grain_seed(seed, k)) if shuffle else ds)
-  ds = datasets[0] if len(datasets) == 1 else grain.MapDataset.mix(datasets, source.weights)
+  if isinstance(source, SFTSource):
+    rows = source.rows(seq_len)
+    ds = grain.MapDataset.range(len(rows["inputs"]))
+    ds = ds.shuffle(seed=_grain_seed(seed, 0)) if shuffle else ds
+    gather = lambda ids_B: {k: v[np.asarray(ids_B)] for k, v in rows.items()}  # noqa: E731
+    unit = f"rows of {seq_len} tokens"
+  else:
+    parts = source.sources if isinstance(source, Blend) else (source,)
+    windows = Windows(parts, seq_len)
+    datasets = []
+    for k, ids in enumerate(windows.ranges):
+      ds = grain.MapDataset.range(ids.start, ids.stop)
+      datasets.append(ds.shuffle(seed=_grain_seed(seed, k)) if shuffle else ds)
+    ds = datasets[0] if len(datasets) == 1 else grain.MapDataset.mix(datasets, source.weights)
+
+    def gather(ids_B):
+      windows_BxL1 = windows.gather(ids_B)
+      batch = {"inputs": windows_BxL1[:, :-1], "targets": windows_BxL1[:, 1:]}
+      return batch if eod is None else {**batch, **document_segments(batch["inputs"], eod)}
+
+    unit = f"windows of {seq_len + 1} tokens"
   steps = len(ds) // global_batch_size
   if steps == 0:
-    raise DataError(f"{source.name}: {len(ds)} windows of {seq_len + 1} tokens do not fill "
-                    f"one global batch of {global_batch_size}")
+    raise DataError(f"{source.name}: {len(ds)} {unit} do not fill one global batch of"
+                    f" {global_batch_size}")
   if num_epochs is None:
     # "Forever" as a count: Grain's endless repeat has length sys.maxsize, which its
     # batching overflows with one example per batch; 2**48 windows never run out.
     num_epochs = max(1, 2**48 // (steps * global_batch_size))
   ds = ds[:steps * global_batch_size].repeat(num_epochs)
   ds = ds[shard_index::shard_count].batch(global_batch_size // shard_count)
-
-  def to_example(ids_B):
-    windows_BxL1 = windows.gather(ids_B)
-    return {"inputs": windows_BxL1[:, :-1], "targets": windows_BxL1[:, 1:]}
-
-  return ds.map(to_example)
+  return ds.map(gather)
 
 
-def make_loader(source: TokenSource | Blend, *, seq_len: int, global_batch_size: int,
+def make_loader(source: TokenSource | Blend | SFTSource, *, seq_len: int, global_batch_size: int,
                 seed: int = 0, shard_index: int = 0, shard_count: int = 1,
-                num_epochs: int | None = None, shuffle: bool = True,
+                num_epochs: int | None = None, shuffle: bool = True, eod: int | None = None,
                 num_threads: int = 4, prefetch: int = 16) -> grain.DatasetIterator:
   """Iterator over `make_dataset(...)` (same arguments) with background prefetch.
 
@@ -130,7 +157,7 @@ def make_loader(source: TokenSource | Blend, *, seq_len: int, global_batch_size:
   """
   ds = make_dataset(source, seq_len=seq_len, global_batch_size=global_batch_size,
                     seed=seed, shard_index=shard_index, shard_count=shard_count,
-                    num_epochs=num_epochs, shuffle=shuffle)
+                    num_epochs=num_epochs, shuffle=shuffle, eod=eod)
   options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
   return iter(ds.to_iter_dataset(options))
 

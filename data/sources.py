@@ -6,6 +6,8 @@ A spec is one of
   "dir/prefix"                               a Megatron dataset (`dir/prefix.idx` exists;
                                              "dir/prefix.idx" or ".bin" also work)
   "0.7:specA,0.3:specB"                      a blend by weights (Megatron's BlendedDataset)
+  "sft:FILE.jsonl"                           fine-tuning examples (`data.sft`), tokenized
+                                             on load with the given tokenizer
 
 `load_source(spec)` opens the files (memory maps, nothing is read) and returns a
 `TokenSource` or a `Blend` for `data.loader.make_loader`.
@@ -16,7 +18,8 @@ import os
 
 import numpy as np
 
-from data import corpus, fineweb, megatron, tokenizer
+from data import corpus, fineweb, megatron, sft, tokenizer
+from data.hf_tokenizer import ByteTokenizer
 from data.errors import DataError, DataFileNotFoundError
 
 
@@ -57,8 +60,8 @@ class Blend:
     return None if None in sizes else max(sizes)
 
 
-def load_source(spec: str, *, cache_dir: str | None = None,
-                progress: bool = True) -> TokenSource | Blend:
+def load_source(spec: str, *, cache_dir: str | None = None, progress: bool = True,
+                tokenizer=None, packed: bool = True) -> TokenSource | Blend | sft.SFTSource:
   """Opens the data named by `spec` (see the module docstring).
 
   Args:
@@ -66,10 +69,14 @@ def load_source(spec: str, *, cache_dir: str | None = None,
     cache_dir: cache for the embedded corpus (default `$DION_JAX_CACHE` or
       `~/.cache/dion_jax`); built there on first use.
     progress: progress bar on stderr while the embedded corpus builds.
+    tokenizer: what tokenizes ``sft:`` files (``data.hf_tokenizer``; default bytes).
+    packed: pack ``sft:`` examples several per row.
 
   Raises:
     DataError: a malformed spec or file; DataFileNotFoundError: a missing path.
   """
+  if spec.startswith("sft:"):
+    return sft.read(spec[len("sft:"):], tokenizer or ByteTokenizer(), packed=packed, name=spec)
   parts = [p.strip() for p in spec.split(",")]
   weighted = [_split_weight(p) for p in parts]
   if len(parts) == 1 and weighted[0][0] is None:

@@ -353,8 +353,6 @@ def loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], par: Paralleli
   if denominator is None:
     denominator = jnp.maximum(jnp.sum(counted_BxT), 1).astype(jnp.float32)
   if par.pp > 1:
-    if "segment_ids" in batch:
-      raise ValueError("packed sequences (segment_ids) are not supported with a pipeline (pp > 1)")
     return _pipeline_loss(graphdef, params, batch, scale, denominator, par, logit_max)
   model = nnx.merge(graphdef, params)
   rope = rotary_tables(model.cfg, batch["inputs"].shape[1], batch.get("positions"))
@@ -414,18 +412,21 @@ def _pipeline_call(graphdef, params, batch, scale, denominator, par: Parallelism
   def microbatched(x_BxT):  # micro-batch i = rows i, i + M, ...: keeps the batch sharding
     return x_BxT.reshape(B // M, M, T).swapaxes(0, 1)
 
-  def local_loss(params, inputs_MxbxT, targets_MxbxT, scale, denominator):
+  def local_loss(params, micro, scale, denominator):  # micro: the batch's leaves [M, b, T]
     model = nnx.merge(graphdef, params)
-    rope = rotary_tables(model.cfg, T)
     block_graphdef = nnx.graphdef(model.blocks)
 
-    def stage(layers, x):
-      out = apply_layers(block_graphdef, layers, x, rope, par, model.cfg, logit_max=logit_max)
+    def stage(layers, x, i):  # i: the micro-batch x belongs to
+      positions = micro["positions"][i] if "positions" in micro else None
+      segments = micro["segment_ids"][i] if "segment_ids" in micro else None
+      rope = rotary_tables(model.cfg, T, positions)
+      out = apply_layers(block_graphdef, layers, x, rope, par, model.cfg, segments, logit_max)
       return out if logit_max else (out, None)
 
     outputs, logits_IxLsxN = pipeline.circular(
-        stage, params["blocks"], lambda i: model.embed_tokens(inputs_MxbxT[i], par), M, pp, v,
+        stage, params["blocks"], lambda i: model.embed_tokens(micro["inputs"][i], par), M, pp, v,
         unroll=model.cfg.unroll)
+    targets_MxbxT = micro["targets"]
     x_mxbxTxD = pipeline.scatter_from_last(outputs, pp)
     m = M // pp
     targets_mxbxT = jax.lax.dynamic_slice_in_dim(targets_MxbxT, jax.lax.axis_index(pipeline.AXIS) * m, m)
@@ -448,7 +449,7 @@ def _pipeline_call(graphdef, params, batch, scale, denominator, par: Parallelism
   return jax.shard_map(
       jax.value_and_grad(local_loss, has_aux=logit_max) if with_grad else local_loss,
       mesh=jax.sharding.get_abstract_mesh(),
-      in_specs=(specs, P(), P(), P(), P()),
+      in_specs=(specs, P(), P(), P()),
       out_specs=(value_specs, specs) if with_grad else value_specs,
       axis_names={pipeline.AXIS},
-  )(params, microbatched(batch["inputs"]), microbatched(batch["targets"]), scale, denominator)
+  )(params, jax.tree.map(microbatched, batch), scale, denominator)

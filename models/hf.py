@@ -209,8 +209,13 @@ def read_leaf(source: LeafSource, index: tuple[slice, ...], shape: tuple[int, ..
   layer_ids = to_stages(np.arange(len(source.names)), pp, virtual_stages)  # [S, Ls]
   ids = layer_ids[index[0], index[1]]
   core_index, core_shape = index[2:], shape[2:]
-  rows = [[read_core(source, source.names[i], core_index, core_shape, get) for i in row] for row in ids]
-  return np.asarray(rows, np.float32).reshape(ids.shape + rows[0][0].shape)
+  out = None
+  for pos in np.ndindex(*ids.shape):  # filled layer by layer: no second copy of the slice
+    x = read_core(source, source.names[ids[pos]], core_index, core_shape, get)
+    if out is None:
+      out = np.empty(ids.shape + x.shape, np.float32)
+    out[pos] = x
+  return out
 
 
 def is_stacked(source: LeafSource) -> bool:
@@ -218,23 +223,42 @@ def is_stacked(source: LeafSource) -> bool:
   return source.names[0].startswith("model.layers.")
 
 
-def to_hf_tensors(cfg: GPTConfig, params: Any) -> dict[str, np.ndarray]:
+def to_hf_tensors(cfg: GPTConfig, params: Any) -> dict[str, Callable[[], np.ndarray]]:
   """Hugging Face tensors (float32) of host ``params`` whose blocks are in layer order
-  ``[num_layers, ...]`` (``models.to_layers``)."""
+  ``[num_layers, ...]`` (``models.to_layers``), each made when called: a writer holds one
+  file's tensors at a time beside the parameters, not a second copy of the model."""
   flat = flatten(params)
-  out = {}
-  for path, source in leaf_sources(cfg).items():
-    x = np.asarray(flat[path], np.float32)
-    layers = x if is_stacked(source) else x[None]
-    for name, w in zip(source.names, layers):
+  unknown = set(flat) - set(leaf_sources(cfg))
+  if unknown:
+    raise UnsupportedCheckpoint(f"parameters {sorted(unknown)} have no Hugging Face tensor")
+
+  def tensor(source: LeafSource, x: Any, layer: int | None) -> Callable[[], np.ndarray]:
+    def make():
+      w = np.asarray(x[layer] if layer is not None else x, np.float32)
       if source.head_dim:
         w = w * _head_signs(slice(0, w.shape[-1]), source.head_dim)
       if source.padded_axis is not None:
         w = np.take(w, np.arange(cfg.vocab_size), axis=source.padded_axis)
-      out[name] = np.ascontiguousarray(w.T if source.transpose else w)
-  unknown = set(flat) - set(leaf_sources(cfg))
-  if unknown:
-    raise UnsupportedCheckpoint(f"parameters {sorted(unknown)} have no Hugging Face tensor")
+      return np.ascontiguousarray(w.T if source.transpose else w)
+    return make
+
+  out = {}
+  for path, source in leaf_sources(cfg).items():
+    layers = range(len(source.names)) if is_stacked(source) else [None]
+    for name, layer in zip(source.names, layers):
+      out[name] = tensor(source, flat[path], layer)
+  return out
+
+
+def hf_nbytes(cfg: GPTConfig, params: Any) -> dict[str, int]:
+  """The float32 bytes of each tensor of :func:`to_hf_tensors`, without making it."""
+  flat = flatten(params)
+  out = {}
+  for path, source in leaf_sources(cfg).items():
+    shape = list(np.shape(flat[path])[1:] if is_stacked(source) else np.shape(flat[path]))
+    if source.padded_axis is not None:
+      shape[source.padded_axis] = cfg.vocab_size
+    out.update(dict.fromkeys(source.names, 4 * int(np.prod(shape))))
   return out
 
 

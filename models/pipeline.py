@@ -34,15 +34,16 @@ def finish_iterations(num_micro: int, pp: int, virtual_stages: int) -> np.ndarra
   return (i // pp) * pp * virtual_stages + i % pp + last_stage
 
 
-def circular(stage_fn: Callable[[Any, jax.Array], tuple[jax.Array, Any]], stage_params: Any,
+def circular(stage_fn: Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, Any]], stage_params: Any,
              inputs_fn: Callable[[jax.Array], jax.Array], num_micro: int, pp: int,
              virtual_stages: int, unroll: bool = False) -> tuple[jax.Array, Any]:
   """Runs the schedule; returns the last stage's outputs ``[num_micro, ...]`` and every
   iteration's ``aux`` on this device ``[iterations, ...]`` (see :func:`iteration_repeats`).
 
   Args:
-    stage_fn: ``stage_fn(params_of_one_stage, x) -> (y, aux)``, y of x's shape; aux any
-      pytree (None for none).
+    stage_fn: ``stage_fn(params_of_one_stage, x, i) -> (y, aux)``, y of x's shape, where i
+      is the micro-batch x belongs to (for what travels beside it, e.g. its segment ids);
+      aux any pytree (None for none).
     stage_params: this device's stages, leaves ``[virtual_stages, ...]`` (repeat r at r).
     inputs_fn: ``inputs_fn(i) -> x``, micro-batch i's input to the first stage.
     num_micro: micro-batches M, a multiple of pp when virtual_stages > 1.
@@ -61,7 +62,7 @@ def circular(stage_fn: Callable[[Any, jax.Array], tuple[jax.Array, Any]], stage_
     repeat = (u // pp) % v
     micro = jnp.clip((u // (pp * v)) * pp + u % pp, 0, num_micro - 1)
     x = jnp.where((j == 0) & (repeat == 0), inputs_fn(micro), state)
-    y, aux = stage_fn(jax.tree.map(lambda a: a[repeat], stage_params), x)
+    y, aux = stage_fn(jax.tree.map(lambda a: a[repeat], stage_params), x, micro)
     return jax.lax.ppermute(y, AXIS, ring), (y, aux)
 
   x0 = inputs_fn(0)

@@ -142,3 +142,15 @@ def test_command_line_exit_status_help_and_progress(tmp_path):
                         "--output-prefix", str(tmp_path / "m")], env=env, capture_output=True,
                        text=True)
   assert bad.returncode == 1 and bad.stderr == f"error: {tmp_path}/z: no such input file\n"
+
+
+def test_tokenize_with_a_hugging_face_tokenizer(tmp_path):
+  from tests.test_data_sft import make_tokenizer
+
+  make_tokenizer(tmp_path, ["hello", "world"])
+  (tmp_path / "a.jsonl").write_text('{"text": "hello world"}\n{"text": "world other"}\n')
+  summary = convert.tokenize([str(tmp_path / "a.jsonl")], str(tmp_path / "out" / "d"), progress=False,
+                             tokenizer_dir=str(tmp_path))
+  assert summary["documents"] == 2 and summary["tokens"] == 6
+  ds = megatron.IndexedDataset(str(tmp_path / "out" / "d"))
+  assert list(ds.tokens) == [2, 3, 1, 3, 0, 1]

@@ -216,3 +216,16 @@ def test_iterator_state_round_trips_through_an_orbax_checkpoint(tmp_path):
   assert resumed.get_state() == {"next_index": 3}
   for want, got in zip(expected, _take(resumed, 2)):
     np.testing.assert_array_equal(want["inputs"], got["inputs"])
+
+
+def test_document_segments_restart_at_each_eod():
+  import data
+  from data.loader import document_segments
+
+  inputs = np.array([[5, 6, 256, 7, 8, 256, 9], [256, 1, 2, 3, 4, 5, 6]])
+  out = document_segments(inputs, 256)
+  assert out["segment_ids"].tolist() == [[1, 1, 2, 2, 2, 3, 3], [1, 1, 1, 1, 1, 1, 1]]
+  assert out["positions"].tolist() == [[0, 1, 0, 1, 2, 0, 1], [0, 1, 2, 3, 4, 5, 6]]
+  source = data.load_source("stdlib:val", progress=False)
+  batch = next(data.make_loader(source, seq_len=64, global_batch_size=2, eod=data.EOD))
+  assert set(batch) == {"inputs", "targets", "segment_ids", "positions"}

@@ -108,3 +108,15 @@ def test_unsupported_checkpoints_are_named():
     hf_map.from_hf_config({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, seq_len=8)
   with pytest.raises(hf_map.UnsupportedCheckpoint, match="no Llama or Qwen3"):
     hf_map.to_hf_config(models.preset("tiny"))
+
+
+def test_default_labels_route_the_new_matrices():
+  """gate/up/down and GQA's narrower key/value are matrices for Dion and its family; the
+  QK-norm scales, norms and the (tied) embedding go to the scalar optimizer."""
+  cfg = hf_map.from_hf_config({**COMMON, **ARCHS["qwen3"][2], "architectures": ["Qwen3ForCausalLM"]}, seq_len=8)
+  labels = hf_map.flatten(dion_jax.default_labels(jax.eval_shape(lambda: models.init(cfg)[1])))
+  matrices = {p for p, label in labels.items() if label == "dion"}
+  assert matrices == {f"blocks/attn/{n}/kernel" for n in ("query", "key", "value", "out")} | {
+      f"blocks/mlp/{n}/kernel" for n in ("gate", "up", "down")}
+  assert labels["embed/embedding"] == "adamw" and "lm_head/kernel" not in labels
+  assert labels["blocks/attn/query_norm/scale"] == "adamw"

@@ -25,7 +25,7 @@ def test_circular_schedule_composes_stages_in_order(pp, virtual_stages, num_micr
 
   def local(params, x):
     # aux: the stage each iteration ran (p["b"] = s), against iteration_repeats' account.
-    out, stage_I = pipeline.circular(lambda p, x: (p["a"] * x + p["b"], p["b"]), params, lambda i: x[i],
+    out, stage_I = pipeline.circular(lambda p, x, i: (p["a"] * x + p["b"], p["b"]), params, lambda i: x[i],
                                      num_micro, pp, virtual_stages)
     repeat_I, active_I = pipeline.iteration_repeats(num_micro, pp, virtual_stages)
     return out[None], stage_I[None], repeat_I[None], active_I[None]

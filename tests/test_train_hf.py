@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import models
+from tests.test_data_sft import make_tokenizer
 from tests.test_models_hf import hf_logits, make_hf_model, np_loss
 from train import eval as eval_lib
 from train import export as export_lib
@@ -20,21 +21,29 @@ from train import sample
 transformers = pytest.importorskip("transformers")
 
 SEQ = 16
-# A vocabulary above the byte tokenizer's 257 so that the embedded corpus can train it.
+# A vocabulary above the byte tokenizer's 257 so that train.eval can read the embedded corpus.
 VOCAB = 384
+WORDS = [f"w{i}" for i in range(40)]
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-  """A tiny random Qwen3 (tied embeddings, explicit head_dim) fine-tuned 2 steps on fs=2,tp=2."""
+  """A tiny random Qwen3 (tied embeddings, explicit head_dim) fine-tuned 2 steps on fs=2,tp=2
+  on packed prompt/completion data with its own (word-level) tokenizer."""
   root = tmp_path_factory.mktemp("hf")
   source = root / "qwen3"
   make_hf_model("qwen3", source, vocab_size=VOCAB)
-  (source / "tokenizer.json").write_text("{}")  # copied by the export, never parsed here
+  make_tokenizer(source, WORDS)
+  sft = root / "sft.jsonl"
+  rng = np.random.default_rng(0)
+  sft.write_text("".join(json.dumps({"prompt": " ".join(rng.choice(WORDS, 5)),
+                                     "completion": " ".join(rng.choice(WORDS, 3))}) + "\n"
+                         for _ in range(16)))
   run = root / "run"
-  flags = ["--init-from", f"hf:{source}", "--steps", "2", "--global-batch-size", "4",
-           "--seq-len", str(SEQ), "--run-dir", str(run), "--eval-every", "0", "--eval-tokens", "0",
-           "--mesh", "fs=2,tp=2", "--save-every", "2", "--log-interval", "1", "--lr", "0.01"]
+  flags = ["--init-from", f"hf:{source}", "--data", f"sft:{sft}", "--steps", "2",
+           "--global-batch-size", "4", "--seq-len", str(SEQ), "--run-dir", str(run),
+           "--eval-every", "0", "--eval-tokens", "0", "--mesh", "fs=2,tp=2", "--save-every", "2",
+           "--log-interval", "1", "--lr", "0.01"]
   assert gpt.main(flags) == 0
   return source, run
 
@@ -49,7 +58,7 @@ def test_fine_tune_export_loads_in_transformers(trained, tmp_path):
   assert [r["step"] for r in _records(run)] == [1, 2]
   out = tmp_path / "export"
   assert export_lib.main([str(run), "--output", str(out)]) == 0
-  assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out))
+  assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(out))
   model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
   restored = sample.restore(str(run))
   tokens = np.random.default_rng(0).integers(0, VOCAB, (2, SEQ)).astype(np.int32)
@@ -119,3 +128,28 @@ def test_bad_input_one_line_exit_2(trained, tmp_path, capsys):
   err = capsys.readouterr().err.strip()
   assert "mlp.gate_proj.weight has shape" in err and "\n" not in err
   assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
+
+
+@pytest.mark.parametrize("optimizer", ["dion2", "normuon"])
+def test_orthogonal_family_trains_the_new_matrices(trained, tmp_path, optimizer):
+  """Default labels route gate/up/down and GQA's narrower key/value to the matrix optimizer
+  (Dion itself trains the fixture's run); one step on fs=2,tp=2 changes every kernel."""
+  source, _ = trained
+  run = tmp_path / optimizer
+  assert gpt.main(["--init-from", f"hf:{source}", "--optimizer", optimizer, "--steps", "1",
+                   "--global-batch-size", "4", "--seq-len", str(SEQ), "--run-dir", str(run),
+                   "--eval-tokens", "0", "--mesh", "fs=2,tp=2"]) == 0
+  restored = sample.restore(str(run))
+  _, initial = hf_io.load(str(source), restored.cfg, models.Parallelism())
+  initial = dict(initial, blocks=models.to_layers(initial["blocks"], 1))
+  for name in ("query", "key", "value", "out"):
+    assert not np.array_equal(restored.params["blocks"]["attn"][name]["kernel"], initial["blocks"]["attn"][name]["kernel"])
+  for name in ("gate", "up", "down"):
+    assert not np.array_equal(restored.params["blocks"]["mlp"][name]["kernel"], initial["blocks"]["mlp"][name]["kernel"])
+
+
+def test_sample_writes_with_the_run_tokenizer(trained, capsys):
+  _, run = trained
+  assert sample.main([str(run), "--prompt", "w1 w2", "--max-new-tokens", "3"]) == 0
+  words = capsys.readouterr().out.split()
+  assert words[:2] == ["w1", "w2"] and len(words) == 5

@@ -46,6 +46,8 @@ class Config:
   # data
   data: tuple[str, ...] = ("stdlib",)
   valid_data: str | None = None
+  pack: bool = True
+  document_mask: bool = False
   vocab_size: int | None = None
   # optimizer
   optimizer: str = "dion"
@@ -217,8 +219,14 @@ HELP = {
     "sequence_parallel": "shard activations along the sequence over tp between layers",
     "virtual_stages": "stages per pp device of a circular (interleaved) pipeline (default 1)",
     "data": "training data: stdlib (the embedded corpus, default) | fineweb:GLOB |"
-            " megatron:PREFIX | a blend W1 SRC1 W2 SRC2 ... (e.g. 0.7 fineweb:'d/*.bin' 0.3 stdlib)",
+            " megatron:PREFIX | sft:FILE.jsonl (prompt/completion lines, loss on completions,"
+            " tokenized with --init-from's tokenizer, else bytes) | a blend W1 SRC1 W2 SRC2 ... (e.g. 0.7 fineweb:'d/*.bin' 0.3 stdlib)",
     "valid_data": "validation data spec (default: stdlib:val for the embedded corpus, none otherwise)",
+    "pack": "sft: data: pack several examples per sequence, attention kept within each"
+            " (default on; --no-pack: one example per sequence)",
+    "document_mask": "pretraining data: attention within each document of a window and"
+                     " positions restarting at each end-of-document token (Megatron's"
+                     " --reset-attention-mask --reset-position-ids; default off)",
     "vocab_size": "tokenizer vocabulary size, where the data does not record it (Megatron datasets)",
     "optimizer": "%s (default dion: Dion on matrices, --dion-scalar-optimizer on the rest;"
                  " dion2 (fraction 1/4), nordion2 (fraction 1/4), normuon and muon: dion_jax's,"

@@ -133,13 +133,14 @@ def save(directory: str, cfg: models.GPTConfig, params: Any, base_config: dict |
     raise UsageError(f"{directory} already exists; choose a new --output directory")
   config = hf_map.to_hf_config(cfg, base_config)
   tensors = hf_map.to_hf_tensors(cfg, params)
+  nbytes = hf_map.hf_nbytes(cfg, params)
   parent = os.path.dirname(os.path.abspath(directory))
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
   try:
     with open(os.path.join(tmp, CONFIG), "w") as f:
       json.dump(config, f, indent=2)
-    _write_weights(tmp, tensors, max_shard_bytes)
+    _write_weights(tmp, tensors, nbytes, max_shard_bytes)
     for name in TOKENIZER_FILES if tokenizer_from else ():
       if os.path.isfile(os.path.join(tokenizer_from, name)):
         shutil.copy(os.path.join(tokenizer_from, name), tmp)
@@ -150,24 +151,25 @@ def save(directory: str, cfg: models.GPTConfig, params: Any, base_config: dict |
   return sorted(os.listdir(directory))
 
 
-def _write_weights(directory: str, tensors: dict[str, np.ndarray], max_shard_bytes: int) -> None:
-  total = sum(t.nbytes for t in tensors.values())
+def _write_weights(directory: str, tensors: dict, nbytes: dict[str, int], max_shard_bytes: int) -> None:
+  """Writes ``tensors`` (name -> a function making the array) in files of at most
+  ``max_shard_bytes`` (a tensor larger than that alone), one file's arrays at a time."""
+  total = sum(nbytes.values())
   metadata = {"format": "pt"}  # transformers refuses safetensors files without it
-  if total <= max_shard_bytes:
-    save_file(tensors, os.path.join(directory, SINGLE), metadata=metadata)
-    return
-  shards: list[dict[str, np.ndarray]] = [{}]
+  shards: list[list[str]] = [[]]
   size = 0
-  for name, t in tensors.items():
-    if size and size + t.nbytes > max_shard_bytes:
-      shards.append({})
+  for name in tensors:
+    if size and size + nbytes[name] > max_shard_bytes:
+      shards.append([])
       size = 0
-    shards[-1][name] = t
-    size += t.nbytes
+    shards[-1].append(name)
+    size += nbytes[name]
   weight_map = {}
-  for k, shard in enumerate(shards, 1):
-    file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-    save_file(shard, os.path.join(directory, file), metadata=metadata)
-    weight_map.update(dict.fromkeys(shard, file))
+  for k, names in enumerate(shards, 1):
+    file = SINGLE if len(shards) == 1 else f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+    save_file({n: tensors[n]() for n in names}, os.path.join(directory, file), metadata=metadata)
+    weight_map.update(dict.fromkeys(names, file))
+  if len(shards) == 1:
+    return
   with open(os.path.join(directory, INDEX), "w") as f:
     json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import data
+from data import hf_tokenizer
 import dion_jax
 import models
 from dion_jax.parallel import format_mesh_spec
@@ -53,6 +54,7 @@ class Run:
   shard: tuple[int, int]
   checkpoints: ckpt_lib.Checkpoints
   saved_config: dict
+  eod: int | None  # the end-of-document token when windows carry document masks
 
 
 def _mesh(cfg: Config) -> jax.sharding.Mesh:
@@ -96,6 +98,12 @@ def _model_config(cfg: Config, vocab_size: int | None) -> models.GPTConfig:
     if getattr(cfg, flag) is not None:
       overrides[field] = getattr(cfg, flag)
   return models.preset(cfg.preset, **overrides)
+
+
+def _tokenizer(cfg: Config):
+  """The tokenizer of sft: data: --init-from's tokenizer.json when it has one, else bytes."""
+  has_own = cfg.hf_dir is not None and os.path.isfile(os.path.join(cfg.hf_dir, "tokenizer.json"))
+  return hf_tokenizer.load(cfg.hf_dir if has_own else None)
 
 
 def _batch_split(cfg: Config, mesh: jax.sharding.Mesh) -> int:
@@ -162,8 +170,12 @@ def setup(cfg: Config) -> Run:
   mesh = _mesh(cfg)
   accum = _batch_split(cfg, mesh)
   pp = dict(mesh.shape)["pp"]
-  source = data.load_source(cfg.data_spec, progress=jax.process_index() == 0)
-  valid_source = data.load_source(cfg.valid_spec, progress=False) if cfg.valid_spec else None
+  tokenizer = _tokenizer(cfg)
+  eod = tokenizer.eod if cfg.document_mask else None
+  source = data.load_source(cfg.data_spec, progress=jax.process_index() == 0, tokenizer=tokenizer,
+                            packed=cfg.pack)
+  valid_source = (data.load_source(cfg.valid_spec, progress=False, tokenizer=tokenizer, packed=cfg.pack)
+                  if cfg.valid_spec else None)
   vocab = cfg.vocab_size or source.vocab_size
   if vocab is None and cfg.hf_dir is None:
     raise UsageError(f"--data {' '.join(cfg.data)} does not record its vocabulary size; pass"
@@ -183,7 +195,7 @@ def setup(cfg: Config) -> Run:
   shard = data.process_batch_shard(batch_sharding, (cfg.global_batch_size, model_cfg.seq_len))
   train_batches = data.make_loader(source, seq_len=model_cfg.seq_len,
                                    global_batch_size=cfg.global_batch_size, seed=cfg.seed,
-                                   shard_index=shard[0], shard_count=shard[1])
+                                   shard_index=shard[0], shard_count=shard[1], eod=eod)
   with jax.set_mesh(mesh):
     if cfg.hf_dir is not None and not cfg.resume:
       graphdef, params = hf_io.load(cfg.hf_dir, model_cfg, par)
@@ -219,7 +231,7 @@ def setup(cfg: Config) -> Run:
     with open(os.path.join(cfg.run_path, "config.json"), "w") as f:
       json.dump(record, f, indent=2)
   return Run(cfg, model_cfg, mesh, par, state, start_step, train_step, eval_step, train_batches,
-             valid_source, batch_sharding, shard, checkpoints, record)
+             valid_source, batch_sharding, shard, checkpoints, record, eod)
 
 
 def global_batch(run: Run, local: dict) -> dict:
@@ -236,7 +248,8 @@ def evaluate(run: Run, state: step_lib.TrainState) -> tuple[float, int]:
   batches = max(1, cfg.eval_tokens // (cfg.global_batch_size * seq_len))
   it: Iterator = data.make_loader(run.valid_source, seq_len=seq_len,
                                   global_batch_size=cfg.global_batch_size, seed=0,
-                                  shard_index=run.shard[0], shard_count=run.shard[1], shuffle=False)
+                                  shard_index=run.shard[0], shard_count=run.shard[1], shuffle=False,
+                                  eod=run.eod)
   with jax.set_mesh(run.mesh):
     losses = [run.eval_step(state.params, global_batch(run, next(it))) for _ in range(batches)]
   return float(np.mean(jax.device_get(losses))), batches * cfg.global_batch_size * seq_len

@@ -1,8 +1,9 @@
 """What a trained GPT writes: ``python -m train.sample RUN_DIR --prompt "def " [...]``.
 
 Restores the parameters of the run's latest (or ``--step``) checkpoint onto one device,
-rebuilds the GPT from that checkpoint's config record, and extends the prompt one byte
-token at a time: greedy with ``--temperature 0`` (the default), else drawn from
+rebuilds the GPT from that checkpoint's config record, and extends the prompt one token
+at a time (byte tokens, or the ``tokenizer.json`` of the checkpoint a ``--init-from hf:DIR``
+run started from): greedy with ``--temperature 0`` (the default), else drawn from
 softmax(logits / temperature), optionally among the ``--top-k`` likeliest tokens only.
 
 The context is the last ``seq_len`` tokens (the length the model was trained on),
@@ -28,6 +29,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 import data
+from data import hf_tokenizer
 import models
 from models import gpt
 from train import cli
@@ -117,10 +119,11 @@ def _next_token(graphdef: Any, vocab_size: int, temperature: float, top_k: int |
 
 
 def generate(model: Restored, prompt_P: np.ndarray, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int | None = None, seed: int = 0) -> np.ndarray:
-  """The ``max_new_tokens`` tokens that follow ``prompt_P`` (int [P]), int32 [max_new_tokens]."""
+             top_k: int | None = None, seed: int = 0, eod: int = data.EOD) -> np.ndarray:
+  """The ``max_new_tokens`` tokens that follow ``prompt_P`` (int [P]), int32 [max_new_tokens];
+  an empty prompt starts from the end-of-document token ``eod``."""
   T = model.cfg.seq_len
-  tokens = [int(t) for t in prompt_P] or [data.EOD]
+  tokens = [int(t) for t in prompt_P] or [eod]
   key = jax.random.key(seed)
   for i in range(max_new_tokens):
     context = tokens[-T:]
@@ -134,10 +137,11 @@ def generate(model: Restored, prompt_P: np.ndarray, max_new_tokens: int, tempera
 
 def _parser() -> argparse.ArgumentParser:
   parser = cli.Parser(prog="python -m train.sample",
-                      description="Print what a trained GPT writes after a prompt (byte tokens).")
+                      description="Print what a trained GPT writes after a prompt (byte tokens, or the"
+                                  " tokenizer.json of the run's --init-from checkpoint).")
   parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of python -m train.gpt")
   parser.add_argument("--prompt", default="", help="text to continue (default: the start of a document)")
-  parser.add_argument("--max-new-tokens", type=int, default=200, help="bytes to write (default 200)")
+  parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens to write (default 200)")
   parser.add_argument("--temperature", type=float, default=0.0,
                       help="0 for greedy decoding (default), > 0 to sample from softmax(logits / T)")
   parser.add_argument("--top-k", type=int, default=None,
@@ -147,7 +151,7 @@ def _parser() -> argparse.ArgumentParser:
   return parser
 
 
-def _restore(argv: list[str] | None) -> tuple[argparse.Namespace, Restored]:
+def _restore(argv: list[str] | None) -> tuple[argparse.Namespace, Restored, Any]:
   """The flags and the restored model; bad input raises here, before any generation."""
   args = _parser().parse_args(argv)
   if args.max_new_tokens < 0:
@@ -156,17 +160,31 @@ def _restore(argv: list[str] | None) -> tuple[argparse.Namespace, Restored]:
     raise UsageError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
   if args.top_k is not None and args.top_k < 1:
     raise UsageError(f"--top-k must be positive, got {args.top_k}")
-  model = restore(os.path.abspath(args.run_dir), args.step)
-  if model.cfg.vocab_size != data.VOCAB_SIZE:
-    raise UsageError(f"the run's vocabulary has {model.cfg.vocab_size} tokens, not the byte"
-                     f" tokenizer's {data.VOCAB_SIZE}: train.sample reads and writes bytes only")
-  return args, model
+  run_dir = os.path.abspath(args.run_dir)
+  model = restore(run_dir, args.step)
+  tokenizer = run_tokenizer(run_dir)
+  if tokenizer.vocab_size > model.cfg.vocab_size or (
+      isinstance(tokenizer, hf_tokenizer.ByteTokenizer) and model.cfg.vocab_size != data.VOCAB_SIZE):
+    raise UsageError(f"the run's vocabulary has {model.cfg.vocab_size} tokens and no tokenizer of"
+                     f" its own: train.sample reads and writes bytes ({data.VOCAB_SIZE} tokens) or"
+                     " uses the tokenizer.json of the run's --init-from checkpoint")
+  return args, model, tokenizer
 
 
-def _write(args: argparse.Namespace, model: Restored) -> int:
-  prompt_P = data.encode(args.prompt)
-  new = generate(model, prompt_P, args.max_new_tokens, args.temperature, args.top_k, args.seed)
-  print(data.decode(np.concatenate([prompt_P.astype(np.int32), new])))
+def run_tokenizer(run_dir: str):
+  """The tokenizer.json of the checkpoint the run started from (--init-from hf:DIR), else bytes."""
+  init_from = config_lib.saved_config(run_dir).get("init_from")
+  directory = init_from[len("hf:"):] if init_from else None
+  if directory and os.path.isfile(os.path.join(directory, "tokenizer.json")):
+    return hf_tokenizer.load(directory)
+  return hf_tokenizer.load(None)
+
+
+def _write(args: argparse.Namespace, model: Restored, tokenizer) -> int:
+  prompt_P = tokenizer.encode(args.prompt) if args.prompt else np.zeros(0, np.int32)
+  new = generate(model, prompt_P, args.max_new_tokens, args.temperature, args.top_k, args.seed,
+                 tokenizer.eod)
+  print(tokenizer.decode(np.concatenate([prompt_P.astype(np.int32), new])))
   return 0
 
 

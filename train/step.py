@@ -15,6 +15,11 @@ float32 before clipping and the optimizer, which see the true gradient. A step w
 scaled gradient overflowed is skipped by the guard and halves the scale; ``window``
 clean steps in a row double it.
 
+The loss is the mean over the counted targets of the whole global batch (a target -1,
+e.g. a prompt token of fine-tuning data or padding, is not counted): every micro-batch
+and every replica divides its sum by the global count, so that their losses and
+gradients add up to exactly the global mean however the targets fall.
+
 QK-clip (``--qk-clip-threshold``) takes each layer's and head's largest attention logit
 from the forward pass (maxed over micro-batches, and over replicas with per-replica
 gradients) and shrinks the query and key kernels of the heads above the threshold after
@@ -97,6 +102,11 @@ def split_micro(batch: dict[str, jax.Array], accum: int) -> dict[str, jax.Array]
   return jax.tree.map(split, batch)
 
 
+def counted(batch: dict[str, jax.Array]) -> jax.Array:
+  """The number of counted targets (>= 0) of a global batch, float32, at least 1."""
+  return jnp.maximum(jnp.sum(batch["targets"] >= 0), 1).astype(jnp.float32)
+
+
 def keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
   """``new`` where the bool scalar ``ok`` holds, else ``old``, leaf by leaf."""
   return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
@@ -110,12 +120,13 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
   """The jitted step; ``scaling`` None leaves the loss unscaled (the state's scale unused);
   ``qk_clip`` is (threshold, the model's config) or None."""
   logit_max = qk_clip is not None
+  rp = dict(par.mesh.shape)["rp"] if per_replica is not None else 1
 
-  def value_and_grad(scale):
+  def value_and_grad(scale, denominator):
     """``((loss, logit maxima [S, Ls, N] or None), grads)`` of one batch."""
 
     def loss_fn(params, batch):
-      out = models.loss(graphdef, params, batch, par, scale, logit_max=logit_max)
+      out = models.loss(graphdef, params, batch, par, scale, denominator, logit_max=logit_max)
       return out if logit_max else (out, None)
 
     if per_replica is None:
@@ -129,7 +140,8 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
     return replicas_maxed
 
   def mean_grads(params, batch, scale):
-    grad_fn = value_and_grad(scale)
+    # The per-replica gradient averages its replicas' losses: each divides by its share.
+    grad_fn = value_and_grad(scale, counted(batch) / rp)
     if accum == 1:
       return grad_fn(params, batch)
     micro = split_micro(batch, accum)
@@ -143,8 +155,7 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
     (loss0, logits0), grads0 = jax.eval_shape(grad_fn, params, first)
     zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)  # noqa: E731
     start = ((zeros(loss0), jax.tree.map(lambda s: jnp.full(s.shape, -jnp.inf, s.dtype), logits0)), zeros(grads0))
-    ((loss, logits), grads), _ = jax.lax.scan(add, start, micro)
-    return ((loss / accum, logits), jax.tree.map(lambda x: x / accum, grads))
+    return jax.lax.scan(add, start, micro)[0]
 
   def applied_norm(grads):
     if per_replica is None:
@@ -182,11 +193,14 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
 
 
 def make_eval_step(graphdef: Any, par: models.Parallelism, accum: int) -> Callable[[Any, dict], jax.Array]:
-  """Mean loss of a global batch, micro-batch by micro-batch like the train step."""
+  """Mean loss of a global batch over its counted targets, micro-batch by micro-batch like
+  the train step."""
 
   def loss_fn(params, batch):
+    denominator = counted(batch)
     if accum == 1:
-      return models.loss(graphdef, params, batch, par)
-    return jnp.mean(jax.lax.map(lambda b: models.loss(graphdef, params, b, par), split_micro(batch, accum)))
+      return models.loss(graphdef, params, batch, par, denominator=denominator)
+    micro = split_micro(batch, accum)
+    return jnp.sum(jax.lax.map(lambda b: models.loss(graphdef, params, b, par, denominator=denominator), micro))
 
   return jax.jit(loss_fn)

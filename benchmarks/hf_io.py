@@ -1,0 +1,106 @@
+"""Time and peak host memory of a Hugging Face export and import of a random Llama.
+
+    python -m benchmarks.hf_io --dir /tmp/llama1b                 # Llama 3.2 1B's shape
+    python -m benchmarks.hf_io --dir /tmp/llama1b --mesh fs=8     # import onto 8 CPU devices
+
+Stage 1 (its own process) draws random float32 parameters of the shape in NumPy and writes
+them with ``train.hf.save`` (safetensors shards of at most 2 GiB and an index); stage 2
+(a fresh process) reads them with ``train.hf.load`` on one device or onto ``--mesh``.
+Each prints wall time, the process's peak resident memory (``ru_maxrss``) and the bytes
+on disk, so that peak memory can be read against the file size.
+"""
+import argparse
+import math
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+LLAMA_1B = dict(vocab_size=128256, num_layers=16, d_model=2048, num_heads=32, num_kv_heads=8,
+                mlp_dim=8192, mlp="swiglu", qk_norm="none", tie_embeddings=True, norm_eps=1e-5,
+                rope_base=500000.0, mask_vocab_padding=True, seq_len=2048)
+
+
+def _peak_gib() -> float:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _rss_now_gib() -> dict:
+  """Resident memory now, anonymous (arrays) and file-backed (mapped safetensors pages)."""
+  with open("/proc/self/status") as f:
+    fields = dict(line.split(":", 1) for line in f)
+  return {k: int(fields[k].split()[0]) / 2**20 for k in ("RssAnon", "RssFile") if k in fields}
+
+
+def _disk_gib(directory: str) -> float:
+  return sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory)) / 2**30
+
+
+def export(directory: str) -> dict:
+  import jax
+  import numpy as np
+
+  import models
+  from train import hf as hf_io
+
+  cfg = models.GPTConfig(**LLAMA_1B)
+  shapes = models.abstract(cfg)[1]
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(lambda s: rng.standard_normal(s.shape, np.float32) * 0.02, shapes)
+  params["blocks"] = jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), params["blocks"])
+  drawn = _peak_gib()
+  start = time.perf_counter()
+  hf_io.save(directory, cfg, params)
+  return {"stage": "export", "params": cfg.num_params(), "seconds": time.perf_counter() - start,
+          "peak_rss_gib": _peak_gib(), "rss_after_drawing_gib": drawn, "disk_gib": _disk_gib(directory)}
+
+
+def load(directory: str, mesh: str | None) -> dict:
+  import jax
+
+  import dion_jax
+  import models
+  from train import hf as hf_io
+
+  cfg = hf_io.model_config(directory, seq_len=2048)
+  par = models.Parallelism()
+  if mesh:
+    sizes = dion_jax.parse_mesh_spec(mesh)
+    par = models.Parallelism(dion_jax.make_mesh(mesh, jax.devices()[:math.prod(sizes.values())]))
+  start = time.perf_counter()
+  _, params = hf_io.load(directory, cfg, par)
+  jax.block_until_ready(params)
+  return {"stage": "import", "mesh": mesh or "one device", "seconds": time.perf_counter() - start,
+          "peak_rss_gib": _peak_gib(), "rss_now_gib": _rss_now_gib(), "disk_gib": _disk_gib(directory)}
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--dir", required=True, help="where to write the checkpoint (must not exist)")
+  parser.add_argument("--mesh", default=None, help="import onto this mesh of CPU devices")
+  parser.add_argument("--stage", choices=("export", "import"), default=None, help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.stage == "export":
+    print(json.dumps(export(args.dir)))
+    return 0
+  if args.stage == "import":
+    print(json.dumps(load(args.dir, args.mesh)))
+    return 0
+  env = dict(os.environ)
+  if args.mesh:
+
+    from dion_jax.parallel import parse_mesh_spec
+    count = math.prod(parse_mesh_spec(args.mesh).values())
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}"
+  for stage in ("export", "import"):
+    if stage == "export" and os.path.exists(args.dir):
+      continue
+    cmd = [sys.executable, "-m", "benchmarks.hf_io", "--dir", args.dir, "--stage", stage]
+    subprocess.run(cmd + (["--mesh", args.mesh] if args.mesh and stage == "import" else []), check=True, env=env)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,102 @@
+"""Fine-tuning data: ``sft:FILE.jsonl``, one ``{"prompt": ..., "completion": ...}`` per line.
+
+Each example is the tokens ``prompt + completion + [EOD]``; its inputs are all but the
+last, its targets all but the first, and the targets that are prompt tokens are -1 (not
+counted by the loss): the model learns the completions only.
+
+Packing (:func:`pack`) lays examples one after another into rows of ``seq_len`` positions,
+in file order, starting a new row when the next example does not fit (an example longer
+than a row is cut to it). Each row carries, besides ``inputs`` and ``targets``:
+
+- ``segment_ids``: 1, 2, ... for the examples of the row, 0 for the padding at its end;
+  attention stays within a segment (``models/gpt.py``);
+- ``positions``: each token's position within its own example, for the rotary embedding.
+
+So a packed row gives each of its examples the loss it would have alone. Padding has
+inputs 0 and targets -1. Without packing, each example gets a row of its own.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+from data.errors import DataError, DataFileNotFoundError
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTSource:
+  """Tokenized examples of a fine-tuning file.
+
+  Attributes:
+    name: the spec it was loaded from.
+    examples: per example, (tokens int32 [n], prompt length): tokens = prompt + completion + EOD.
+    vocab_size: the tokenizer's.
+    packed: several examples per row (:func:`pack`), else one.
+  """
+  name: str
+  examples: tuple[tuple[np.ndarray, int], ...]
+  vocab_size: int
+  packed: bool = True
+
+  def rows(self, seq_len: int) -> dict[str, np.ndarray]:
+    return pack(self.examples, seq_len, self.packed)
+
+
+def read(path: str, tokenizer, *, packed: bool = True, name: str | None = None) -> SFTSource:
+  """Tokenizes ``path``'s lines with ``tokenizer`` (``data.hf_tokenizer``'s interface)."""
+  if not os.path.isfile(path):
+    raise DataFileNotFoundError(f"{path}: no such fine-tuning file (sft:FILE.jsonl)")
+  examples = []
+  with open(path, "rb") as f:
+    for lineno, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+        prompt, completion = record["prompt"], record["completion"]
+      except (ValueError, KeyError, TypeError):
+        raise DataError(f"{path}:{lineno}: expected a JSON object with \"prompt\" and"
+                        " \"completion\" strings") from None
+      if not isinstance(prompt, str) or not isinstance(completion, str):
+        raise DataError(f"{path}:{lineno}: \"prompt\" and \"completion\" must be strings")
+      p = tokenizer.encode(prompt)
+      c = tokenizer.encode(completion, append_eod=True, special=False)
+      examples.append((np.concatenate([p, c]).astype(np.int32), len(p)))
+  if not examples:
+    raise DataError(f"{path}: no examples")
+  return SFTSource(name or f"sft:{path}", tuple(examples), tokenizer.vocab_size, packed)
+
+
+def example_row(tokens: np.ndarray, prompt_len: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+  """(inputs, targets) of one example, cut to ``seq_len`` positions; prompt targets -1."""
+  inputs, targets = tokens[:-1].copy(), tokens[1:].copy()
+  targets[:max(prompt_len - 1, 0)] = -1
+  return inputs[:seq_len], targets[:seq_len]
+
+
+def pack(examples, seq_len: int, packed: bool = True) -> dict[str, np.ndarray]:
+  """Rows of ``seq_len`` positions (module docstring): int32 [R, seq_len] each of
+  ``inputs``, ``targets``, ``segment_ids``, ``positions``."""
+  rows: list[list[tuple[np.ndarray, np.ndarray]]] = []
+  used = seq_len
+  for tokens, prompt_len in examples:
+    inputs, targets = example_row(tokens, prompt_len, seq_len)
+    if not packed or used + len(inputs) > seq_len:
+      rows.append([])
+      used = 0
+    rows[-1].append((inputs, targets))
+    used += len(inputs)
+  out = {k: np.zeros((len(rows), seq_len), np.int32) for k in ("inputs", "segment_ids", "positions")}
+  out["targets"] = np.full((len(rows), seq_len), -1, np.int32)
+  for r, row in enumerate(rows):
+    start = 0
+    for segment, (inputs, targets) in enumerate(row, 1):
+      span = slice(start, start + len(inputs))
+      out["inputs"][r, span], out["targets"][r, span] = inputs, targets
+      out["segment_ids"][r, span] = segment
+      out["positions"][r, span] = np.arange(len(inputs))
+      start += len(inputs)
+  return out

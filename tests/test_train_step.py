@@ -1,0 +1,63 @@
+"""The train step's loss is the mean over counted targets (not -1) of the whole global batch,
+exactly, whatever the micro-batches and replicas see of them."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dion_jax
+import models
+from train import step as step_lib
+
+CFG = models.preset("tiny", num_layers=2, d_model=32, num_heads=2, seq_len=8, mlp="swiglu", num_kv_heads=1)
+
+
+def _batch():
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, CFG.vocab_size, (8, CFG.seq_len + 1)).astype(np.int32)
+  targets = tokens[:, 1:].copy()
+  # uneven masks: one row entirely ignored, others partly
+  keep = rng.random(targets.shape) < np.linspace(0.0, 1.0, 8)[:, None]
+  targets[~keep] = -1
+  return {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(targets)}
+
+
+def _replica_mean_sgd(lr, per_replica):
+  """SGD on the replicas' mean gradient, like Dion's view of per-replica gradients."""
+
+  def update(grads, state, params=None):
+    del params
+    mean = jax.tree.map(lambda g, rep: g.mean(0) if rep else g, grads, per_replica)
+    return jax.tree.map(lambda g: -lr * g, mean), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+@pytest.mark.parametrize("spec,accum,replicas", [("rp=2,fs=2", 2, True), ("fs=2,pp=2", 1, False)])
+def test_masked_mean_is_exact_over_micro_batches_and_replicas(spec, accum, replicas):
+  batch = _batch()
+  graphdef, params = models.init(CFG, seed=0)
+  want_loss, want_grads = jax.value_and_grad(lambda p: models.loss(graphdef, p, batch))(params)
+  counted = np.asarray(batch["targets"]) >= 0
+  logits_free = models.loss(graphdef, params, {**batch, "targets": jnp.where(counted, batch["targets"], 0)})
+  assert abs(float(want_loss) - float(logits_free)) > 1e-3  # the mask matters
+
+  sizes = dion_jax.parse_mesh_spec(spec)
+  mesh = dion_jax.make_mesh(spec, jax.devices()[:int(np.prod(list(sizes.values())))])
+  par = models.Parallelism(mesh, microbatches=2 if sizes["pp"] > 1 else 1)
+  with jax.set_mesh(mesh):
+    _, mesh_params = models.init(CFG, par, seed=0)
+    per_replica = jax.tree.map(lambda x: x.ndim >= 4, mesh_params) if replicas else None
+    tx = _replica_mean_sgd(1.0, per_replica) if replicas else optax.sgd(1.0)
+    train_step = step_lib.make_train_step(graphdef, par, tx, optax.constant_schedule(1.0), per_replica,
+                                          accum, clip_grad=0.0)
+    state = step_lib.TrainState(mesh_params, tx.init(mesh_params), jnp.zeros((), jnp.int32),
+                                step_lib.initial_loss_scale(1.0))
+    before = jax.tree.map(np.asarray, mesh_params)  # the step donates its state
+    new, metrics = train_step(state, batch)
+  assert float(metrics.loss) == pytest.approx(float(want_loss), rel=1e-6)
+  moved = jax.tree.map(lambda a, b: a - np.asarray(b), before, new.params)
+  moved = dict(moved, blocks=models.to_layers(moved["blocks"], par.pp))
+  want = dict(want_grads, blocks=models.to_layers(want_grads["blocks"], 1))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, np.asarray(b), atol=1e-6, rtol=1e-4), moved, want)
