@@ -13,26 +13,14 @@ import pytest
 import dion_jax
 from tests import family_reference_np as ref
 from tests.test_optimizers_orthogonal import _assert_steps, _grads
+from tests.test_optimizers_orthogonal import _run as _run_fields
 
 GOLDEN = pathlib.Path(__file__).parent / "fixtures" / "golden" / "nordion2_reference.npz"
 
 
 def _run(tx, X0_kernel, grads_kernel):
   """X, momentum and per-neuron variance (Flax layout) after each step on one matrix."""
-  params = {"w": jnp.asarray(X0_kernel, jnp.float32)}
-  state = tx.init(params)
-
-  @jax.jit
-  def step(params, state, g):
-    updates, state = tx.update({"w": g}, state, params)
-    return optax.apply_updates(params, updates), state
-
-  out = []
-  for g in grads_kernel:
-    params, state = step(params, state, jnp.asarray(g, jnp.float32))
-    out.append(tuple(np.asarray(x["w"], np.float64) for x in
-                     (params, optax.tree.get(state, "momentum"), optax.tree.get(state, "variance"))))
-  return out
+  return _run_fields(tx, X0_kernel, grads_kernel, ("momentum", "variance"))
 
 
 def _golden_cases():

@@ -21,8 +21,8 @@ from tests import family_reference_np as ref
 GOLDEN = pathlib.Path(__file__).parent / "fixtures" / "golden" / "family_reference.npz"
 
 
-def _run(tx, X0_kernel, grads_kernel):
-  """X (Flax layout) and the momentum after each step of ``tx`` on one matrix ``w``."""
+def _run(tx, X0_kernel, grads_kernel, fields=("momentum",)):
+  """X (Flax layout) and the state ``fields`` after each step of ``tx`` on one matrix ``w``."""
   params = {"w": jnp.asarray(X0_kernel, jnp.float32)}
   state = tx.init(params)
 
@@ -34,7 +34,7 @@ def _run(tx, X0_kernel, grads_kernel):
   out = []
   for g in grads_kernel:
     params, state = step(params, state, jnp.asarray(g, jnp.float32))
-    out.append((np.asarray(params["w"], np.float64), np.asarray(optax.tree.get(state, "momentum")["w"])))
+    out.append((np.asarray(params["w"], np.float64), *(np.asarray(optax.tree.get(state, f)["w"]) for f in fields)))
   return out
 
 
