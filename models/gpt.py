@@ -23,8 +23,8 @@ Parameter tree (Flax layout, blocks stacked ``(stages, layers_per_stage, ...)``)
     final_norm/scale                [D]
     lm_head/kernel                  [D, V]             vocab-parallel
 
-Parallelism is in ``models/sharding.py`` (TP, SP, FS by annotation) and
-``models/pipeline.py`` (PP by ``shard_map``).
+Parallelism is in ``models/sharding.py`` (TP, SP, FS by annotation),
+``models/pipeline.py`` (PP by ``shard_map``) and ``models/context.py`` (CP by ``shard_map``).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from models import pipeline
+from models import context, pipeline
 from models.config import GPTConfig
 from models.sharding import Parallelism, param_specs, shardings, to_layers, to_stages
 
@@ -95,8 +95,8 @@ class Attention(nnx.Module):
       # XLA's attention asks float16 dots for float32 results (F16_F16_F32), which the
       # CPU's dot_general refuses at compile time: run it in float32 (its softmax is anyway).
       q_BxTxNxH, k_BxTxNxH, v_BxTxNxH = (t.astype(jnp.float32) for t in (q_BxTxNxH, k_BxTxNxH, v_BxTxNxH))
-    o_BxTxNxH = jax.nn.dot_product_attention(
-        q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, is_causal=True, implementation=self.implementation)
+    o_BxTxNxH = context.attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, implementation=self.implementation,
+                                  cp=par.cp)
     o_BxTxNxH = par.constrain(o_BxTxNxH.astype(dtype), "batch", None, "heads", None)
     return self.out(o_BxTxNxH.reshape(B, T, D), par)
 
@@ -107,11 +107,11 @@ def _rotary(x_BxTxNxH: jax.Array, cos_TxH2: jax.Array, sin_TxH2: jax.Array) -> j
   return jnp.concatenate([x1 * cos + x2 * sin, x2 * cos - x1 * sin], -1).astype(x_BxTxNxH.dtype)
 
 
-def rotary_tables(cfg: GPTConfig, seq_len: int) -> tuple[jax.Array, jax.Array]:
-  """cos and sin of the rotary angles, [seq_len, head_dim / 2] in float32."""
+def rotary_tables(cfg: GPTConfig, positions_T: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """cos and sin of the rotary angles at ``positions`` (int [T]), [T, head_dim / 2] in float32."""
   half = cfg.head_dim // 2
   inv_freq_H2 = 1.0 / cfg.rope_base ** (jnp.arange(half, dtype=jnp.float32) / half)
-  angles_TxH2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq_H2[None, :]
+  angles_TxH2 = positions_T.astype(jnp.float32)[:, None] * inv_freq_H2[None, :]
   return jnp.cos(angles_TxH2), jnp.sin(angles_TxH2)
 
 
@@ -232,6 +232,7 @@ def loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], par: Paralleli
 
   With pp > 1 the batch is split into ``par.microbatches`` micro-batches that flow
   through the pipeline; otherwise the whole batch goes through the layer scan at once.
+  With cp > 1 every sequence is split over cp (``models/context.py``).
   On a mesh, call it under ``jax.set_mesh(par.mesh)``.
 
   ``scale`` is a float16 run's loss scale: it multiplies the loss here, not in the
@@ -240,10 +241,10 @@ def loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], par: Paralleli
   """
   if par.mesh is not None and jax.sharding.get_abstract_mesh().empty:
     raise ValueError("models.loss on a mesh must run under `with jax.set_mesh(par.mesh):`")
-  if par.pp > 1:
-    return _pipeline_loss(graphdef, params, batch, scale, par)
+  if par.pp > 1 or par.cp > 1:
+    return _manual_loss(graphdef, params, batch, scale, par)
   model = nnx.merge(graphdef, params)
-  rope = rotary_tables(model.cfg, batch["inputs"].shape[1])
+  rope = rotary_tables(model.cfg, jnp.arange(batch["inputs"].shape[1]))
   layers = to_layers(params["blocks"], 1)
   x = model.embed_tokens(batch["inputs"], par)
   x = apply_layers(nnx.graphdef(model.blocks), layers, x, rope, par, model.cfg)
@@ -255,67 +256,80 @@ def _scaled(loss: jax.Array, scale: jax.Array | None) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
-def _pipeline_loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], scale: jax.Array | None,
-                   par: Parallelism) -> jax.Array:
-  """:func:`loss` with the layers in a pipeline over ``pp`` (``shard_map`` manual over pp only).
+def _manual_loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], scale: jax.Array | None,
+                 par: Parallelism) -> jax.Array:
+  """:func:`loss` in a ``shard_map`` manual over ``pp`` and ``cp`` (those of size > 1; the
+  other axes left to the partitioner).
 
-  Embedding, final norm, LM head and loss run inside the same ``shard_map``: device 0
-  embeds each micro-batch as it enters, and the last stage's outputs are scattered
-  over pp so that each device computes the loss of M/pp micro-batches.
+  With pp > 1 the layers run in a pipeline over pp. Embedding, final norm, LM head and
+  loss run inside the same ``shard_map``: device 0 embeds each micro-batch as it enters,
+  and the last stage's outputs are scattered over pp so that each device computes the
+  loss of M/pp micro-batches. With cp > 1 each rank holds T/cp tokens of every sequence
+  in ``context``'s balanced layout; the parameters are the same on every cp rank, so
+  their gradients are summed over cp, as over data-parallel ranks.
 
   The gradient is taken inside the ``shard_map`` and handed out by this ``custom_vjp``:
   on jax 0.10 differentiating a ``shard_map`` nested in another one (the per-replica
   gradient's, manual over rp) fails to lower, while this form nests at any depth.
   """
-  return _pipeline_call(graphdef, params, batch, scale, par, with_grad=False)
+  return _manual_call(graphdef, params, batch, scale, par, with_grad=False)
 
 
-def _pipeline_fwd(graphdef, params, batch, scale, par):
-  return _pipeline_call(graphdef, params, batch, scale, par, with_grad=True)
+def _manual_fwd(graphdef, params, batch, scale, par):
+  return _manual_call(graphdef, params, batch, scale, par, with_grad=True)
 
 
-def _pipeline_bwd(graphdef, par, grads, cotangent):
+def _manual_bwd(graphdef, par, grads, cotangent):
   del graphdef, par
   # No cotangent for the batch (integers) or the loss scale (a constant of the step).
   return jax.tree.map(lambda g: cotangent * g, grads), None, None
 
 
-_pipeline_loss.defvjp(_pipeline_fwd, _pipeline_bwd)
+_manual_loss.defvjp(_manual_fwd, _manual_bwd)
 
 
-def _pipeline_call(graphdef, params, batch, scale, par: Parallelism, with_grad: bool):
-  M, pp, v = par.microbatches, par.pp, par.virtual_stages
+def _manual_call(graphdef, params, batch, scale, par: Parallelism, with_grad: bool):
+  M, pp, v, cp = par.microbatches, par.pp, par.virtual_stages, par.cp
   B, T = batch["inputs"].shape
+  context.check_seq_len(T, cp)
   if B % M:
     raise ValueError(f"batch of {B} sequences does not split into {M} micro-batches;"
                      " choose a batch that the number of micro-batches divides")
+  manual = tuple(a for a, n in ((pipeline.AXIS, pp), (context.AXIS, cp)) if n > 1)
 
   def microbatched(x_BxT):  # micro-batch i = rows i, i + M, ...: keeps the batch sharding
-    return x_BxT.reshape(B // M, M, T).swapaxes(0, 1)
+    return context.balance(x_BxT, cp).reshape(B // M, M, T).swapaxes(0, 1)
 
   def local_loss(params, inputs_MxbxT, targets_MxbxT, scale):
     model = nnx.merge(graphdef, params)
-    rope = rotary_tables(model.cfg, T)
+    rope = rotary_tables(model.cfg, context.positions(T, cp))
     block_graphdef = nnx.graphdef(model.blocks)
 
     def stage(layers, x):
       return apply_layers(block_graphdef, layers, x, rope, par, model.cfg)
 
-    outputs = pipeline.circular(stage, params["blocks"], lambda i: model.embed_tokens(inputs_MxbxT[i], par),
-                                M, pp, v, unroll=model.cfg.unroll)
-    x_mxbxTxD = pipeline.scatter_from_last(outputs, pp)
-    m = M // pp
-    targets_mxbxT = jax.lax.dynamic_slice_in_dim(targets_MxbxT, jax.lax.axis_index(pipeline.AXIS) * m, m)
-    x_BxTxD = x_mxbxTxD.reshape(-1, T, x_mxbxTxD.shape[-1])
-    losses = model.token_losses(x_BxTxD, targets_mxbxT.reshape(-1, T), par)
-    return _scaled(jax.lax.psum(jnp.sum(losses), pipeline.AXIS) / (B * T), scale)
+    if pp > 1:
+      outputs = pipeline.circular(stage, params["blocks"], lambda i: model.embed_tokens(inputs_MxbxT[i], par),
+                                  M, pp, v, unroll=model.cfg.unroll)
+      x_mxbxTxD = pipeline.scatter_from_last(outputs, pp)
+      m = M // pp
+      targets_mxbxT = jax.lax.dynamic_slice_in_dim(targets_MxbxT, jax.lax.axis_index(pipeline.AXIS) * m, m)
+      x_BxTxD = x_mxbxTxD.reshape(-1, *x_mxbxTxD.shape[2:])
+      targets_BxT = targets_mxbxT.reshape(-1, targets_mxbxT.shape[-1])
+    else:
+      inputs_BxT, targets_BxT = (t.reshape(-1, t.shape[-1]) for t in (inputs_MxbxT, targets_MxbxT))
+      x_BxTxD = stage(to_layers(params["blocks"], 1), model.embed_tokens(inputs_BxT, par))
+    losses = model.token_losses(x_BxTxD, targets_BxT, par)
+    return _scaled(jax.lax.psum(jnp.sum(losses), manual) / (B * T), scale)
 
   specs = jax.tree.map(lambda _: P(), params)
-  specs["blocks"] = jax.tree.map(lambda _: P(pipeline.AXIS), params["blocks"])
+  if pp > 1:
+    specs["blocks"] = jax.tree.map(lambda _: P(pipeline.AXIS), params["blocks"])
+  tokens = P(None, None, context.AXIS) if cp > 1 else P()
   return jax.shard_map(
       jax.value_and_grad(local_loss) if with_grad else local_loss,
       mesh=jax.sharding.get_abstract_mesh(),
-      in_specs=(specs, P(), P(), P()),
+      in_specs=(specs, tokens, tokens, P()),
       out_specs=(P(), specs) if with_grad else P(),
-      axis_names={pipeline.AXIS},
+      axis_names=set(manual),
   )(params, microbatched(batch["inputs"]), microbatched(batch["targets"]), scale)

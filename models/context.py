@@ -1,0 +1,110 @@
+"""Context parallelism: every sequence split over the mesh axis ``cp``, attention included.
+
+To the parameters cp is one more data-parallel axis (replicated over cp, gradients summed
+over it); to the activations it is a split of the sequence. ``models.gpt.loss`` runs the
+whole model in a ``shard_map`` manual over cp (as the pipeline runs in one manual over pp):
+embedding, norms, MLPs, LM head and loss are per token and run on the rank's own T/cp
+tokens as they are; only attention needs the other ranks' keys and values.
+
+Causal load balancing. The T tokens are cut into 2·cp chunks of C = T/(2·cp); rank i holds
+chunks i and 2·cp − 1 − i (Megatron CP's layout), so every rank holds the same number of
+(query, key) pairs under the causal mask, C·(2·cp·C + C) of them, instead of rank cp − 1
+holding most. :func:`balance` reorders a [B, T] array so that an even split of its sequence
+over cp gives this layout; :func:`positions` are the held tokens' positions, which set the
+rotary angles and the causal mask. The loss is a mean over all tokens, so the order does
+not change it.
+
+Attention scheme: all-gather of K/V (MaxText's default, Llama 3's context parallelism).
+Each rank gathers the keys and values of the whole sequence, [B, T, K, H] with K kv heads,
+and attends its T/cp queries to them under the mask ``pos_q >= pos_k``: scores are
+(T/cp × T) per head, never (T × T). The backward pass reduce-scatters dK and dV. Per
+layer and device, forward, both schemes move the same bytes:
+``2·(cp − 1)/cp · B·T·K·H·bytes`` (K and V), the ring in cp − 1 ppermutes of one block,
+the all-gather in one collective. Why not the ring (Megatron CP):
+- jax.nn.dot_product_attention takes a mask here, on XLA and on cuDNN alike, so one
+  function covers both backends; a ring needs the log-sum-exp of every block and a
+  hand-written backward pass (autodiff of a scan of ppermutes keeps every received block
+  anyway, so the ring's memory advantage needs a custom VJP that re-circulates K/V).
+- Segment ids of packed sequences and grouped-query attention (K < N kv heads, which
+  shrinks the gathered bytes by N/K) are a mask term and a shape: see ``segment_ids``.
+- The gathered K/V cost 2·B·T·K·H per layer on each device, against the (T/cp × T)
+  scores that XLA's attention materializes anyway (measured in
+  ``benchmarks/context_memory.py``); with cuDNN's fused attention the scores vanish and
+  the gathered K/V is what remains.
+What the all-gather gives up is overlap: the ring hides each block's transfer behind the
+previous block's compute. cuDNN with an explicit mask also computes the masked half of
+the (T/cp × T) block, where its causal mode skips it (cp = 1 keeps that mode).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+AXIS = "cp"
+
+
+def check_seq_len(seq_len: int, cp: int) -> None:
+  """Raises a one-line ValueError when ``seq_len`` does not split into 2·cp chunks."""
+  if seq_len % (2 * cp):
+    raise ValueError(
+        f"sequence length {seq_len} does not split into 2·cp = {2 * cp} chunks for context"
+        f" parallelism cp={cp}; choose a sequence length that is a multiple of {2 * cp}")
+
+
+def token_order(seq_len: int, cp: int) -> np.ndarray:
+  """Position of the token at each slot of the balanced layout, int [seq_len].
+
+  Slots ``[r·T/cp, (r+1)·T/cp)`` belong to rank r: chunk r, then chunk 2·cp − 1 − r.
+  """
+  check_seq_len(seq_len, cp)
+  C = seq_len // (2 * cp)
+  chunks = np.stack([np.arange(cp), 2 * cp - 1 - np.arange(cp)], 1).reshape(-1)
+  return (chunks[:, None] * C + np.arange(C)).reshape(-1)
+
+
+def balance(x_BxT: jax.Array, cp: int) -> jax.Array:
+  """``x`` with its sequence (axis 1) in the balanced layout: split it evenly over cp."""
+  return x_BxT if cp == 1 else x_BxT[:, token_order(x_BxT.shape[1], cp)]
+
+
+def positions(seq_len: int, cp: int) -> jax.Array:
+  """Positions of this rank's tokens, int32 [seq_len / cp]; inside a shard_map manual
+  over cp when cp > 1."""
+  if cp == 1:
+    return jnp.arange(seq_len, dtype=jnp.int32)
+  local = seq_len // cp
+  order = jnp.asarray(token_order(seq_len, cp), jnp.int32)
+  return jax.lax.dynamic_slice_in_dim(order, jax.lax.axis_index(AXIS) * local, local)
+
+
+def attention(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array, *,
+              implementation: str, cp: int, segment_ids_BxT: jax.Array | None = None) -> jax.Array:
+  """Causal attention of this rank's queries to the whole sequence, [B, T, N, H].
+
+  ``T`` is the rank's share of the sequence (all of it when cp = 1), in the balanced
+  layout. With cp > 1 (inside a ``shard_map`` manual over cp) keys, values and segment
+  ids are all-gathered over cp and the causal mask compares positions. ``K`` kv heads
+  may be fewer than the ``N`` query heads (grouped-query attention, N a multiple of K).
+
+  Args:
+    q_BxTxNxH, k_BxTxKxH, v_BxTxKxH: queries, keys, values of this rank's tokens.
+    implementation: ``"xla"`` or ``"cudnn"``, as for ``jax.nn.dot_product_attention``.
+    cp: the size of the mesh axis ``cp``.
+    segment_ids_BxT: packed sequences: a token attends only to its own segment's tokens.
+  """
+  if cp == 1 and segment_ids_BxT is None:
+    # cuDNN's causal mode skips the masked half of the scores.
+    return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True,
+                                        implementation=implementation)
+  T = q_BxTxNxH.shape[1] * cp
+  pos_q_T = positions(T, cp)
+  pos_k_S = jnp.asarray(token_order(T, cp) if cp > 1 else np.arange(T), jnp.int32)
+  mask_BxNxTxS = (pos_q_T[:, None] >= pos_k_S[None, :])[None, None]
+  if cp > 1:
+    k_BxTxKxH, v_BxTxKxH = (jax.lax.all_gather(t, AXIS, axis=1, tiled=True) for t in (k_BxTxKxH, v_BxTxKxH))
+  if segment_ids_BxT is not None:
+    seg_k_BxS = jax.lax.all_gather(segment_ids_BxT, AXIS, axis=1, tiled=True) if cp > 1 else segment_ids_BxT
+    mask_BxNxTxS = mask_BxNxTxS & (segment_ids_BxT[:, None, :, None] == seg_k_BxS[:, None, None, :])
+  return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask=mask_BxNxTxS,
+                                      implementation=implementation)
