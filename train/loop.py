@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 import data
 import dion_jax
 import models
+from models import context
 from dion_jax.parallel import format_mesh_spec
 from train import checkpoint as ckpt_lib
 from train import optim
@@ -155,6 +156,10 @@ def setup(cfg: Config) -> Run:
     raise UsageError(f"--data {' '.join(cfg.data)} does not record its vocabulary size; pass"
                      " --vocab-size (e.g. 50257 for GPT-2 tokens)")
   model_cfg = _model_config(cfg, vocab)
+  try:
+    context.check_seq_len(model_cfg.seq_len, dict(mesh.shape)["cp"])
+  except ValueError as e:
+    raise UsageError(f"--seq-len / --mesh: {e}") from None
   existing = ckpt_lib.existing_steps(cfg.ckpt_path)
   _check_resumable(cfg, existing)
   par = models.Parallelism(mesh, sequence_parallel=cfg.sequence_parallel,
