@@ -8,7 +8,7 @@ tokens as they are; only attention needs the other ranks' keys and values.
 
 Causal load balancing. The T tokens are cut into 2·cp chunks of C = T/(2·cp); rank i holds
 chunks i and 2·cp − 1 − i (Megatron CP's layout), so every rank holds the same number of
-(query, key) pairs under the causal mask, C·(2·cp·C + C) of them, instead of rank cp − 1
+(query, key) pairs under the causal mask, C·(2·cp·C + 1) of them, instead of rank cp − 1
 holding most. :func:`balance` reorders a [B, T] array so that an even split of its sequence
 over cp gives this layout; :func:`positions` are the held tokens' positions, which set the
 rotary angles and the causal mask. The loss is a mean over all tokens, so the order does
@@ -17,23 +17,21 @@ not change it.
 Attention scheme: all-gather of K/V (MaxText's default, Llama 3's context parallelism).
 Each rank gathers the keys and values of the whole sequence, [B, T, K, H] with K kv heads,
 and attends its T/cp queries to them under the mask ``pos_q >= pos_k``: scores are
-(T/cp × T) per head, never (T × T). The backward pass reduce-scatters dK and dV. Per
-layer and device, forward, both schemes move the same bytes:
-``2·(cp − 1)/cp · B·T·K·H·bytes`` (K and V), the ring in cp − 1 ppermutes of one block,
-the all-gather in one collective. Why not the ring (Megatron CP):
-- jax.nn.dot_product_attention takes a mask here, on XLA and on cuDNN alike, so one
-  function covers both backends; a ring needs the log-sum-exp of every block and a
-  hand-written backward pass (autodiff of a scan of ppermutes keeps every received block
-  anyway, so the ring's memory advantage needs a custom VJP that re-circulates K/V).
-- Segment ids of packed sequences and grouped-query attention (K < N kv heads, which
-  shrinks the gathered bytes by N/K) are a mask term and a shape: see ``segment_ids``.
-- The gathered K/V cost 2·B·T·K·H per layer on each device, against the (T/cp × T)
-  scores that XLA's attention materializes anyway (measured in
-  ``benchmarks/context_memory.py``); with cuDNN's fused attention the scores vanish and
-  the gathered K/V is what remains.
-What the all-gather gives up is overlap: the ring hides each block's transfer behind the
-previous block's compute. cuDNN with an explicit mask also computes the masked half of
-the (T/cp × T) block, where its causal mode skips it (cp = 1 keeps that mode).
+(T/cp × T) per head, never (T × T). The backward pass gathers K/V again (only matrix
+products are saved) and reduce-scatters dK and dV. Chosen over the ring (K/V blocks passed
+by ``ppermute`` with an online softmax, Megatron CP) by measurement against a ring
+prototype (``benchmarks/context_memory.py``, GPT small, T = 4096, cp = 2, per layer and
+device): both send the same bytes, 36 MiB (all-gather: 2 gathers forward, 2 again
+backward, 2 reduce-scatters; ring: 6 collective-permutes of one block), and the ring's
+compiled step holds more temporaries (4435 against 4231 MiB), since autodiff of the ring
+keeps every received block; its memory advantage needs a hand-written backward pass that
+re-circulates K/V. The all-gather also keeps one function for XLA and cuDNN
+(``jax.nn.dot_product_attention`` with a mask; a ring needs each block's log-sum-exp and
+its gradient), and takes the segment ids of packed sequences (a mask term) and fewer kv
+heads (which shrink the gathered bytes by N/K) as they come. What it gives up is overlap:
+a ring hides each block's transfer behind the previous block's compute. cuDNN with an
+explicit mask also computes the masked half of the (T/cp × T) block, where its causal
+mode skips it (cp = 1 keeps that mode).
 """
 from __future__ import annotations
 
