@@ -24,17 +24,16 @@ from __future__ import annotations
 import argparse
 import math
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+import dion_jax
+import models
 from benchmarks import harness
-
-import jax  # noqa: E402  (harness first: OpenBLAS threads)
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-
-import dion_jax  # noqa: E402
-import models  # noqa: E402
-from models import context  # noqa: E402
+from models import context
 
 
 def ring_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, *, implementation, cp, segment_ids_BxT=None):

@@ -23,8 +23,8 @@ from jax.sharding import PartitionSpec as P
 import data
 import dion_jax
 import models
-from models import context
 from dion_jax.parallel import format_mesh_spec
+from models import context
 from train import checkpoint as ckpt_lib
 from train import optim
 from train import step as step_lib
