@@ -1,4 +1,4 @@
-"""A Flax NNX GPT with tensor, sequence, fully-sharded and pipeline parallelism."""
+"""A Flax NNX GPT with tensor, sequence, fully-sharded, pipeline and context parallelism."""
 from models import qk_clip
 from models.config import PRESETS, GPTConfig, preset
 from models.gpt import GPT, abstract, init, loss

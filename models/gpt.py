@@ -34,8 +34,8 @@ Batches are dicts of int [B, T]: "inputs" and "targets" (a target -1 is not coun
 for packed sequences "segment_ids" (attention stays within a segment) and "positions"
 (the rotary position of each token, restarting at each document).
 
-Parallelism is in ``models/sharding.py`` (TP, SP, FS by annotation) and
-``models/pipeline.py`` (PP by ``shard_map``).
+Parallelism is in ``models/sharding.py`` (TP, SP, FS by annotation),
+``models/pipeline.py`` (PP by ``shard_map``) and ``models/context.py`` (CP by ``shard_map``).
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from models import pipeline
+from models import context, pipeline
 from models.config import GPTConfig
 from models.sharding import Parallelism, param_specs, shardings, to_layers, to_stages
 
@@ -119,31 +119,13 @@ class Attention(nnx.Module):
       # XLA's attention asks float16 dots for float32 results (F16_F16_F32), which the
       # CPU's dot_general refuses at compile time: run it in float32 (its softmax is anyway).
       q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = (t.astype(jnp.float32) for t in (q_BxTxNxH, k_BxTxKxH, v_BxTxKxH))
-    mask = None
-    if segment_ids_BxT is not None:  # packed documents never attend to each other
-      mask = (segment_ids_BxT[:, None, :, None] == segment_ids_BxT[:, None, None, :])
-    o_BxTxNxH = jax.nn.dot_product_attention(
-        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask=mask, is_causal=True,
-        implementation=self.cfg.attention)
+    o_BxTxNxH = context.attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, implementation=self.cfg.attention,
+                                  cp=par.cp, segment_ids_BxT=segment_ids_BxT)
     o_BxTxNxH = par.constrain(o_BxTxNxH.astype(dtype), "batch", None, "heads", None)
     out = self.out(o_BxTxNxH.reshape(B, T, -1), par)
-    return out, (_logit_max(q_BxTxNxH, k_BxTxKxH, segment_ids_BxT) if logit_max else None)
-
-
-def _logit_max(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, segment_ids_BxT: jax.Array | None) -> jax.Array:
-  """Each query head's largest logit q·k/sqrt(H) over the positions it attends to, [N]
-  float32, for QK-clip: the scores again, outside the attention kernel (cuDNN's never
-  leave it), without a gradient. Query head n reads key head n // (N/K), as in
-  ``jax.nn.dot_product_attention``."""
-  B, T, N, H = q_BxTxNxH.shape
-  K = k_BxTxKxH.shape[2]
-  q_BxTxKxGxH = jax.lax.stop_gradient(q_BxTxNxH).astype(jnp.float32).reshape(B, T, K, N // K, H)
-  k_BxTxKxH = jax.lax.stop_gradient(k_BxTxKxH).astype(jnp.float32)
-  s_BxKxGxTxT = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxTxKxH) / math.sqrt(H)
-  mask = jnp.tril(jnp.ones((T, T), bool))
-  if segment_ids_BxT is not None:
-    mask = mask & (segment_ids_BxT[:, None, None, :, None] == segment_ids_BxT[:, None, None, None, :])
-  return jnp.max(jnp.where(mask, s_BxKxGxTxT, -jnp.inf), axis=(0, 3, 4)).reshape(N)
+    if not logit_max:
+      return out, None
+    return out, context.logit_max(q_BxTxNxH, k_BxTxKxH, cp=par.cp, segment_ids_BxT=segment_ids_BxT)
 
 
 def _rotary(x_BxTxNxH: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -154,14 +136,12 @@ def _rotary(x_BxTxNxH: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return jnp.concatenate([x1 * cos + x2 * sin, x2 * cos - x1 * sin], -1).astype(x_BxTxNxH.dtype)
 
 
-def rotary_tables(cfg: GPTConfig, seq_len: int, positions_BxT: jax.Array | None = None
-                  ) -> tuple[jax.Array, jax.Array]:
-  """cos and sin of the rotary angles in float32: [seq_len, head_dim / 2] for positions
-  0..seq_len-1, or [B, T, head_dim / 2] for the given positions."""
+def rotary_tables(cfg: GPTConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """cos and sin of the rotary angles at ``positions`` (int [T], or [B, T] for packed
+  sequences), [..., head_dim / 2] in float32."""
   half = cfg.head_dim // 2
   inv_freq_H2 = 1.0 / cfg.rope_base ** (jnp.arange(half, dtype=jnp.float32) / half)
-  pos = jnp.arange(seq_len) if positions_BxT is None else positions_BxT
-  angles = pos.astype(jnp.float32)[..., None] * inv_freq_H2
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq_H2
   return jnp.cos(angles), jnp.sin(angles)
 
 
@@ -341,6 +321,7 @@ def loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], par: Paralleli
 
   With pp > 1 the batch is split into ``par.microbatches`` micro-batches that flow
   through the pipeline; otherwise the whole batch goes through the layer scan at once.
+  With cp > 1 every sequence is split over cp (``models/context.py``).
   On a mesh, call it under ``jax.set_mesh(par.mesh)``.
 
   ``scale`` is a float16 run's loss scale: it multiplies the loss here, not in the
@@ -352,10 +333,11 @@ def loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], par: Paralleli
   counted_BxT = batch["targets"] >= 0
   if denominator is None:
     denominator = jnp.maximum(jnp.sum(counted_BxT), 1).astype(jnp.float32)
-  if par.pp > 1:
-    return _pipeline_loss(graphdef, params, batch, scale, denominator, par, logit_max)
+  if par.pp > 1 or par.cp > 1:
+    return _manual_loss(graphdef, params, batch, scale, denominator, par, logit_max)
   model = nnx.merge(graphdef, params)
-  rope = rotary_tables(model.cfg, batch["inputs"].shape[1], batch.get("positions"))
+  positions = batch["positions"] if "positions" in batch else jnp.arange(batch["inputs"].shape[1])
+  rope = rotary_tables(model.cfg, positions)
   layers = to_layers(params["blocks"], 1)
   x = model.embed_tokens(batch["inputs"], par)
   out = apply_layers(nnx.graphdef(model.blocks), layers, x, rope, par, model.cfg, batch.get("segment_ids"),
@@ -371,26 +353,30 @@ def _scaled(loss: jax.Array, scale: jax.Array | None) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5, 6))
-def _pipeline_loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], scale: jax.Array | None,
-                   denominator: jax.Array, par: Parallelism, logit_max: bool) -> Any:
-  """:func:`loss` with the layers in a pipeline over ``pp`` (``shard_map`` manual over pp only).
+def _manual_loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], scale: jax.Array | None,
+                 denominator: jax.Array, par: Parallelism, logit_max: bool) -> Any:
+  """:func:`loss` in a ``shard_map`` manual over ``pp`` and ``cp`` (those of size > 1; the
+  other axes left to the partitioner).
 
-  Embedding, final norm, LM head and loss run inside the same ``shard_map``: device 0
-  embeds each micro-batch as it enters, and the last stage's outputs are scattered
-  over pp so that each device computes the loss of M/pp micro-batches.
+  With pp > 1 the layers run in a pipeline over pp. Embedding, final norm, LM head and
+  loss run inside the same ``shard_map``: device 0 embeds each micro-batch as it enters,
+  and the last stage's outputs are scattered over pp so that each device computes the
+  loss of M/pp micro-batches. With cp > 1 each rank holds T/cp tokens of every sequence
+  in ``context``'s balanced layout; the parameters are the same on every cp rank, so
+  their gradients are summed over cp, as over data-parallel ranks.
 
   The gradient is taken inside the ``shard_map`` and handed out by this ``custom_vjp``:
   on jax 0.10 differentiating a ``shard_map`` nested in another one (the per-replica
   gradient's, manual over rp) fails to lower, while this form nests at any depth.
   """
-  return _pipeline_call(graphdef, params, batch, scale, denominator, par, logit_max, with_grad=False)
+  return _manual_call(graphdef, params, batch, scale, denominator, par, logit_max, with_grad=False)
 
 
-def _pipeline_fwd(graphdef, params, batch, scale, denominator, par, logit_max):
-  return _pipeline_call(graphdef, params, batch, scale, denominator, par, logit_max, with_grad=True)
+def _manual_fwd(graphdef, params, batch, scale, denominator, par, logit_max):
+  return _manual_call(graphdef, params, batch, scale, denominator, par, logit_max, with_grad=True)
 
 
-def _pipeline_bwd(graphdef, par, logit_max, grads, cotangent):
+def _manual_bwd(graphdef, par, logit_max, grads, cotangent):
   del graphdef, par
   # No cotangent for the batch (integers), the loss scale or the denominator (constants
   # of the step); the logit maxima have no gradient.
@@ -398,58 +384,71 @@ def _pipeline_bwd(graphdef, par, logit_max, grads, cotangent):
   return jax.tree.map(lambda g: cotangent * g, grads), None, None, None
 
 
-_pipeline_loss.defvjp(_pipeline_fwd, _pipeline_bwd)
+_manual_loss.defvjp(_manual_fwd, _manual_bwd)
 
 
-def _pipeline_call(graphdef, params, batch, scale, denominator, par: Parallelism, logit_max: bool,
-                   with_grad: bool):
-  M, pp, v = par.microbatches, par.pp, par.virtual_stages
+def _manual_call(graphdef, params, batch, scale, denominator, par: Parallelism, logit_max: bool,
+                 with_grad: bool):
+  M, pp, v, cp = par.microbatches, par.pp, par.virtual_stages, par.cp
   B, T = batch["inputs"].shape
+  context.check_seq_len(T, cp)
   if B % M:
     raise ValueError(f"batch of {B} sequences does not split into {M} micro-batches;"
                      " choose a batch that the number of micro-batches divides")
+  manual = tuple(a for a, n in ((pipeline.AXIS, pp), (context.AXIS, cp)) if n > 1)
 
   def microbatched(x_BxT):  # micro-batch i = rows i, i + M, ...: keeps the batch sharding
-    return x_BxT.reshape(B // M, M, T).swapaxes(0, 1)
+    return context.balance(x_BxT, cp).reshape(B // M, M, T).swapaxes(0, 1)
 
-  def local_loss(params, micro, scale, denominator):  # micro: the batch's leaves [M, b, T]
+  def local_loss(params, micro, scale, denominator):  # micro: the batch's leaves [M, b, T/cp]
     model = nnx.merge(graphdef, params)
     block_graphdef = nnx.graphdef(model.blocks)
+    T_local = T // cp
 
-    def stage(layers, x, i):  # i: the micro-batch x belongs to
-      positions = micro["positions"][i] if "positions" in micro else None
-      segments = micro["segment_ids"][i] if "segment_ids" in micro else None
-      rope = rotary_tables(model.cfg, T, positions)
-      out = apply_layers(block_graphdef, layers, x, rope, par, model.cfg, segments, logit_max)
+    def extras(i=None):
+      """Rotary positions and segment ids of micro-batch i (of all of them when None):
+      the packed documents' own, else this rank's positions in the sequence."""
+      pick = (lambda a: a.reshape(-1, T_local)) if i is None else (lambda a: a[i])
+      positions = pick(micro["positions"]) if "positions" in micro else context.positions(T, cp)
+      return positions, pick(micro["segment_ids"]) if "segment_ids" in micro else None
+
+    def run_layers(layers, x, positions, segments):  # -> (x, logit maxima or None)
+      out = apply_layers(block_graphdef, layers, x, rotary_tables(model.cfg, positions), par, model.cfg,
+                         segments, logit_max)
       return out if logit_max else (out, None)
 
-    outputs, logits_IxLsxN = pipeline.circular(
-        stage, params["blocks"], lambda i: model.embed_tokens(micro["inputs"][i], par), M, pp, v,
-        unroll=model.cfg.unroll)
-    targets_MxbxT = micro["targets"]
-    x_mxbxTxD = pipeline.scatter_from_last(outputs, pp)
-    m = M // pp
-    targets_mxbxT = jax.lax.dynamic_slice_in_dim(targets_MxbxT, jax.lax.axis_index(pipeline.AXIS) * m, m)
-    x_BxTxD = x_mxbxTxD.reshape(-1, T, x_mxbxTxD.shape[-1])
-    targets_BxT = targets_mxbxT.reshape(-1, T)
+    if pp > 1:
+      outputs, logits_IxLsxN = pipeline.circular(
+          lambda layers, x, i: run_layers(layers, x, *extras(i)), params["blocks"],
+          lambda i: model.embed_tokens(micro["inputs"][i], par), M, pp, v, unroll=model.cfg.unroll)
+      x_mxbxTxD = pipeline.scatter_from_last(outputs, pp)
+      m = M // pp
+      targets_mxbxT = jax.lax.dynamic_slice_in_dim(micro["targets"], jax.lax.axis_index(pipeline.AXIS) * m, m)
+      x_BxTxD = x_mxbxTxD.reshape(-1, *x_mxbxTxD.shape[2:])
+      targets_BxT = targets_mxbxT.reshape(-1, targets_mxbxT.shape[-1])
+      if logit_max:  # each iteration's maxima go to the stage (repeat) it ran; idle ones to none
+        repeat_I, active_I = pipeline.iteration_repeats(M, pp, v)
+        active = active_I.reshape(-1, *(1,) * (logits_IxLsxN.ndim - 1))
+        logits = jnp.full((v, *logits_IxLsxN.shape[1:]), -jnp.inf).at[repeat_I].max(
+            jnp.where(active, logits_IxLsxN, -jnp.inf))
+    else:
+      inputs_BxT, targets_BxT = (micro[k].reshape(-1, T_local) for k in ("inputs", "targets"))
+      x_BxTxD, logits_LxN = run_layers(to_layers(params["blocks"], 1), model.embed_tokens(inputs_BxT, par),
+                                       *extras())
+      logits = to_stages(logits_LxN, 1) if logit_max else None
     losses = jnp.where(targets_BxT >= 0, model.token_losses(x_BxTxD, targets_BxT, par), 0.0)
-    value = _scaled(jax.lax.psum(jnp.sum(losses), pipeline.AXIS) / denominator, scale)
-    if not logit_max:
-      return value
-    # Each iteration's maxima go to the stage (repeat) it ran; idle iterations to none.
-    repeat_I, active_I = pipeline.iteration_repeats(M, pp, v)
-    active = active_I.reshape(-1, *(1,) * (logits_IxLsxN.ndim - 1))
-    logits_vxLsxN = jnp.full((v, *logits_IxLsxN.shape[1:]), -jnp.inf).at[repeat_I].max(
-        jnp.where(active, logits_IxLsxN, -jnp.inf))
-    return value, logits_vxLsxN
+    value = _scaled(jax.lax.psum(jnp.sum(losses), manual) / denominator, scale)
+    return (value, logits) if logit_max else value
 
   specs = jax.tree.map(lambda _: P(), params)
-  specs["blocks"] = jax.tree.map(lambda _: P(pipeline.AXIS), params["blocks"])
-  value_specs = (P(), P(pipeline.AXIS)) if logit_max else P()
+  if pp > 1:
+    specs["blocks"] = jax.tree.map(lambda _: P(pipeline.AXIS), params["blocks"])
+  tokens = P(None, None, context.AXIS) if cp > 1 else P()
+  value_specs = (P(), P(pipeline.AXIS) if pp > 1 else P()) if logit_max else P()
   return jax.shard_map(
       jax.value_and_grad(local_loss, has_aux=logit_max) if with_grad else local_loss,
       mesh=jax.sharding.get_abstract_mesh(),
-      in_specs=(specs, P(), P(), P()),
+      in_specs=(specs, tokens, P(), P()),
       out_specs=(value_specs, specs) if with_grad else value_specs,
-      axis_names={pipeline.AXIS},
+      axis_names=set(manual),
   )(params, jax.tree.map(microbatched, batch), scale, denominator)

@@ -1,7 +1,8 @@
-"""How the GPT lies on the (rp, fs, tp, pp) mesh: logical axes, parameter specs, layer stacks.
+"""How the GPT lies on the (rp, fs, cp, tp, pp) mesh: logical axes, parameter specs, layer stacks.
 
 TP, SP and FS are sharding annotations that XLA's SPMD partitioner turns into
-collectives; PP is explicit (``models/pipeline.py``: a ``shard_map`` manual over ``pp``).
+collectives; PP and CP are explicit (``models/pipeline.py``, ``models/context.py``: a
+``shard_map`` manual over ``pp`` and ``cp``).
 
 - Parameters carry the PartitionSpecs of :func:`param_specs` (Megatron's layouts in Flax's
   (fan_in, fan_out) kernel order): column-parallel ``P('fs', 'tp')`` for query, key, value,
@@ -23,10 +24,12 @@ collectives; PP is explicit (``models/pipeline.py``: a ``shard_map`` manual over
   ``tp``, so that reduction becomes a reduce-scatter and the input of the next
   column-parallel product an all-gather (Megatron's sequence parallelism).
 - DP: the batch over ``rp`` and ``fs``.
+- CP: parameters replicated over ``cp``; the sequence split over it inside
+  ``models.gpt.loss``'s ``shard_map``, so no activation constraint names it.
 
 Logical names map to mesh axes in one table (:data:`LOGICAL_AXES`); axes that are manual
 in the surrounding ``shard_map`` (``rp`` under per-replica gradients, ``pp`` in the
-pipeline) are dropped from activation constraints there.
+pipeline, ``cp``) are dropped from activation constraints there.
 
 Layer stacks. Block parameters are stored ``(stages, layers_per_stage, ...)`` with
 ``stages = pp · virtual_stages``; with a circular schedule, execution stage
@@ -69,7 +72,7 @@ class Parallelism:
   """The mesh and the parallel options of one model.
 
   Attributes:
-    mesh: the (rp, fs, tp, pp) mesh, or None for one device without annotations.
+    mesh: the (rp, fs, cp, tp, pp) mesh, or None for one device without annotations.
     sequence_parallel: shard the residual stream's sequence over ``tp`` (needs tp > 1
       to matter).
     microbatches: micro-batches per step of the pipeline (pp > 1); a multiple of pp.
@@ -103,6 +106,10 @@ class Parallelism:
   @property
   def tp(self) -> int:
     return self.size("tp")
+
+  @property
+  def cp(self) -> int:
+    return self.size("cp")
 
   @property
   def stages(self) -> int:

@@ -91,7 +91,7 @@ def test_clipped_heads_reach_tau_and_nothing_else_moves(num_kv_heads):
   jax.tree.map(np.testing.assert_array_equal, others(clipped_params), others(params))
 
 
-@pytest.mark.parametrize("mesh_spec", ["fs=2,tp=2", "tp=2,pp=2", "rp=2,fs=2"])
+@pytest.mark.parametrize("mesh_spec", ["fs=2,tp=2", "tp=2,pp=2", "rp=2,fs=2", "cp=2,tp=2", "cp=2,pp=2"])
 def test_logit_maxima_on_a_mesh_equal_one_device(mesh_spec):
   cfg = _cfg(2, num_layers=4)
   batch = _batch(cfg, seed=1)

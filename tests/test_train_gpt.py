@@ -140,12 +140,13 @@ def test_sigkill_then_resume_equals_uninterrupted(compile_cache, tmp_path):
 
 
 def test_reshard_onto_other_meshes(compile_cache, tmp_path):
-  """A save on fs=4,tp=2 resumes on rp=2,fs=2,tp=2, one device and fs=2,tp=2,pp=2: the next
-  steps' losses and gradient norms match the original mesh's within 1e-5."""
+  """A save on fs=4,tp=2 resumes on rp=2,fs=2,tp=2, one device, fs=2,tp=2,pp=2 and
+  fs=2,cp=2,tp=2 (context parallelism): the next steps' losses and gradient norms match
+  the original mesh's within 1e-5."""
   assert train(tmp_path / "ref", "--mesh", "fs=4,tp=2", "--steps", "6") == 0
   assert train(tmp_path / "saved", "--mesh", "fs=4,tp=2", "--steps", "3", "--lr-decay-steps", "6") == 0
   ref = {r["step"]: r for r in records(tmp_path / "ref") if "loss" in r}
-  for mesh in ("rp=2,fs=2,tp=2", "fs=1", "fs=2,tp=2,pp=2"):
+  for mesh in ("rp=2,fs=2,tp=2", "fs=1", "fs=2,tp=2,pp=2", "fs=2,cp=2,tp=2"):
     run_dir = tmp_path / mesh.replace(",", "_")
     subprocess.run(["cp", "-r", str(tmp_path / "saved"), str(run_dir)], check=True)
     assert gpt.main(["--run-dir", str(run_dir), "--resume", "--mesh", mesh, "--steps", "6"]) == 0
@@ -215,6 +216,8 @@ def test_bad_input_one_line_exit_2_nothing_written(compile_cache, tmp_path, caps
        "--global-batch-size 6 does not split over the 4 data-parallel ranks"),
       (["--mesh", "fs=2", "--micro-batch-size", "3", "--run-dir", fresh],
        "--micro-batch-size 3 does not divide the 4 sequences"),
+      (["--mesh", "cp=4", "--seq-len", "12", "--run-dir", fresh],
+       "--seq-len / --mesh: sequence length 12 does not split into 2·cp = 8 chunks"),
       (["--data", str(tmp_path / "missing_*.bin"), "--run-dir", fresh], "missing_*.bin"),
       (["--resume", "--run-dir", fresh], "does not exist"),
       (["--resume", "--run-dir", str(tmp_path / "empty")], "holds no complete checkpoint"),

@@ -279,7 +279,7 @@ HELP = {
                         " accumulation, or the pipeline when pp > 1",
     "steps": "optimizer steps of the run, counted from its start (default 200)",
     "seed": "seed of the initialization, Dion's sketches and the data order (default 0)",
-    "mesh": "device mesh, e.g. rp=1,fs=2,tp=2 (axes rp, fs, tp, pp; missing ones are 1;"
+    "mesh": "device mesh, e.g. rp=1,fs=2,tp=2 (axes rp, fs, cp, tp, pp; missing ones are 1;"
             " default fs=<all devices>); on CPU the trainer creates the host devices it needs",
     "log_interval": "steps between log lines (default 10)",
     "eval_every": "steps between validation evaluations, 0 for only at the end (default 100)",

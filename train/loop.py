@@ -25,6 +25,7 @@ from data import hf_tokenizer
 import dion_jax
 import models
 from dion_jax.parallel import format_mesh_spec
+from models import context
 from train import checkpoint as ckpt_lib
 from train import hf as hf_io
 from train import optim
@@ -186,6 +187,10 @@ def setup(cfg: Config) -> Run:
       models.qk_clip.check(model_cfg, cfg.qk_clip_threshold)
     except ValueError as e:
       raise UsageError(f"--qk-clip-threshold: {e}") from None
+  try:
+    context.check_seq_len(model_cfg.seq_len, dict(mesh.shape)["cp"])
+  except ValueError as e:
+    raise UsageError(f"--seq-len / --mesh: {e}") from None
   existing = ckpt_lib.existing_steps(cfg.ckpt_path)
   _check_resumable(cfg, existing)
   par = models.Parallelism(mesh, sequence_parallel=cfg.sequence_parallel,
