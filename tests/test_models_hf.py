@@ -16,15 +16,15 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 SEQ = 12
-COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
+COMMON = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-5}
 ARCHS = {
     # vocab 200: padded to 256, its padding masked; GQA 4 query heads over 2 kv heads
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
-              dict(vocab_size=200, tie_word_embeddings=False, rope_theta=5e5)),
+              {"vocab_size": 200, "tie_word_embeddings": False, "rope_theta": 5e5}),
     # an explicit head_dim (32 != 64 / 4), QK-norm with scales, tied embeddings
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
-              dict(vocab_size=256, head_dim=32, tie_word_embeddings=True)),
+              {"vocab_size": 256, "head_dim": 32, "tie_word_embeddings": True}),
 }
 
 

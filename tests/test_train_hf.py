@@ -14,9 +14,8 @@ from tests.test_data_sft import make_tokenizer
 from tests.test_models_hf import hf_logits, make_hf_model, np_loss
 from train import eval as eval_lib
 from train import export as export_lib
-from train import gpt
+from train import gpt, sample
 from train import hf as hf_io
-from train import sample
 
 transformers = pytest.importorskip("transformers")
 
