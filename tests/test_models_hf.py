@@ -19,9 +19,12 @@ SEQ = 12
 COMMON = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
           "num_key_value_heads": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-5}
 ARCHS = {
-    # vocab 200: padded to 256, its padding masked; GQA 4 query heads over 2 kv heads
+    # vocab 200: padded to 256, its padding masked; GQA 4 query heads over 2 kv heads;
+    # Llama 3.1's rope scaling (with a context of 16, all of its three bands in use)
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
-              {"vocab_size": 200, "tie_word_embeddings": False, "rope_theta": 5e5}),
+              {"vocab_size": 200, "tie_word_embeddings": False,
+               "rope_scaling": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
     # an explicit head_dim (32 != 64 / 4), QK-norm with scales, tied embeddings
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
               {"vocab_size": 256, "head_dim": 32, "tie_word_embeddings": True}),
@@ -67,6 +70,7 @@ def test_import_matches_transformers_logits(tmp_path, arch):
   model = make_hf_model(arch, tmp_path)
   cfg = hf_io.model_config(str(tmp_path), seq_len=SEQ)
   assert cfg.kv_heads == 2 and cfg.mlp == "swiglu"
+  assert (cfg.rope_llama3 is not None) == (arch == "llama")
   graphdef, params = hf_io.load(str(tmp_path), cfg, models.Parallelism())
   t = tokens(cfg.vocab_size)[:, :-1]
   np.testing.assert_allclose(our_logits(cfg, graphdef, params, t), hf_logits(model, t), atol=1e-4, rtol=0)
@@ -104,8 +108,8 @@ def test_unsupported_checkpoints_are_named():
   base = {**COMMON, "vocab_size": 10, "architectures": ["LlamaForCausalLM"]}
   with pytest.raises(hf_map.UnsupportedCheckpoint, match="GPT2LMHeadModel"):
     hf_map.from_hf_config({**base, "architectures": ["GPT2LMHeadModel"]}, seq_len=8)
-  with pytest.raises(hf_map.UnsupportedCheckpoint, match="rope type='llama3'"):
-    hf_map.from_hf_config({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, seq_len=8)
+  with pytest.raises(hf_map.UnsupportedCheckpoint, match="rope type='yarn'"):
+    hf_map.from_hf_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, seq_len=8)
   with pytest.raises(hf_map.UnsupportedCheckpoint, match="no Llama or Qwen3"):
     hf_map.to_hf_config(models.preset("tiny"))
 
