@@ -79,11 +79,11 @@ def test_import_matches_transformers_logits(tmp_path, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_import_on_fs_tp_pp_mesh(tmp_path, arch):
   """Read onto fs=2,tp=2,pp=2 slice by slice: the same arrays as on one device, and the
-  mesh's loss is transformers' loss."""
+  mesh's loss (with sequence parallelism) is transformers' loss."""
   model = make_hf_model(arch, tmp_path)
   cfg = hf_io.model_config(str(tmp_path), seq_len=SEQ)
   mesh = dion_jax.make_mesh("fs=2,tp=2,pp=2", jax.devices()[:8])
-  par = models.Parallelism(mesh, microbatches=2)
+  par = models.Parallelism(mesh, sequence_parallel=True, microbatches=2)
   graphdef, params = hf_io.load(str(tmp_path), cfg, par)
   _, single = hf_io.load(str(tmp_path), cfg, models.Parallelism())
   layered = dict(params, blocks=models.to_layers(params["blocks"], 2))
