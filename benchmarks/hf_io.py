@@ -10,17 +10,17 @@ Each prints wall time, the process's peak resident memory (``ru_maxrss``) and th
 on disk, so that peak memory can be read against the file size.
 """
 import argparse
-import math
 import json
+import math
 import os
 import resource
 import subprocess
 import sys
 import time
 
-LLAMA_1B = dict(vocab_size=128256, num_layers=16, d_model=2048, num_heads=32, num_kv_heads=8,
-                mlp_dim=8192, mlp="swiglu", qk_norm="none", tie_embeddings=True, norm_eps=1e-5,
-                rope_base=500000.0, mask_vocab_padding=True, seq_len=2048)
+LLAMA_1B = {"vocab_size": 128256, "num_layers": 16, "d_model": 2048, "num_heads": 32, "num_kv_heads": 8,
+                "mlp_dim": 8192, "mlp": "swiglu", "qk_norm": "none", "tie_embeddings": True, "norm_eps": 1e-5,
+                "rope_base": 500000.0, "mask_vocab_padding": True, "seq_len": 2048}
 
 
 def _peak_gib() -> float:

@@ -25,14 +25,15 @@ class HFTokenizer:
   """
 
   def __init__(self, directory: str):
-    from tokenizers import Tokenizer  # only runs that use a Hugging Face tokenizer load it
+    # Imported here: only runs that use a Hugging Face tokenizer load the library.
+    from tokenizers import Tokenizer
 
     path = os.path.join(directory, "tokenizer.json")
     if not os.path.isfile(path):
       raise DataFileNotFoundError(f"{directory}: no tokenizer.json (a Hugging Face tokenizer)")
     try:
       self._tokenizer = Tokenizer.from_file(path)
-    except Exception as e:  # the library raises its own exception types
+    except Exception as e:  # noqa: BLE001  the Rust library raises bare Exceptions
       raise DataError(f"{path}: not a tokenizers file ({e})") from None
     self.eod = _eos_id(directory, self._tokenizer)
     self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)

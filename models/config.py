@@ -53,6 +53,8 @@ class GPTConfig:
       narrow range needs loss scaling in training (``train/step.py``).
     remat: recompute each layer's activations in the backward pass.
     rope_base: base of the rotary embedding's frequencies.
+    rope_llama3: Llama 3.1's frequency scaling for long contexts, ``(factor,
+      low_freq_factor, high_freq_factor, original_max_position_embeddings)``, or None.
     attention: ``"xla"`` or ``"cudnn"``, the ``implementation`` of
       ``jax.nn.dot_product_attention``: cuDNN's fused (flash) attention needs an NVIDIA
       GPU and a 16-bit ``dtype``; XLA's runs everywhere and holds the T x T scores.
@@ -77,6 +79,7 @@ class GPTConfig:
   dtype: str = "float32"
   remat: bool = False
   rope_base: float = 10000.0
+  rope_llama3: tuple[float, float, float, int] | None = None
   attention: str = "xla"
   unroll: bool = False
 
@@ -105,6 +108,11 @@ class GPTConfig:
       raise ValueError(f"GPTConfig.mlp must be one of {MLP_KINDS}, got {self.mlp!r}")
     if self.qk_norm not in QK_NORMS:
       raise ValueError(f"GPTConfig.qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
+    if self.rope_llama3 is not None:  # a JSON record gives a list: keep the config hashable
+      if len(self.rope_llama3) != 4:
+        raise ValueError(f"GPTConfig.rope_llama3 must be (factor, low_freq_factor,"
+                         f" high_freq_factor, original_max_position_embeddings), got {self.rope_llama3!r}")
+      object.__setattr__(self, "rope_llama3", tuple(self.rope_llama3))
     if not self.norm_eps >= 0:
       raise ValueError(f"GPTConfig.norm_eps must be >= 0, got {self.norm_eps!r}")
     if self.dtype not in COMPUTE_DTYPES:

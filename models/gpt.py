@@ -141,8 +141,21 @@ def rotary_tables(cfg: GPTConfig, positions: jax.Array) -> tuple[jax.Array, jax.
   sequences), [..., head_dim / 2] in float32."""
   half = cfg.head_dim // 2
   inv_freq_H2 = 1.0 / cfg.rope_base ** (jnp.arange(half, dtype=jnp.float32) / half)
+  if cfg.rope_llama3 is not None:
+    inv_freq_H2 = _llama3_frequencies(inv_freq_H2, *cfg.rope_llama3)
   angles = positions.astype(jnp.float32)[..., None] * inv_freq_H2
   return jnp.cos(angles), jnp.sin(angles)
+
+
+def _llama3_frequencies(inv_freq: jax.Array, factor: float, low: float, high: float,
+                        context: int) -> jax.Array:
+  """Llama 3.1's scaling: wavelengths beyond ``context / low`` slowed by ``factor``, those
+  below ``context / high`` kept, the ones between interpolated smoothly."""
+  wavelen = 2 * math.pi / inv_freq
+  scaled = jnp.where(wavelen > context / low, inv_freq / factor, inv_freq)
+  smooth = (context / wavelen - low) / (high - low)
+  medium = (wavelen >= context / high) & (wavelen <= context / low)
+  return jnp.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
 
 class MLP(nnx.Module):

@@ -90,20 +90,24 @@ def from_hf_config(hf: dict, *, seq_len: int, dtype: str = "float32", **options)
       "hidden_act": (hf.get("hidden_act", "silu"), "silu"),
       "attention_bias": (bool(hf.get("attention_bias", False)), False),
       "mlp_bias": (bool(hf.get("mlp_bias", False)), False),
-      "rope type": (rope_type, "default"),
+      "rope type": (rope_type if rope_type != "llama3" else "default", "default"),
       "use_sliding_window": (bool(hf.get("use_sliding_window", False)), False),
   }
   for name, (got, want) in checks.items():
     if got != want:
       raise UnsupportedCheckpoint(f"{archs[0]} with {name}={got!r} is not supported (only {want!r})")
   theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+  llama3 = None
+  if rope_type == "llama3":
+    llama3 = (float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
+              int(rope["original_max_position_embeddings"]))
   heads = hf["num_attention_heads"]
   return GPTConfig(
       vocab_size=hf["vocab_size"], num_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"],
       num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, mlp_dim=hf["intermediate_size"],
       mlp="swiglu", qk_norm="rms_scale" if kind == "qwen3" else "none",
-      norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_base=float(theta),
+      norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_base=float(theta), rope_llama3=llama3,
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), mask_vocab_padding=True,
       seq_len=seq_len, dtype=dtype, **options)
 
@@ -131,6 +135,12 @@ def to_hf_config(cfg: GPTConfig, base: dict | None = None) -> dict:
       hidden_act="silu", rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_base,
       rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base},
       tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, torch_dtype="float32")
+  if cfg.rope_llama3 is not None:
+    factor, low, high, context = cfg.rope_llama3
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+               "high_freq_factor": high, "original_max_position_embeddings": context}
+    out["rope_parameters"] = {**scaling, "rope_theta": cfg.rope_base}
+    out["rope_scaling"] = scaling
   out.setdefault("max_position_embeddings", cfg.seq_len)
   if not qwen3:
     out["mlp_bias"] = False

@@ -93,7 +93,7 @@ def test_packed_batch_on_a_pipeline_mesh_matches_one_device(tmp_path):
   batch = {k: jnp.asarray(v[:4]) for k, v in rows.items()}
   assert len(rows["inputs"]) >= 4 and int(batch["segment_ids"].max()) > 1
   graphdef, params = models.init(CFG, seed=0)
-  want = jax.value_and_grad(lambda p: models.loss(graphdef, p, batch))(params)
+  want = jax.jit(jax.value_and_grad(lambda p: models.loss(graphdef, p, batch)))(params)
   mesh = dion_jax.make_mesh("fs=2,pp=2", jax.devices()[:4])
   par = models.Parallelism(mesh, microbatches=2)
   with jax.set_mesh(mesh):

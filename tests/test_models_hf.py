@@ -16,15 +16,18 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 SEQ = 12
-COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
+COMMON = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-5}
 ARCHS = {
-    # vocab 200: padded to 256, its padding masked; GQA 4 query heads over 2 kv heads
+    # vocab 200: padded to 256, its padding masked; GQA 4 query heads over 2 kv heads;
+    # Llama 3.1's rope scaling (with a context of 16, all of its three bands in use)
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
-              dict(vocab_size=200, tie_word_embeddings=False, rope_theta=5e5)),
+              {"vocab_size": 200, "tie_word_embeddings": False,
+               "rope_scaling": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
     # an explicit head_dim (32 != 64 / 4), QK-norm with scales, tied embeddings
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
-              dict(vocab_size=256, head_dim=32, tie_word_embeddings=True)),
+              {"vocab_size": 256, "head_dim": 32, "tie_word_embeddings": True}),
 }
 
 
@@ -67,6 +70,7 @@ def test_import_matches_transformers_logits(tmp_path, arch):
   model = make_hf_model(arch, tmp_path)
   cfg = hf_io.model_config(str(tmp_path), seq_len=SEQ)
   assert cfg.kv_heads == 2 and cfg.mlp == "swiglu"
+  assert (cfg.rope_llama3 is not None) == (arch == "llama")
   graphdef, params = hf_io.load(str(tmp_path), cfg, models.Parallelism())
   t = tokens(cfg.vocab_size)[:, :-1]
   np.testing.assert_allclose(our_logits(cfg, graphdef, params, t), hf_logits(model, t), atol=1e-4, rtol=0)
@@ -75,11 +79,11 @@ def test_import_matches_transformers_logits(tmp_path, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_import_on_fs_tp_pp_mesh(tmp_path, arch):
   """Read onto fs=2,tp=2,pp=2 slice by slice: the same arrays as on one device, and the
-  mesh's loss is transformers' loss."""
+  mesh's loss (with sequence parallelism) is transformers' loss."""
   model = make_hf_model(arch, tmp_path)
   cfg = hf_io.model_config(str(tmp_path), seq_len=SEQ)
   mesh = dion_jax.make_mesh("fs=2,tp=2,pp=2", jax.devices()[:8])
-  par = models.Parallelism(mesh, microbatches=2)
+  par = models.Parallelism(mesh, sequence_parallel=True, microbatches=2)
   graphdef, params = hf_io.load(str(tmp_path), cfg, par)
   _, single = hf_io.load(str(tmp_path), cfg, models.Parallelism())
   layered = dict(params, blocks=models.to_layers(params["blocks"], 2))
@@ -104,8 +108,8 @@ def test_unsupported_checkpoints_are_named():
   base = {**COMMON, "vocab_size": 10, "architectures": ["LlamaForCausalLM"]}
   with pytest.raises(hf_map.UnsupportedCheckpoint, match="GPT2LMHeadModel"):
     hf_map.from_hf_config({**base, "architectures": ["GPT2LMHeadModel"]}, seq_len=8)
-  with pytest.raises(hf_map.UnsupportedCheckpoint, match="rope type='llama3'"):
-    hf_map.from_hf_config({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, seq_len=8)
+  with pytest.raises(hf_map.UnsupportedCheckpoint, match="rope type='yarn'"):
+    hf_map.from_hf_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, seq_len=8)
   with pytest.raises(hf_map.UnsupportedCheckpoint, match="no Llama or Qwen3"):
     hf_map.to_hf_config(models.preset("tiny"))
 

@@ -14,9 +14,8 @@ from tests.test_data_sft import make_tokenizer
 from tests.test_models_hf import hf_logits, make_hf_model, np_loss
 from train import eval as eval_lib
 from train import export as export_lib
-from train import gpt
+from train import gpt, sample
 from train import hf as hf_io
-from train import sample
 
 transformers = pytest.importorskip("transformers")
 
@@ -76,6 +75,7 @@ def test_import_export_import_is_bit_exact(trained, tmp_path):
   # a shard limit below the model's size: several files and an index
   assert export_lib.main([str(run), "--output", str(out), "--max-shard-bytes", "100000"]) == 0
   assert (out / "model.safetensors.index.json").exists()
+  assert all(os.stat(out / n).st_mode & 0o044 == 0o044 for n in os.listdir(out))  # not private
   cfg = hf_io.model_config(str(out), seq_len=SEQ)
   _, params = hf_io.load(str(out), cfg, models.Parallelism())
   params = dict(params, blocks=models.to_layers(params["blocks"], 1))

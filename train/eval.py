@@ -22,10 +22,9 @@ import numpy as np
 
 import data
 import models
-from train import cli
+from train import cli, sample
 from train import config as config_lib
 from train import hf as hf_io
-from train import sample
 from train.cli import UsageError
 
 

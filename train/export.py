@@ -20,9 +20,8 @@ import jax
 import numpy as np
 
 from models import hf as hf_map
-from train import cli
+from train import cli, sample
 from train import hf as hf_io
-from train import sample
 from train.cli import UsageError
 
 

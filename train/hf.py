@@ -144,6 +144,13 @@ def save(directory: str, cfg: models.GPTConfig, params: Any, base_config: dict |
     for name in TOKENIZER_FILES if tokenizer_from else ():
       if os.path.isfile(os.path.join(tokenizer_from, name)):
         shutil.copy(os.path.join(tokenizer_from, name), tmp)
+    # mkdtemp's directory is private (0700), and safetensors writes 0600 files: give the
+    # export the modes of any file the user creates.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    for name in os.listdir(tmp):
+      os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
     os.rename(tmp, directory)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)

@@ -36,7 +36,8 @@ from train.log import Logger
 
 EXIT_DIVERGED = 3
 # Model fields a checkpoint's arrays depend on.
-_SHAPE_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "mlp_ratio")
+_SHAPE_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "kv_heads", "head_dim", "d_mlp",
+                 "mlp", "qk_norm", "tie_embeddings")
 
 
 @dataclasses.dataclass
@@ -139,8 +140,10 @@ def _check_resumable(cfg: Config, existing: list[int]) -> None:
 
 
 def _check_same_model(saved: dict, model_cfg: models.GPTConfig, cfg: Config, where: str) -> None:
-  differ = [f"{k}={saved['model'][k]} (now {getattr(model_cfg, k)})" for k in _SHAPE_FIELDS
-            if saved["model"].get(k) != getattr(model_cfg, k)]
+  # Through GPTConfig, so that records written before a field existed take its default.
+  saved_cfg = models.GPTConfig(**saved["model"])
+  differ = [f"{k}={getattr(saved_cfg, k)} (now {getattr(model_cfg, k)})" for k in _SHAPE_FIELDS
+            if getattr(saved_cfg, k) != getattr(model_cfg, k)]
   if differ:
     raise UsageError(f"the checkpoint in {where} is of another model: {', '.join(differ)}; pass"
                      " the model flags it was saved with (--resume reuses them when left off)"
