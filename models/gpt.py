@@ -9,7 +9,8 @@ attention (N query heads share K key/value heads), a SwiGLU MLP (``gate``, ``up`
 
 NNX modules define the parameters and one layer's math. Training works on the pure
 dict of arrays (``nnx.split`` then ``to_pure_dict``), which optax, Dion's labels and
-Orbax take as they are; :func:`loss` merges it back with the graph definition:
+Orbax take as they are; ``models.loss`` (``models/lm_loss.py``) merges it back with the
+graph definition:
 
     graphdef, params = models.init(cfg, par, seed=0)     # params: nested dict of arrays
     loss = models.loss(graphdef, params, batch, par)     # batch: "inputs", "targets" [B, T]
@@ -30,16 +31,11 @@ Parameter tree (Flax layout, blocks stacked ``(stages, layers_per_stage, ...)``)
 
 H = head_dim (D / N by default), F = d_mlp (4D by default).
 
-Batches are dicts of int [B, T]: "inputs" and "targets" (a target -1 is not counted), and
-for packed sequences "segment_ids" (attention stays within a segment) and "positions"
-(the rotary position of each token, restarting at each document).
-
 Parallelism is in ``models/sharding.py`` (TP, SP, FS by annotation),
 ``models/pipeline.py`` (PP by ``shard_map``) and ``models/context.py`` (CP by ``shard_map``).
 """
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -48,11 +44,10 @@ from dion_jax import parallel
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
-from models import context, pipeline
+from models import context
 from models.config import GPTConfig
-from models.sharding import Parallelism, param_specs, shardings, to_layers, to_stages
+from models.sharding import Parallelism, param_specs, shardings, to_stages
 
 
 def _rms_norm(x: jax.Array, eps: float) -> jax.Array:
@@ -257,7 +252,7 @@ def apply_layers(block_graphdef: Any, layers: Any, x_BxTxD: jax.Array, rope,
                  par: Parallelism, cfg: GPTConfig, segment_ids_BxT: jax.Array | None = None,
                  logit_max: bool = False) -> Any:
   """Runs the layers ``layers`` (leaves [L, ...], in order) over ``x`` with a scan;
-  with ``logit_max`` returns ``(x, logit maxima [L, N])`` (:func:`loss`).
+  with ``logit_max`` returns ``(x, logit maxima [L, N])`` (``models.loss``).
 
   The backward pass keeps only matrix products (``dots_saveable``; nothing with
   ``remat``): each layer's parameters are sliced from the stack inside the checkpointed
@@ -316,152 +311,3 @@ def init(cfg: GPTConfig, par: Parallelism = Parallelism(), seed: int = 0) -> tup
     return graphdef, jax.jit(_create(cfg, par, seed))()
   out_shardings = jax.tree.map(lambda s: s.sharding, shapes)
   return graphdef, jax.jit(_create(cfg, par, seed), out_shardings=out_shardings)()
-
-
-def loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], par: Parallelism = Parallelism(),
-         scale: jax.Array | None = None, denominator: jax.Array | None = None,
-         logit_max: bool = False) -> Any:
-  """Next-token cross-entropy of ``batch`` (module docstring), summed over the counted
-  targets (those >= 0) and divided by ``denominator`` (default: their number, the mean),
-  times ``scale`` when given.
-
-  With ``logit_max`` returns ``(loss, logits)``: ``logits`` [S, Ls, N] (the blocks'
-  stage layout), each layer's and query head's largest attention logit over the batch
-  (QK-clip's input, ``models.qk_clip``).
-
-  A train step over micro-batches or replicas passes the count of the whole global batch
-  as ``denominator``, so that their losses add up to its mean exactly.
-
-  With pp > 1 the batch is split into ``par.microbatches`` micro-batches that flow
-  through the pipeline; otherwise the whole batch goes through the layer scan at once.
-  With cp > 1 every sequence is split over cp (``models/context.py``).
-  On a mesh, call it under ``jax.set_mesh(par.mesh)``.
-
-  ``scale`` is a float16 run's loss scale: it multiplies the loss here, not in the
-  caller, because the pipeline takes its gradient inside its ``shard_map``, and the
-  float16 backward pass must see the scaled cotangent there.
-  """
-  if par.mesh is not None and jax.sharding.get_abstract_mesh().empty:
-    raise ValueError("models.loss on a mesh must run under `with jax.set_mesh(par.mesh):`")
-  counted_BxT = batch["targets"] >= 0
-  if denominator is None:
-    denominator = jnp.maximum(jnp.sum(counted_BxT), 1).astype(jnp.float32)
-  if par.pp > 1 or par.cp > 1:
-    return _manual_loss(graphdef, params, batch, scale, denominator, par, logit_max)
-  model = nnx.merge(graphdef, params)
-  positions = batch["positions"] if "positions" in batch else jnp.arange(batch["inputs"].shape[1])
-  rope = rotary_tables(model.cfg, positions)
-  layers = to_layers(params["blocks"], 1)
-  x = model.embed_tokens(batch["inputs"], par)
-  out = apply_layers(nnx.graphdef(model.blocks), layers, x, rope, par, model.cfg, batch.get("segment_ids"),
-                     logit_max)
-  x = out[0] if logit_max else out
-  losses_BxT = jnp.where(counted_BxT, model.token_losses(x, batch["targets"], par), 0.0)
-  value = _scaled(jnp.sum(losses_BxT) / denominator, scale)
-  return (value, to_stages(out[1], 1)) if logit_max else value
-
-
-def _scaled(loss: jax.Array, scale: jax.Array | None) -> jax.Array:
-  return loss if scale is None else loss * scale
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5, 6))
-def _manual_loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], scale: jax.Array | None,
-                 denominator: jax.Array, par: Parallelism, logit_max: bool) -> Any:
-  """:func:`loss` in a ``shard_map`` manual over ``pp`` and ``cp`` (those of size > 1; the
-  other axes left to the partitioner).
-
-  With pp > 1 the layers run in a pipeline over pp. Embedding, final norm, LM head and
-  loss run inside the same ``shard_map``: device 0 embeds each micro-batch as it enters,
-  and the last stage's outputs are scattered over pp so that each device computes the
-  loss of M/pp micro-batches. With cp > 1 each rank holds T/cp tokens of every sequence
-  in ``context``'s balanced layout; the parameters are the same on every cp rank, so
-  their gradients are summed over cp, as over data-parallel ranks.
-
-  The gradient is taken inside the ``shard_map`` and handed out by this ``custom_vjp``:
-  on jax 0.10 differentiating a ``shard_map`` nested in another one (the per-replica
-  gradient's, manual over rp) fails to lower, while this form nests at any depth.
-  """
-  return _manual_call(graphdef, params, batch, scale, denominator, par, logit_max, with_grad=False)
-
-
-def _manual_fwd(graphdef, params, batch, scale, denominator, par, logit_max):
-  return _manual_call(graphdef, params, batch, scale, denominator, par, logit_max, with_grad=True)
-
-
-def _manual_bwd(graphdef, par, logit_max, grads, cotangent):
-  del graphdef, par
-  # No cotangent for the batch (integers), the loss scale or the denominator (constants
-  # of the step); the logit maxima have no gradient.
-  cotangent = cotangent[0] if logit_max else cotangent
-  return jax.tree.map(lambda g: cotangent * g, grads), None, None, None
-
-
-_manual_loss.defvjp(_manual_fwd, _manual_bwd)
-
-
-def _manual_call(graphdef, params, batch, scale, denominator, par: Parallelism, logit_max: bool,
-                 with_grad: bool):
-  M, pp, v, cp = par.microbatches, par.pp, par.virtual_stages, par.cp
-  B, T = batch["inputs"].shape
-  context.check_seq_len(T, cp)
-  if B % M:
-    raise ValueError(f"batch of {B} sequences does not split into {M} micro-batches;"
-                     " choose a batch that the number of micro-batches divides")
-  manual = tuple(a for a, n in ((pipeline.AXIS, pp), (context.AXIS, cp)) if n > 1)
-
-  def microbatched(x_BxT):  # micro-batch i = rows i, i + M, ...: keeps the batch sharding
-    return context.balance(x_BxT, cp).reshape(B // M, M, T).swapaxes(0, 1)
-
-  def local_loss(params, micro, scale, denominator):  # micro: the batch's leaves [M, b, T/cp]
-    model = nnx.merge(graphdef, params)
-    block_graphdef = nnx.graphdef(model.blocks)
-    T_local = T // cp
-
-    def extras(i=None):
-      """Rotary positions and segment ids of micro-batch i (of all of them when None):
-      the packed documents' own, else this rank's positions in the sequence."""
-      pick = (lambda a: a.reshape(-1, T_local)) if i is None else (lambda a: a[i])
-      positions = pick(micro["positions"]) if "positions" in micro else context.positions(T, cp)
-      return positions, pick(micro["segment_ids"]) if "segment_ids" in micro else None
-
-    def run_layers(layers, x, positions, segments):  # -> (x, logit maxima or None)
-      out = apply_layers(block_graphdef, layers, x, rotary_tables(model.cfg, positions), par, model.cfg,
-                         segments, logit_max)
-      return out if logit_max else (out, None)
-
-    if pp > 1:
-      outputs, logits_IxLsxN = pipeline.circular(
-          lambda layers, x, i: run_layers(layers, x, *extras(i)), params["blocks"],
-          lambda i: model.embed_tokens(micro["inputs"][i], par), M, pp, v, unroll=model.cfg.unroll)
-      x_mxbxTxD = pipeline.scatter_from_last(outputs, pp)
-      m = M // pp
-      targets_mxbxT = jax.lax.dynamic_slice_in_dim(micro["targets"], jax.lax.axis_index(pipeline.AXIS) * m, m)
-      x_BxTxD = x_mxbxTxD.reshape(-1, *x_mxbxTxD.shape[2:])
-      targets_BxT = targets_mxbxT.reshape(-1, targets_mxbxT.shape[-1])
-      if logit_max:  # each iteration's maxima go to the stage (repeat) it ran; idle ones to none
-        repeat_I, active_I = pipeline.iteration_repeats(M, pp, v)
-        active = active_I.reshape(-1, *(1,) * (logits_IxLsxN.ndim - 1))
-        logits = jnp.full((v, *logits_IxLsxN.shape[1:]), -jnp.inf).at[repeat_I].max(
-            jnp.where(active, logits_IxLsxN, -jnp.inf))
-    else:
-      inputs_BxT, targets_BxT = (micro[k].reshape(-1, T_local) for k in ("inputs", "targets"))
-      x_BxTxD, logits_LxN = run_layers(to_layers(params["blocks"], 1), model.embed_tokens(inputs_BxT, par),
-                                       *extras())
-      logits = to_stages(logits_LxN, 1) if logit_max else None
-    losses = jnp.where(targets_BxT >= 0, model.token_losses(x_BxTxD, targets_BxT, par), 0.0)
-    value = _scaled(jax.lax.psum(jnp.sum(losses), manual) / denominator, scale)
-    return (value, logits) if logit_max else value
-
-  specs = jax.tree.map(lambda _: P(), params)
-  if pp > 1:
-    specs["blocks"] = jax.tree.map(lambda _: P(pipeline.AXIS), params["blocks"])
-  tokens = P(None, None, context.AXIS) if cp > 1 else P()
-  value_specs = (P(), P(pipeline.AXIS) if pp > 1 else P()) if logit_max else P()
-  return jax.shard_map(
-      jax.value_and_grad(local_loss, has_aux=logit_max) if with_grad else local_loss,
-      mesh=jax.sharding.get_abstract_mesh(),
-      in_specs=(specs, tokens, P(), P()),
-      out_specs=(value_specs, specs) if with_grad else value_specs,
-      axis_names=set(manual),
-  )(params, jax.tree.map(microbatched, batch), scale, denominator)

@@ -25,7 +25,7 @@ collectives; PP and CP are explicit (``models/pipeline.py``, ``models/context.py
   column-parallel product an all-gather (Megatron's sequence parallelism).
 - DP: the batch over ``rp`` and ``fs``.
 - CP: parameters replicated over ``cp``; the sequence split over it inside
-  ``models.gpt.loss``'s ``shard_map``, so no activation constraint names it.
+  ``models.loss``'s ``shard_map``, so no activation constraint names it.
 
 Logical names map to mesh axes in one table (:data:`LOGICAL_AXES`); axes that are manual
 in the surrounding ``shard_map`` (``rp`` under per-replica gradients, ``pp`` in the
