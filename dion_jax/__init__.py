@@ -9,7 +9,7 @@ The package in layers (imports point down only):
   ``polar_factor`` (Polar Express / Newton–Schulz).
 - ``dion_jax.kernels``: Pallas GPU kernels beside their XLA compositions, loaded
   only when a GPU path asks for them.
-- ``dion_jax.parallel``: the (rp, fs, cp, tp, pp) mesh, layouts and collectives.
+- ``dion_jax.parallel``: the (rp, fs, ep, cp, tp, pp) mesh, layouts and collectives.
 - ``dion_jax.accounting``: collective bytes of compiled programs (imported by no layer).
 
 Importing the package changes nothing in the process: on CPU, set

@@ -1,9 +1,9 @@
-"""A Flax NNX GPT with tensor, sequence, fully-sharded, pipeline and context parallelism."""
-from models import qk_clip
+"""A Flax NNX GPT with tensor, sequence, fully-sharded, pipeline, context and expert parallelism."""
+from models import moe, qk_clip
 from models.config import PRESETS, GPTConfig, preset
 from models.gpt import GPT, abstract, init
-from models.lm_loss import loss
-from models.sharding import Parallelism, param_specs, to_layers, to_stages
+from models.lm_loss import LossAux, loss
+from models.sharding import BATCH_AXES, Parallelism, param_specs, to_layers, to_stages
 
-__all__ = ["GPT", "abstract", "GPTConfig", "PRESETS", "Parallelism", "init", "loss", "param_specs", "preset",
-           "qk_clip", "to_layers", "to_stages"]
+__all__ = ["BATCH_AXES", "GPT", "abstract", "GPTConfig", "LossAux", "PRESETS", "Parallelism", "init", "loss",
+           "moe", "param_specs", "preset", "qk_clip", "to_layers", "to_stages"]

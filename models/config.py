@@ -60,6 +60,16 @@ class GPTConfig:
       GPU and a 16-bit ``dtype``; XLA's runs everywhere and holds the T x T scores.
     unroll: unroll the layer scan and the pipeline's loop: longer compiles, and XLA's
       cost analysis (which counts a loop body once) then counts every iteration.
+    num_experts: 0 for a dense MLP; else every layer's MLP is a mixture of this many
+      experts, each an MLP of width ``d_mlp`` (``models/moe.py``).
+    moe_top_k: experts per token.
+    moe_capacity_factor: None routes every token (dropless); c caps each expert at
+      ceil(c·seq_len·top_k / num_experts) assignments per sequence and drops the rest.
+    moe_shared_expert: add a dense MLP of width ``d_mlp`` that every token goes through.
+    moe_renormalize: the top-k gates sum to 1 (Mixtral, Qwen3-MoE); else they are the
+      router's probabilities.
+    moe_aux_loss_coeff, moe_z_loss_coeff: weights of each MoE layer's load-balancing loss
+      and router z-loss in the training loss.
   """
 
   vocab_size: int = 257
@@ -82,6 +92,13 @@ class GPTConfig:
   rope_llama3: tuple[float, float, float, int] | None = None
   attention: str = "xla"
   unroll: bool = False
+  num_experts: int = 0
+  moe_top_k: int = 2
+  moe_capacity_factor: float | None = None
+  moe_shared_expert: bool = False
+  moe_renormalize: bool = True
+  moe_aux_loss_coeff: float = 0.01
+  moe_z_loss_coeff: float = 0.001
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "d_model", "num_heads", "seq_len", "mlp_ratio",
@@ -113,6 +130,17 @@ class GPTConfig:
         raise ValueError(f"GPTConfig.rope_llama3 must be (factor, low_freq_factor,"
                          f" high_freq_factor, original_max_position_embeddings), got {self.rope_llama3!r}")
       object.__setattr__(self, "rope_llama3", tuple(self.rope_llama3))
+    if not isinstance(self.num_experts, int) or self.num_experts < 0:
+      raise ValueError(f"GPTConfig.num_experts must be 0 (dense) or a positive integer, got {self.num_experts!r}")
+    if self.num_experts and not 1 <= self.moe_top_k <= self.num_experts:
+      raise ValueError(f"GPTConfig: moe_top_k={self.moe_top_k} must be between 1 and num_experts="
+                       f"{self.num_experts}")
+    if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
+      raise ValueError(f"GPTConfig.moe_capacity_factor must be > 0 or None (dropless), got"
+                       f" {self.moe_capacity_factor!r}")
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+      if not getattr(self, name) >= 0:
+        raise ValueError(f"GPTConfig.{name} must be >= 0, got {getattr(self, name)!r}")
     if not self.norm_eps >= 0:
       raise ValueError(f"GPTConfig.norm_eps must be >= 0, got {self.norm_eps!r}")
     if self.dtype not in COMPUTE_DTYPES:
@@ -137,30 +165,39 @@ class GPTConfig:
     """The vocabulary rounded up to a multiple of 128 (which every power-of-two tp divides)."""
     return math.ceil(self.vocab_size / 128) * 128
 
-  def num_params(self, embeddings: bool = True) -> int:
-    """Parameters of the model; without the embedding table when ``embeddings`` is False."""
+  def num_params(self, embeddings: bool = True, active: bool = False) -> int:
+    """Parameters of the model; without the embedding table when ``embeddings`` is False;
+    with ``active``, only the experts a token uses (``moe_top_k`` of them)."""
     d, v, h = self.d_model, self.padded_vocab, self.head_dim
     attention = 2 * d * h * (self.num_heads + self.kv_heads)
     mlp = (3 if self.mlp == "swiglu" else 2) * d * self.d_mlp
+    if self.num_experts:
+      experts = self.moe_top_k if active else self.num_experts
+      mlp = mlp * (experts + self.moe_shared_expert) + d * self.num_experts
     qk_scales = 2 * h if self.qk_norm == "rms_scale" else 0
     per_layer = attention + mlp + 2 * d + qk_scales
     head = 0 if self.tie_embeddings else d * v
     return self.num_layers * per_layer + d + head + (d * v if embeddings or self.tie_embeddings else 0)
 
   def flops_per_token(self) -> float:
-    """Training flops per token: 6·N (N without the embedding lookup) + attention.
+    """Training flops per token: 6·N (N the active parameters without the embedding
+    lookup) + attention.
 
     Attention scores and their weighted sum cost 2·2·T·d multiply-adds per token and
     layer forward, times 3 with the backward pass: 12·L·T·d (the PaLM count, which
     counts the causal mask's zeros too).
     """
     attention = 12 * self.num_layers * self.seq_len * self.num_heads * self.head_dim
-    return 6 * self.num_params(embeddings=False) + attention
+    return 6 * self.num_params(embeddings=False, active=True) + attention
 
 
 PRESETS: dict[str, dict] = {
     # Trains visibly in a few minutes on 2 CPU cores.
     "tiny": dict(num_layers=4, d_model=128, num_heads=4, seq_len=128),
+    # tiny with 8 experts of half its MLP width, 2 per token: tiny's active MLP parameters
+    # (plus a router), four times as many in all.
+    "tiny-moe": dict(num_layers=4, d_model=128, num_heads=4, seq_len=128, mlp_dim=256, num_experts=8,
+                     moe_top_k=2),
     # microsoft/dion's GPT-small (GPT-2 124M shape with 6 heads of 128).
     "small": dict(num_layers=12, d_model=768, num_heads=6, seq_len=1024, vocab_size=50257),
     "350m": dict(num_layers=24, d_model=1024, num_heads=16, seq_len=1024, vocab_size=50257),

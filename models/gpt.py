@@ -26,6 +26,7 @@ Parameter tree (Flax layout, blocks stacked ``(stages, layers_per_stage, ...)``)
     blocks/mlp_norm/scale           [S, Ls, D]
     blocks/mlp/{gate,up}/kernel     [S, Ls, D, F]      column-parallel (gate: swiglu only)
     blocks/mlp/down/kernel          [S, Ls, F, D]      row-parallel
+    blocks/mlp/...                  a mixture of experts instead (``models/moe.py``)
     final_norm/scale                [D]
     lm_head/kernel                  [D, V]             vocab-parallel (absent when tied)
 
@@ -45,30 +46,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import context
+from models import context, moe
 from models.config import GPTConfig
+from models.layers import MLP, Dense, rms_norm
 from models.sharding import Parallelism, param_specs, shardings, to_stages
-
-
-def _rms_norm(x: jax.Array, eps: float) -> jax.Array:
-  x32 = x.astype(jnp.float32)
-  return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + eps)).astype(x.dtype)
-
-
-class Dense(nnx.Module):
-  """A bias-free kernel (fan_in, fan_out), column- or row-parallel.
-
-  Initialized N(0, σ²) with σ = min(1, sqrt(fan_out/fan_in)) / sqrt(fan_in)
-  (arXiv 2310.17813, as the reference).
-  """
-
-  def __init__(self, fan_in: int, fan_out: int, layout: str, *, rngs: nnx.Rngs):
-    std = min(1.0, math.sqrt(fan_out / fan_in)) / math.sqrt(fan_in)
-    self.kernel = nnx.Param(std * jax.random.normal(rngs.params(), (fan_in, fan_out), jnp.float32))
-    self.layout = layout
-
-  def __call__(self, x: jax.Array, par: Parallelism) -> jax.Array:
-    return x @ par.weight(self.kernel[...], self.layout).astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -89,7 +70,7 @@ class Attention(nnx.Module):
   def _qk(self, z_BxTxNxH: jax.Array, norm: str, rope) -> jax.Array:
     qk_norm, eps = self.cfg.qk_norm, self.cfg.norm_eps
     if qk_norm == "rms":  # rotary first, then the unscaled norm, as the reference orders them
-      return _rms_norm(_rotary(z_BxTxNxH, *rope), eps)
+      return rms_norm(_rotary(z_BxTxNxH, *rope), eps)
     if qk_norm == "rms_scale":  # the scale is per dimension: it must come before the rotation
       z_BxTxNxH = getattr(self, norm)(z_BxTxNxH).astype(z_BxTxNxH.dtype)
     return _rotary(z_BxTxNxH, *rope)
@@ -153,46 +134,36 @@ def _llama3_frequencies(inv_freq: jax.Array, factor: float, low: float, high: fl
   return jnp.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
 
-class MLP(nnx.Module):
-  """Column-parallel up (and gate), ReLU² (or SwiGLU: silu(gate)·up), row-parallel down."""
-
-  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
-    if cfg.mlp == "swiglu":
-      self.gate = Dense(cfg.d_model, cfg.d_mlp, "column", rngs=rngs)
-    self.up = Dense(cfg.d_model, cfg.d_mlp, "column", rngs=rngs)
-    self.down = Dense(cfg.d_mlp, cfg.d_model, "row", rngs=rngs)
-    self.kind = cfg.mlp
-
-  def __call__(self, x_BxTxD: jax.Array, par: Parallelism) -> jax.Array:
-    h_BxTxF = par.constrain(self.up(x_BxTxD, par), "batch", None, "mlp")
-    if self.kind == "swiglu":
-      g_BxTxF = par.constrain(self.gate(x_BxTxD, par), "batch", None, "mlp")
-      return self.down(jax.nn.silu(g_BxTxF) * h_BxTxF, par)
-    return self.down(jnp.square(jax.nn.relu(h_BxTxF)), par)
-
-
 class Block(nnx.Module):
-  """One pre-norm transformer layer. The residual stream stays float32."""
+  """One pre-norm transformer layer, its MLP dense or a mixture of experts. The residual
+  stream stays float32."""
 
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
     self.attn_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
     self.attn = Attention(cfg, rngs=rngs)
     self.mlp_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
-    self.mlp = MLP(cfg, rngs=rngs)
+    self.mlp = moe.MoE(cfg, rngs=rngs) if cfg.num_experts else MLP(cfg, rngs=rngs)
     self.dtype = jnp.dtype(cfg.dtype)
 
   def __call__(self, x_BxTxD: jax.Array, rope, par: Parallelism,
                segment_ids_BxT: jax.Array | None = None, logit_max: bool = False
-               ) -> tuple[jax.Array, jax.Array | None]:
-    """The layer's output, and with ``logit_max`` its attention's logit maxima [N]."""
+               ) -> tuple[jax.Array, dict[str, Any]]:
+    """The layer's output and its aux: ``"logit_max"``, the attention's logit maxima [N]
+    (with ``logit_max``), and ``"router"``, the MoE's :class:`models.moe.RouterStats`."""
     # With SP the norms run on sequence shards; the constraint to a full sequence before
     # each column-parallel product is the all-gather, the one after each row-parallel
     # product the reduce-scatter.
+    aux = {}
     h = par.constrain(self.attn_norm(x_BxTxD).astype(self.dtype), "batch", None, None)
     attn, logits_N = self.attn(h, rope, par, segment_ids_BxT, logit_max)
+    if logit_max:
+      aux["logit_max"] = logits_N
     x_BxTxD += par.constrain(attn.astype(jnp.float32), "batch", "seq", None)
     h = par.constrain(self.mlp_norm(x_BxTxD).astype(self.dtype), "batch", None, None)
-    return x_BxTxD + par.constrain(self.mlp(h, par).astype(jnp.float32), "batch", "seq", None), logits_N
+    mlp = self.mlp(h, par)
+    if isinstance(self.mlp, moe.MoE):
+      mlp, aux["router"] = mlp
+    return x_BxTxD + par.constrain(mlp.astype(jnp.float32), "batch", "seq", None), aux
 
 
 class GPT(nnx.Module):
@@ -252,7 +223,7 @@ def apply_layers(block_graphdef: Any, layers: Any, x_BxTxD: jax.Array, rope,
                  par: Parallelism, cfg: GPTConfig, segment_ids_BxT: jax.Array | None = None,
                  logit_max: bool = False) -> Any:
   """Runs the layers ``layers`` (leaves [L, ...], in order) over ``x`` with a scan;
-  with ``logit_max`` returns ``(x, logit maxima [L, N])`` (``models.loss``).
+  returns ``(x, aux)``, aux the layers' :class:`Block` aux stacked ``[L, ...]``.
 
   The backward pass keeps only matrix products (``dots_saveable``; nothing with
   ``remat``): each layer's parameters are sliced from the stack inside the checkpointed
@@ -268,8 +239,7 @@ def apply_layers(block_graphdef: Any, layers: Any, x_BxTxD: jax.Array, rope,
   policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
   layer = jax.checkpoint(layer, policy=policy)
   num_layers = jax.tree.leaves(layers)[0].shape[0]
-  x_BxTxD, logits_LxN = jax.lax.scan(layer, x_BxTxD, jnp.arange(num_layers), unroll=cfg.unroll)
-  return (x_BxTxD, logits_LxN) if logit_max else x_BxTxD
+  return jax.lax.scan(layer, x_BxTxD, jnp.arange(num_layers), unroll=cfg.unroll)
 
 
 def _create(cfg: GPTConfig, par: Parallelism, seed: int) -> Callable[[], Any]:

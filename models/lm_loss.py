@@ -8,35 +8,53 @@ for packed sequences "segment_ids" (attention stays within a segment) and "posit
 layers run in one scan (``models.gpt.apply_layers``) and XLA partitions TP, SP and FS from
 annotations; with pp > 1 or cp > 1 the whole model runs inside one ``shard_map``
 (``models/pipeline.py``, ``models/context.py``).
+
+With experts (``models/moe.py``) the loss adds each MoE layer's load-balancing and z-losses,
+averaged over the sequences of the global batch.
 """
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from models import context, pipeline
+from models import context, moe, pipeline
 from models.gpt import apply_layers, rotary_tables
 from models.sharding import Parallelism, to_layers, to_stages
 
 
+class LossAux(NamedTuple):
+  """What the forward pass reports beside the loss (``models.loss(..., aux=True)``).
+
+  Attributes:
+    logit_max: [S, Ls, N] each layer's and query head's largest attention logit over the
+      batch (QK-clip's input, ``models.qk_clip``), with ``logit_max``; else None.
+    router: each MoE layer's :class:`models.moe.RouterStats` summed over the batch, leaves
+      [S, Ls] ([S, Ls, E] for the load); None without experts.
+    router_loss: the auxiliary losses' part of the loss, unscaled (0 without experts).
+  """
+  logit_max: jax.Array | None
+  router: moe.RouterStats | None
+  router_loss: jax.Array
+
+
 def loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], par: Parallelism = Parallelism(),
          scale: jax.Array | None = None, denominator: jax.Array | None = None,
-         logit_max: bool = False) -> Any:
+         sequences: jax.Array | None = None, aux: bool = False, logit_max: bool = False) -> Any:
   """Next-token cross-entropy of ``batch`` (module docstring), summed over the counted
   targets (those >= 0) and divided by ``denominator`` (default: their number, the mean),
-  times ``scale`` when given.
+  plus the router's auxiliary losses divided by ``sequences`` (default: the batch's
+  sequences), times ``scale`` when given.
 
-  With ``logit_max`` returns ``(loss, logits)``: ``logits`` [S, Ls, N] (the blocks'
-  stage layout), each layer's and query head's largest attention logit over the batch
-  (QK-clip's input, ``models.qk_clip``).
+  With ``aux`` returns ``(loss, LossAux)``; ``logit_max`` (which needs ``aux``) adds the
+  attention's logit maxima, at the cost of forming the scores a second time.
 
-  A train step over micro-batches or replicas passes the count of the whole global batch
-  as ``denominator``, so that their losses add up to its mean exactly.
+  A train step over micro-batches or replicas passes the counts of the whole global batch
+  as ``denominator`` and ``sequences``, so that their losses add up to its mean exactly.
 
   With pp > 1 the batch is split into ``par.microbatches`` micro-batches that flow
   through the pipeline; otherwise the whole batch goes through the layer scan at once.
@@ -49,33 +67,49 @@ def loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], par: Paralleli
   """
   if par.mesh is not None and jax.sharding.get_abstract_mesh().empty:
     raise ValueError("models.loss on a mesh must run under `with jax.set_mesh(par.mesh):`")
+  if logit_max and not aux:
+    raise ValueError("models.loss: logit_max=True needs aux=True (the maxima are in its LossAux)")
   counted_BxT = batch["targets"] >= 0
   if denominator is None:
     denominator = jnp.maximum(jnp.sum(counted_BxT), 1).astype(jnp.float32)
+  if sequences is None:
+    sequences = jnp.asarray(batch["targets"].shape[0], jnp.float32)
   if par.pp > 1 or par.cp > 1:
-    return _manual_loss(graphdef, params, batch, scale, denominator, par, logit_max)
+    value, out = _manual_loss(graphdef, params, batch, scale, denominator, sequences, par, logit_max)
+    return (value, out) if aux else value
   model = nnx.merge(graphdef, params)
   positions = batch["positions"] if "positions" in batch else jnp.arange(batch["inputs"].shape[1])
   rope = rotary_tables(model.cfg, positions)
   layers = to_layers(params["blocks"], 1)
   x = model.embed_tokens(batch["inputs"], par)
-  out = apply_layers(nnx.graphdef(model.blocks), layers, x, rope, par, model.cfg, batch.get("segment_ids"),
-                     logit_max)
-  x = out[0] if logit_max else out
+  x, layer_aux = apply_layers(nnx.graphdef(model.blocks), layers, x, rope, par, model.cfg,
+                              batch.get("segment_ids"), logit_max)
   losses_BxT = jnp.where(counted_BxT, model.token_losses(x, batch["targets"], par), 0.0)
-  value = _scaled(jnp.sum(losses_BxT) / denominator, scale)
-  return (value, to_stages(out[1], 1)) if logit_max else value
+  router = layer_aux.get("router")
+  extra = _router_loss(router, model.cfg, sequences, batch["inputs"].shape[1])
+  value = _scaled(jnp.sum(losses_BxT) / denominator + extra, scale)
+  if not aux:
+    return value
+  return value, LossAux(*(None if a is None else to_stages(a, 1) for a in (layer_aux.get("logit_max"), router)),
+                        extra)
+
+
+def _router_loss(router: moe.RouterStats | None, cfg: Any, sequences: jax.Array, seq_len: int) -> jax.Array:
+  if router is None:
+    return jnp.zeros((), jnp.float32)
+  return moe.router_loss(router, cfg, sequences, seq_len)
 
 
 def _scaled(loss: jax.Array, scale: jax.Array | None) -> jax.Array:
   return loss if scale is None else loss * scale
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5, 6))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6, 7))
 def _manual_loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], scale: jax.Array | None,
-                 denominator: jax.Array, par: Parallelism, logit_max: bool) -> Any:
+                 denominator: jax.Array, sequences: jax.Array, par: Parallelism, logit_max: bool
+                 ) -> tuple[jax.Array, LossAux]:
   """:func:`loss` in a ``shard_map`` manual over ``pp`` and ``cp`` (those of size > 1; the
-  other axes left to the partitioner).
+  other axes left to the partitioner), with its :class:`LossAux`.
 
   With pp > 1 the layers run in a pipeline over pp. Embedding, final norm, LM head and
   loss run inside the same ``shard_map``: device 0 embeds each micro-batch as it enters,
@@ -88,25 +122,24 @@ def _manual_loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], scale:
   on jax 0.10 differentiating a ``shard_map`` nested in another one (the per-replica
   gradient's, manual over rp) fails to lower, while this form nests at any depth.
   """
-  return _manual_call(graphdef, params, batch, scale, denominator, par, logit_max, with_grad=False)
+  return _manual_call(graphdef, params, batch, scale, denominator, sequences, par, logit_max, with_grad=False)
 
 
-def _manual_fwd(graphdef, params, batch, scale, denominator, par, logit_max):
-  return _manual_call(graphdef, params, batch, scale, denominator, par, logit_max, with_grad=True)
+def _manual_fwd(graphdef, params, batch, scale, denominator, sequences, par, logit_max):
+  return _manual_call(graphdef, params, batch, scale, denominator, sequences, par, logit_max, with_grad=True)
 
 
 def _manual_bwd(graphdef, par, logit_max, grads, cotangent):
-  del graphdef, par
-  # No cotangent for the batch (integers), the loss scale or the denominator (constants
-  # of the step); the logit maxima have no gradient.
-  cotangent = cotangent[0] if logit_max else cotangent
-  return jax.tree.map(lambda g: cotangent * g, grads), None, None, None
+  del graphdef, par, logit_max
+  # No cotangent for the batch (integers), the loss scale or the counts (constants of the
+  # step); the aux outputs have no gradient.
+  return jax.tree.map(lambda g: cotangent[0] * g, grads), None, None, None, None
 
 
 _manual_loss.defvjp(_manual_fwd, _manual_bwd)
 
 
-def _manual_call(graphdef, params, batch, scale, denominator, par: Parallelism, logit_max: bool,
+def _manual_call(graphdef, params, batch, scale, denominator, sequences, par: Parallelism, logit_max: bool,
                  with_grad: bool):
   M, pp, v, cp = par.microbatches, par.pp, par.virtual_stages, par.cp
   B, T = batch["inputs"].shape
@@ -119,7 +152,7 @@ def _manual_call(graphdef, params, batch, scale, denominator, par: Parallelism, 
   def microbatched(x_BxT):  # micro-batch i = rows i, i + M, ...: keeps the batch sharding
     return context.balance(x_BxT, cp).reshape(B // M, M, T).swapaxes(0, 1)
 
-  def local_loss(params, micro, scale, denominator):  # micro: the batch's leaves [M, b, T/cp]
+  def local_loss(params, micro, scale, denominator, sequences):  # micro: the batch's leaves [M, b, T/cp]
     model = nnx.merge(graphdef, params)
     block_graphdef = nnx.graphdef(model.blocks)
     T_local = T // cp
@@ -131,13 +164,12 @@ def _manual_call(graphdef, params, batch, scale, denominator, par: Parallelism, 
       positions = pick(micro["positions"]) if "positions" in micro else context.positions(T, cp)
       return positions, pick(micro["segment_ids"]) if "segment_ids" in micro else None
 
-    def run_layers(layers, x, positions, segments):  # -> (x, logit maxima or None)
-      out = apply_layers(block_graphdef, layers, x, rotary_tables(model.cfg, positions), par, model.cfg,
-                         segments, logit_max)
-      return out if logit_max else (out, None)
+    def run_layers(layers, x, positions, segments):  # -> (x, the layers' aux)
+      return apply_layers(block_graphdef, layers, x, rotary_tables(model.cfg, positions), par, model.cfg,
+                          segments, logit_max)
 
     if pp > 1:
-      outputs, logits_IxLsxN = pipeline.circular(
+      outputs, aux_I = pipeline.circular(
           lambda layers, x, i: run_layers(layers, x, *extras(i)), params["blocks"],
           lambda i: model.embed_tokens(micro["inputs"][i], par), M, pp, v, unroll=model.cfg.unroll)
       x_mxbxTxD = pipeline.scatter_from_last(outputs, pp)
@@ -145,29 +177,47 @@ def _manual_call(graphdef, params, batch, scale, denominator, par: Parallelism, 
       targets_mxbxT = jax.lax.dynamic_slice_in_dim(micro["targets"], jax.lax.axis_index(pipeline.AXIS) * m, m)
       x_BxTxD = x_mxbxTxD.reshape(-1, *x_mxbxTxD.shape[2:])
       targets_BxT = targets_mxbxT.reshape(-1, targets_mxbxT.shape[-1])
-      if logit_max:  # each iteration's maxima go to the stage (repeat) it ran; idle ones to none
-        repeat_I, active_I = pipeline.iteration_repeats(M, pp, v)
-        active = active_I.reshape(-1, *(1,) * (logits_IxLsxN.ndim - 1))
-        logits = jnp.full((v, *logits_IxLsxN.shape[1:]), -jnp.inf).at[repeat_I].max(
-            jnp.where(active, logits_IxLsxN, -jnp.inf))
+      layer_aux = _per_stage(aux_I, M, pp, v)
     else:
       inputs_BxT, targets_BxT = (micro[k].reshape(-1, T_local) for k in ("inputs", "targets"))
-      x_BxTxD, logits_LxN = run_layers(to_layers(params["blocks"], 1), model.embed_tokens(inputs_BxT, par),
-                                       *extras())
-      logits = to_stages(logits_LxN, 1) if logit_max else None
+      x_BxTxD, aux_L = run_layers(to_layers(params["blocks"], 1), model.embed_tokens(inputs_BxT, par), *extras())
+      layer_aux = jax.tree.map(lambda a: to_stages(a, 1), aux_L)
     losses = jnp.where(targets_BxT >= 0, model.token_losses(x_BxTxD, targets_BxT, par), 0.0)
-    value = _scaled(jax.lax.psum(jnp.sum(losses), manual) / denominator, scale)
-    return (value, logits) if logit_max else value
+    router = layer_aux.get("router")
+    extra = jax.lax.psum(_router_loss(router, model.cfg, sequences, T), manual)
+    value = _scaled(jax.lax.psum(jnp.sum(losses), manual) / denominator + extra, scale)
+    return value, LossAux(layer_aux.get("logit_max"), router, extra)
 
   specs = jax.tree.map(lambda _: P(), params)
+  stages = P(pipeline.AXIS) if pp > 1 else P()
   if pp > 1:
-    specs["blocks"] = jax.tree.map(lambda _: P(pipeline.AXIS), params["blocks"])
+    specs["blocks"] = jax.tree.map(lambda _: stages, params["blocks"])
   tokens = P(None, None, context.AXIS) if cp > 1 else P()
-  value_specs = (P(), P(pipeline.AXIS) if pp > 1 else P()) if logit_max else P()
+  aux_specs = LossAux(stages if logit_max else None,
+                      moe.RouterStats(*(stages,) * 4) if "router" in params["blocks"]["mlp"] else None, P())
   return jax.shard_map(
-      jax.value_and_grad(local_loss, has_aux=logit_max) if with_grad else local_loss,
+      jax.value_and_grad(local_loss, has_aux=True) if with_grad else local_loss,
       mesh=jax.sharding.get_abstract_mesh(),
-      in_specs=(specs, tokens, P(), P()),
-      out_specs=(value_specs, specs) if with_grad else value_specs,
+      in_specs=(specs, tokens, P(), P(), P()),
+      out_specs=((P(), aux_specs), specs) if with_grad else (P(), aux_specs),
       axis_names=set(manual),
-  )(params, jax.tree.map(microbatched, batch), scale, denominator)
+  )(params, jax.tree.map(microbatched, batch), scale, denominator, sequences)
+
+
+def _per_stage(aux_I: dict[str, Any], M: int, pp: int, v: int) -> dict[str, Any]:
+  """The pipeline's per-iteration aux [I, Ls, ...] -> per stage of this device [v, Ls, ...]:
+  each iteration's to the stage (repeat) it ran, idle iterations to none; logit maxima
+  maxed, router statistics summed over micro-batches."""
+  repeat_I, active_I = pipeline.iteration_repeats(M, pp, v)
+
+  def gather(x_I, op, idle):
+    active = active_I.reshape(-1, *(1,) * (x_I.ndim - 1))
+    out = jnp.full((v, *x_I.shape[1:]), idle, x_I.dtype).at[repeat_I]
+    return getattr(out, op)(jnp.where(active, x_I, idle))
+
+  out = {}
+  if "logit_max" in aux_I:
+    out["logit_max"] = gather(aux_I["logit_max"], "max", -jnp.inf)
+  if "router" in aux_I:
+    out["router"] = jax.tree.map(lambda x: gather(x, "add", 0.0), aux_I["router"])
+  return out

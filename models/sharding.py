@@ -51,9 +51,12 @@ from jax.sharding import PartitionSpec as P
 
 from dion_jax import parallel
 
+# The data-parallel axes, over which the global batch is split (ep's ranks are
+# data-parallel to everything but the experts).
+BATCH_AXES = ("rp", "fs", "ep")
 # Logical activation axes -> mesh axes. "seq" is on tp only with sequence parallelism.
 LOGICAL_AXES = {
-    "batch": ("rp", "fs"),
+    "batch": BATCH_AXES,
     "heads": "tp",
     "mlp": "tp",
     "vocab": "tp",
@@ -64,6 +67,8 @@ LOGICAL_AXES = {
 KERNEL_LAYOUTS = {
     "column": (parallel.column_parallel(), P(None, "tp")),
     "row": (parallel.row_parallel(), P("tp", None)),
+    # The MoE router [D, E]: too narrow to split over tp.
+    "router": (P("fs", None), P(None, None)),
 }
 
 
@@ -165,6 +170,8 @@ def param_specs(params: Any) -> Any:
       base = parallel.vector()
     else:
       base = KERNEL_LAYOUTS[_layout_of(names)][0]
+    if "experts" in names:  # [S, Ls, E, fan_in, fan_out]: experts split over ep
+      return P("pp", None, "ep", *base)
     return parallel.stacked(base, 2) if names[0] == "blocks" else base
 
   return jax.tree_util.tree_map_with_path(spec, params)
@@ -174,6 +181,8 @@ _ROW_PARALLEL = ("out", "down")
 
 
 def _layout_of(names: list[str]) -> str:
+  if "router" in names:
+    return "router"
   return "row" if any(n in _ROW_PARALLEL for n in names) else "column"
 
 

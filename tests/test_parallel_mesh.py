@@ -8,7 +8,7 @@ from dion_jax.parallel import mesh as mesh_lib
 
 
 @pytest.mark.parametrize("spec, expected", [
-    ("rp=1,fs=2,tp=2", {"rp": 1, "fs": 2, "cp": 1, "tp": 2, "pp": 1}),
+    ("rp=1,fs=2,tp=2", {"rp": 1, "fs": 2, "ep": 1, "cp": 1, "tp": 2, "pp": 1}),
     (" fs = 4 , tp=2 ", {"rp": 1, "fs": 4, "cp": 1, "tp": 2, "pp": 1}),
     ("pp=2,rp=2,", {"rp": 2, "fs": 1, "cp": 1, "tp": 1, "pp": 2}),
     ("cp=2,fs=2", {"rp": 1, "fs": 2, "cp": 2, "tp": 1, "pp": 1}),
@@ -17,7 +17,7 @@ from dion_jax.parallel import mesh as mesh_lib
 def test_parse_mesh_spec(spec, expected):
   sizes = mesh_lib.parse_mesh_spec(spec)
   assert sizes == expected
-  assert tuple(sizes) == ("rp", "fs", "cp", "tp", "pp")
+  assert tuple(sizes) == ("rp", "fs", "ep", "cp", "tp", "pp")
 
 
 @pytest.mark.parametrize("spec, pattern", [
@@ -37,7 +37,7 @@ def test_parse_mesh_spec_errors(spec, pattern):
 
 def test_make_mesh_axes_and_types():
   mesh = mesh_lib.make_mesh("rp=2,fs=2,tp=2")
-  assert mesh.axis_names == ("rp", "fs", "cp", "tp", "pp")
+  assert mesh.axis_names == ("rp", "fs", "ep", "cp", "tp", "pp")
   assert dict(mesh.shape) == {"rp": 2, "fs": 2, "cp": 1, "tp": 2, "pp": 1}
   assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
 

@@ -19,7 +19,7 @@ import os
 
 from train.cli import Parser, UsageError
 
-PRESET_NAMES = ("tiny", "small", "350m", "1b")
+PRESET_NAMES = ("tiny", "tiny-moe", "small", "350m", "1b")
 OPTIMIZERS = ("dion", "dion2", "nordion2", "normuon", "muon", "adamw", "lion")
 # Base learning rates; --lr overrides. The orthogonal family's is the reference's own
 # (microsoft/dion's 160m configs); on tiny, 200 steps, the best of a 2x grid was 0.04
@@ -43,6 +43,13 @@ class Config:
   remat: bool = False
   sequence_parallel: bool = False
   virtual_stages: int = 1
+  # mixture of experts (None: the preset's)
+  num_experts: int | None = None
+  moe_top_k: int | None = None
+  moe_capacity_factor: float | None = None
+  moe_shared_expert: bool = False
+  moe_aux_loss_coeff: float | None = None
+  moe_z_loss_coeff: float | None = None
   # data
   data: tuple[str, ...] = ("stdlib",)
   valid_data: str | None = None
@@ -151,13 +158,14 @@ class Config:
     positive = ("virtual_stages", "global_batch_size", "steps", "log_interval", "keep",
                 "max_skipped", "micro_batch_size", "num_layers", "hidden_size",
                 "num_attention_heads", "seq_len", "vocab_size", "num_processes",
-                "loss_scale_window")
+                "loss_scale_window", "moe_top_k", "moe_capacity_factor")
     for name in positive:
       value = getattr(self, name)
       if value is not None and value < 1:
         raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
     for name in ("eval_every", "eval_tokens", "save_every", "lr_warmup_steps", "clip_grad",
-                 "weight_decay", "scalar_weight_decay", "min_lr", "lr_decay_steps", "lr_wsd_decay_steps"):
+                 "weight_decay", "scalar_weight_decay", "min_lr", "lr_decay_steps", "lr_wsd_decay_steps",
+                 "num_experts", "moe_aux_loss_coeff", "moe_z_loss_coeff"):
       if (getattr(self, name) or 0) < 0:
         raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
     if not 0 < self.dion_rank_fraction <= 1:
@@ -180,7 +188,7 @@ class Config:
         raise UsageError(f"--init-from {self.init_from}: expected hf:DIR, a Hugging Face"
                          " checkpoint directory (config.json + safetensors)")
       shape_flags = [f"--{n.replace('_', '-')}" for n in ("num_layers", "hidden_size", "num_attention_heads",
-                                                          "qk_norm")
+                                                          "qk_norm", "num_experts")
                      if getattr(self, n) is not None]
       if shape_flags:
         raise UsageError(f"--init-from takes the model's shape from its config.json; drop"
@@ -218,6 +226,16 @@ HELP = {
     "remat": "recompute each layer's activations in the backward pass (less memory)",
     "sequence_parallel": "shard activations along the sequence over tp between layers",
     "virtual_stages": "stages per pp device of a circular (interleaved) pipeline (default 1)",
+    "num_experts": "mixture of experts: every layer's MLP becomes this many experts of the"
+                   " preset's MLP width, split over the mesh's ep axis (default: the preset's;"
+                   " tiny-moe has 8; 0 for a dense MLP)",
+    "moe_top_k": "experts per token (default 2)",
+    "moe_capacity_factor": "cap each expert at ceil(c x seq_len x top_k / experts) tokens per"
+                           " sequence and drop the overflow, counted in the log (default:"
+                           " dropless, every token routed)",
+    "moe_shared_expert": "add a dense shared expert of the MLP width that every token goes through",
+    "moe_aux_loss_coeff": "weight of each MoE layer's load-balancing loss (default 0.01)",
+    "moe_z_loss_coeff": "weight of each MoE layer's router z-loss (default 0.001)",
     "data": "training data: stdlib (the embedded corpus, default) | fineweb:GLOB |"
             " megatron:PREFIX | sft:FILE.jsonl (prompt/completion lines, loss on completions,"
             " tokenized with --init-from's tokenizer, else bytes) | a blend W1 SRC1 W2 SRC2 ... (e.g. 0.7 fineweb:'d/*.bin' 0.3 stdlib)",

@@ -47,11 +47,15 @@ class Logger:
     self.grad_norm, self.lr = math.nan, math.nan
     self.loss_scale = None
     self.qk_clip = None
+    self.routing = None
 
   def step(self, loss: float, grad_norm: float, lr: float, skipped: bool,
-           loss_scale: float | None = None, qk_clip: tuple[float, int] | None = None) -> None:
+           loss_scale: float | None = None, qk_clip: tuple[float, int] | None = None,
+           routing: tuple[float, float, float] | None = None) -> None:
     """One step's numbers; ``loss_scale`` (the scale its loss was multiplied by) in float16
-    runs; ``qk_clip``: the step's largest attention logit and the heads QK-clip shrank."""
+    runs; ``qk_clip``: the step's largest attention logit and the heads QK-clip shrank;
+    ``routing`` (MoE models): the router's auxiliary loss, the worst layer's max/mean
+    tokens per expert, the share of assignments dropped."""
     self.count += 1
     self.skipped += skipped
     self.nan += not math.isfinite(loss)
@@ -63,6 +67,9 @@ class Logger:
     if qk_clip is not None:
       largest, clipped = self.qk_clip or (-math.inf, 0)
       self.qk_clip = (max(largest, qk_clip[0]), clipped + qk_clip[1])
+    if routing is not None:  # the interval's mean of each
+      total = self.routing or (0.0, 0.0, 0.0)
+      self.routing = tuple(t + r for t, r in zip(total, routing))
 
   def flush(self, step: int) -> None:
     """Writes the line of the interval that ends at ``step``."""
@@ -88,6 +95,10 @@ class Logger:
     if self.qk_clip is not None:
       record["max_logit"], record["clipped_heads"] = self.qk_clip
       fields += [f"max attention logit: {self.qk_clip[0]:.2f}", f"QK-clipped heads: {self.qk_clip[1]}"]
+    if self.routing is not None:
+      aux, load, dropped = (r / max(self.count, 1) for r in self.routing)
+      record.update(moe_aux_loss=aux, expert_load=load, dropped=dropped)
+      fields += [f"moe aux loss: {aux:.4E}", f"expert load max/mean: {load:.2f}", f"dropped: {100 * dropped:.1f}%"]
     fields += [f"grad norm: {self.grad_norm:.3f}", f"skipped iterations: {self.skipped}",
                f"nan iterations: {self.nan}"]
     self._write(" | ".join(fields), record)

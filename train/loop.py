@@ -96,10 +96,18 @@ def _model_config(cfg: Config, vocab_size: int | None) -> models.GPTConfig:
   overrides = {"vocab_size": vocab_size, "remat": cfg.remat, "dtype": dtype,
                "attention": _attention(cfg, dtype)}
   for flag, field in (("num_layers", "num_layers"), ("hidden_size", "d_model"),
-                      ("num_attention_heads", "num_heads"), ("seq_len", "seq_len"), ("qk_norm", "qk_norm")):
+                      ("num_attention_heads", "num_heads"), ("seq_len", "seq_len"), ("qk_norm", "qk_norm"),
+                      ("num_experts", "num_experts"), ("moe_top_k", "moe_top_k"),
+                      ("moe_capacity_factor", "moe_capacity_factor"), ("moe_aux_loss_coeff", "moe_aux_loss_coeff"),
+                      ("moe_z_loss_coeff", "moe_z_loss_coeff")):
     if getattr(cfg, flag) is not None:
       overrides[field] = getattr(cfg, flag)
-  return models.preset(cfg.preset, **overrides)
+  if cfg.moe_shared_expert:
+    overrides["moe_shared_expert"] = True
+  try:
+    return models.preset(cfg.preset, **overrides)
+  except ValueError as e:
+    raise UsageError(str(e)) from None
 
 
 def _tokenizer(cfg: Config):
@@ -111,11 +119,11 @@ def _tokenizer(cfg: Config):
 def _batch_split(cfg: Config, mesh: jax.sharding.Mesh) -> int:
   """Micro-batches per step, after checking that the batch splits over the mesh."""
   sizes = dict(mesh.shape)
-  dp = sizes["rp"] * sizes["fs"]
+  dp = sizes["rp"] * sizes["fs"] * sizes["ep"]
   if cfg.global_batch_size % dp:
     raise UsageError(f"--global-batch-size {cfg.global_batch_size} does not split over the {dp}"
-                     f" data-parallel ranks (rp x fs = {sizes['rp']} x {sizes['fs']}); choose a"
-                     f" multiple of {dp}")
+                     f" data-parallel ranks (rp x fs x ep = {sizes['rp']} x {sizes['fs']} x"
+                     f" {sizes['ep']}); choose a multiple of {dp}")
   per_rank = cfg.global_batch_size // dp
   # A pipeline needs micro-batches in multiples of pp: by default exactly pp of them.
   micro = cfg.micro_batch_size or max(per_rank // sizes["pp"], 1)
@@ -124,6 +132,18 @@ def _batch_split(cfg: Config, mesh: jax.sharding.Mesh) -> int:
                      f" data-parallel rank (--global-batch-size {cfg.global_batch_size} over"
                      f" {dp} ranks); choose a divisor of {per_rank}")
   return per_rank // micro
+
+
+def _check_experts(model_cfg: models.GPTConfig, mesh: jax.sharding.Mesh) -> None:
+  sizes = dict(mesh.shape)
+  if not model_cfg.num_experts:
+    return
+  if model_cfg.num_experts % sizes["ep"]:
+    raise UsageError(f"--mesh ep={sizes['ep']} does not divide the {model_cfg.num_experts} experts;"
+                     " choose an ep that divides --num-experts (each ep rank holds experts/ep)")
+  if sizes["pp"] > 1 or sizes["cp"] > 1:
+    raise UsageError("mixture-of-experts models do not run with pp or cp > 1 yet (models/moe.py);"
+                     " drop them from --mesh")
 
 
 def _check_resumable(cfg: Config, existing: list[int]) -> None:
@@ -194,12 +214,13 @@ def setup(cfg: Config) -> Run:
     context.check_seq_len(model_cfg.seq_len, dict(mesh.shape)["cp"])
   except ValueError as e:
     raise UsageError(f"--seq-len / --mesh: {e}") from None
+  _check_experts(model_cfg, mesh)
   existing = ckpt_lib.existing_steps(cfg.ckpt_path)
   _check_resumable(cfg, existing)
   par = models.Parallelism(mesh, sequence_parallel=cfg.sequence_parallel,
                            microbatches=accum if pp > 1 else 1, virtual_stages=cfg.virtual_stages)
 
-  batch_sharding = NamedSharding(mesh, P(("rp", "fs")))
+  batch_sharding = NamedSharding(mesh, P(models.BATCH_AXES))
   shard = data.process_batch_shard(batch_sharding, (cfg.global_batch_size, model_cfg.seq_len))
   train_batches = data.make_loader(source, seq_len=model_cfg.seq_len,
                                    global_batch_size=cfg.global_batch_size, seed=cfg.seed,
@@ -287,9 +308,10 @@ def train(run: Run) -> int:
   def account(step: int, metrics: step_lib.StepMetrics) -> None:
     nonlocal consecutive
     m = jax.device_get(metrics)
-    logger.step(float(m.loss), float(m.grad_norm), float(m.learning_rate), bool(m.skipped),
+    logger.step(float(m.loss - m.router_loss), float(m.grad_norm), float(m.learning_rate), bool(m.skipped),
                 float(m.loss_scale) if scaled else None,
-                None if cfg.qk_clip_threshold is None else (float(m.max_logit), int(m.clipped_heads)))
+                None if cfg.qk_clip_threshold is None else (float(m.max_logit), int(m.clipped_heads)),
+                (float(m.router_loss), float(m.expert_load), float(m.dropped)) if run.model_cfg.num_experts else None)
     consecutive = consecutive + 1 if m.skipped else 0
     if step % cfg.log_interval == 0 or step == cfg.steps:
       logger.flush(step)

@@ -100,7 +100,7 @@ def logits(graphdef: Any, params: Any, tokens_BxT: jax.Array) -> jax.Array:
   model = nnx.merge(graphdef, params)
   rope = gpt.rotary_tables(model.cfg, jnp.arange(tokens_BxT.shape[1]))
   x_BxTxD = model.embed_tokens(tokens_BxT, par)
-  x_BxTxD = gpt.apply_layers(nnx.graphdef(model.blocks), params["blocks"], x_BxTxD, rope, par, model.cfg)
+  x_BxTxD, _ = gpt.apply_layers(nnx.graphdef(model.blocks), params["blocks"], x_BxTxD, rope, par, model.cfg)
   return model.logits(x_BxTxD, par)
 
 

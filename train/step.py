@@ -20,6 +20,10 @@ e.g. a prompt token of fine-tuning data or padding, is not counted): every micro
 and every replica divides its sum by the global count, so that their losses and
 gradients add up to exactly the global mean however the targets fall.
 
+A mixture-of-experts model's loss includes its routers' auxiliary losses, averaged over the
+global batch's sequences in the same way; their statistics (tokens per expert, drops) are
+summed over micro-batches and replicas for the log.
+
 QK-clip (``--qk-clip-threshold``) takes each layer's and head's largest attention logit
 from the forward pass (maxed over micro-batches, and over replicas with per-replica
 gradients) and shrinks the query and key kernels of the heads above the threshold after
@@ -69,6 +73,9 @@ class StepMetrics(NamedTuple):
   loss_scale: jax.Array  # the scale this step's loss was multiplied by
   max_logit: jax.Array  # the largest attention logit of the step (-inf without QK-clip)
   clipped_heads: jax.Array  # int32: heads QK-clip shrank (0 without it, or when skipped)
+  router_loss: jax.Array  # the MoE auxiliary losses' part of ``loss`` (0 without experts)
+  expert_load: jax.Array  # the worst MoE layer's max/mean tokens per expert (0 without experts)
+  dropped: jax.Array  # share of token-expert assignments over capacity (0 without experts)
 
 
 def initial_loss_scale(scale: float) -> LossScale:
@@ -122,40 +129,39 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
   logit_max = qk_clip is not None
   rp = dict(par.mesh.shape)["rp"] if per_replica is not None else 1
 
-  def value_and_grad(scale, denominator):
-    """``((loss, logit maxima [S, Ls, N] or None), grads)`` of one batch."""
+  def value_and_grad(scale, denominator, sequences):
+    """``((loss, models.LossAux), grads)`` of one batch."""
 
     def loss_fn(params, batch):
-      out = models.loss(graphdef, params, batch, par, scale, denominator, logit_max=logit_max)
-      return out if logit_max else (out, None)
+      return models.loss(graphdef, params, batch, par, scale, denominator, sequences, aux=True,
+                         logit_max=logit_max)
 
     if per_replica is None:
       return jax.value_and_grad(loss_fn, has_aux=True)
     grad_fn = dion_jax.value_and_grad_per_replica(loss_fn, par.mesh, per_replica, has_aux=True)
 
-    def replicas_maxed(params, batch):
-      (loss, logits), grads = grad_fn(params, batch)
-      return (loss, None if logits is None else logits.max(0)), grads
+    def over_replicas(params, batch):
+      (loss, aux), grads = grad_fn(params, batch)
+      return (loss, _merge(*(jax.tree.map(lambda a, i=i: a[i], aux) for i in range(rp)), replicas=rp)), grads
 
-    return replicas_maxed
+    return over_replicas
 
   def mean_grads(params, batch, scale):
     # The per-replica gradient averages its replicas' losses: each divides by its share.
-    grad_fn = value_and_grad(scale, counted(batch) / rp)
+    grad_fn = value_and_grad(scale, counted(batch) / rp, batch["inputs"].shape[0] / rp)
     if accum == 1:
       return grad_fn(params, batch)
     micro = split_micro(batch, accum)
 
     def add(total, batch_i):
-      ((loss, logits), grads), ((loss_i, logits_i), grads_i) = total, grad_fn(params, batch_i)
-      logits = None if logits is None else jnp.maximum(logits, logits_i)
-      return ((loss + loss_i, logits), jax.tree.map(jnp.add, grads, grads_i)), None
+      ((loss, aux), grads), ((loss_i, aux_i), grads_i) = total, grad_fn(params, batch_i)
+      return ((loss + loss_i, _merge(aux, aux_i)), jax.tree.map(jnp.add, grads, grads_i)), None
 
     first = jax.tree.map(lambda x: x[0], micro)
-    (loss0, logits0), grads0 = jax.eval_shape(grad_fn, params, first)
-    zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)  # noqa: E731
-    start = ((zeros(loss0), jax.tree.map(lambda s: jnp.full(s.shape, -jnp.inf, s.dtype), logits0)), zeros(grads0))
-    return jax.lax.scan(add, start, micro)[0]
+    (loss0, aux0), grads0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, params, first))
+    if logit_max:
+      aux0 = aux0._replace(logit_max=jnp.full_like(aux0.logit_max, -jnp.inf))
+    return jax.lax.scan(add, ((loss0, aux0), grads0), micro)[0]
 
   def applied_norm(grads):
     if per_replica is None:
@@ -164,7 +170,7 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
 
   def step(state: TrainState, batch: dict) -> tuple[TrainState, StepMetrics]:
     scale = state.loss_scale.scale if scaling else None
-    (loss, logits), grads = mean_grads(state.params, batch, scale)
+    (loss, aux), grads = mean_grads(state.params, batch, scale)
     if scaling:
       loss, grads = jax.tree.map(lambda x: x / scale, (loss, grads))
     norm = applied_norm(grads)
@@ -175,8 +181,8 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
     params = optax.apply_updates(state.params, updates)
     clipped, max_logit = jnp.zeros((), jnp.int32), jnp.asarray(-jnp.inf, jnp.float32)
     if logit_max:
-      params, clipped = models.qk_clip.qk_clip(params, logits, *qk_clip)
-      max_logit = jnp.max(logits)
+      params, clipped = models.qk_clip.qk_clip(params, aux.logit_max, *qk_clip)
+      max_logit = jnp.max(aux.logit_max)
     finite = jnp.isfinite(loss) & jnp.isfinite(norm)
     params, opt_state = keep_if(finite, (params, opt_state), (state.params, state.opt_state))
     # A second select for the new state's own check: folding it into the first changes how
@@ -186,21 +192,44 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
     params, opt_state = keep_if(finite, (params, opt_state), (state.params, state.opt_state))
     new = TrainState(params, opt_state, state.updates + finite.astype(state.updates.dtype),
                      next_loss_scale(state.loss_scale, finite, scaling) if scaling else state.loss_scale)
+    routing = (jnp.zeros(()), jnp.zeros(())) if aux.router is None else _routing(aux.router)
     return new, StepMetrics(loss, norm, lr_schedule(state.updates), ~finite, state.loss_scale.scale, max_logit,
-                            jnp.where(finite, clipped, 0))
+                            jnp.where(finite, clipped, 0), aux.router_loss, *routing)
 
   return jax.jit(step, donate_argnums=0)
 
 
+def _merge(a: models.LossAux, *rest: models.LossAux, replicas: int = 1) -> models.LossAux:
+  """LossAux of several micro-batches or replicas: logit maxima maxed, router statistics
+  summed, router losses summed (each already its share of the global mean; replicas'
+  shares are averaged, as their losses are)."""
+  for b in rest:
+    a = models.LossAux(None if a.logit_max is None else jnp.maximum(a.logit_max, b.logit_max),
+                       None if a.router is None else jax.tree.map(jnp.add, a.router, b.router),
+                       a.router_loss + b.router_loss)
+  return a._replace(router_loss=a.router_loss / replicas)
+
+
+def _routing(router: models.moe.RouterStats) -> tuple[jax.Array, jax.Array]:
+  """The worst layer's max/mean tokens per expert, and the share of assignments dropped."""
+  load_LxE = router.load.reshape(-1, router.load.shape[-1])
+  imbalance = jnp.max(load_LxE.max(-1) / jnp.maximum(load_LxE.mean(-1), 1e-9))
+  return imbalance, jnp.sum(router.dropped) / jnp.maximum(jnp.sum(router.load), 1.0)
+
+
 def make_eval_step(graphdef: Any, par: models.Parallelism, accum: int) -> Callable[[Any, dict], jax.Array]:
   """Mean loss of a global batch over its counted targets, micro-batch by micro-batch like
-  the train step."""
+  the train step; the language-model loss only (a MoE's auxiliary losses left out)."""
+
+  def lm_loss(params, batch, denominator):
+    loss, aux = models.loss(graphdef, params, batch, par, denominator=denominator, aux=True)
+    return loss - aux.router_loss
 
   def loss_fn(params, batch):
     denominator = counted(batch)
     if accum == 1:
-      return models.loss(graphdef, params, batch, par, denominator=denominator)
+      return lm_loss(params, batch, denominator)
     micro = split_micro(batch, accum)
-    return jnp.sum(jax.lax.map(lambda b: models.loss(graphdef, params, b, par, denominator=denominator), micro))
+    return jnp.sum(jax.lax.map(lambda b: lm_loss(params, b, denominator), micro))
 
   return jax.jit(loss_fn)

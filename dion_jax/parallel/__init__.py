@@ -1,4 +1,4 @@
-"""The mesh (rp, fs, cp, tp, pp), parameter layouts, and the collectives the optimizers use.
+"""The mesh (rp, fs, ep, cp, tp, pp), parameter layouts, and the collectives the optimizers use.
 
 - ``mesh``: axis names, mesh specs, standard PartitionSpecs, divisibility checks.
 - ``collectives``: reductions over named axes that vanish without axes.

@@ -1,8 +1,11 @@
-"""The named device mesh (rp, fs, cp, tp, pp) and the PartitionSpecs of standard layouts.
+"""The named device mesh (rp, fs, ep, cp, tp, pp) and the PartitionSpecs of standard layouts.
 
 Axis meanings (Megatron-Dion's names, docs/design.md §3):
   rp: data-parallel replicas that hold the same parameter shard.
   fs: data-parallel ranks among which parameters and optimizer state are sharded.
+  ep: expert parallelism: each rank holds 1/ep of every layer's experts, and tokens travel
+      to their experts by all-to-all; to every other parameter, one more data-parallel
+      axis (replicated, gradients summed), as Megatron's EP reuses data-parallel ranks.
   cp: context parallelism: each sequence split over cp ranks; to the parameters and
       their optimizer state, one more data-parallel axis (replicated, gradients summed).
   tp: tensor parallelism (Megatron column/row-parallel layers).
@@ -27,9 +30,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-# Row-major device order: later axes are closer devices; cp and tp, which communicate
-# activations in every layer, come after the data-parallel axes (Megatron's tp-cp-dp order).
-AXES = ("rp", "fs", "cp", "tp", "pp")
+# Row-major device order: later axes are closer devices; ep, cp and tp, which communicate
+# activations in every layer, come after the data-parallel axes (Megatron's tp-cp-ep-dp order).
+AXES = ("rp", "fs", "ep", "cp", "tp", "pp")
 REPLICA_AXIS = "rp"
 TENSOR_PARALLEL_AXIS = "tp"
 
@@ -37,7 +40,7 @@ _SIZE_RE = re.compile(r"[0-9]+")
 
 
 def format_mesh_spec(sizes: Mapping[str, int]) -> str:
-  """``{"rp": 1, "fs": 2, ...}`` (or a Mesh's shape) -> ``"rp=1,fs=2,cp=1,tp=1,pp=1"``."""
+  """``{"rp": 1, "fs": 2, ...}`` (or a Mesh's shape) -> ``"rp=1,fs=2,ep=1,cp=1,tp=1,pp=1"``."""
   return ",".join(f"{a}={sizes[a]}" for a in AXES if a in sizes)
 
 
@@ -146,7 +149,7 @@ def make_mesh(spec: str | Mapping[str, int],
       ``jax.devices()`` when None.
 
   Returns:
-    A ``jax.sharding.Mesh`` of shape ``(rp, fs, cp, tp, pp)``.
+    A ``jax.sharding.Mesh`` of shape ``(rp, fs, ep, cp, tp, pp)``.
 
   Raises:
     ValueError: for a bad spec, or when the product of the sizes differs from

@@ -1,0 +1,266 @@
+"""A mixture-of-experts MLP: a top-k softmax router, dropless or capacity routing, and
+expert parallelism over the mesh axis ``ep`` by all-to-all.
+
+    y_BxTxD, stats = MoE(cfg, rngs=rngs)(x_BxTxD, par)
+
+Parameters (in a GPT block they sit under ``blocks/mlp`` behind the ``[S, Ls]`` stack axes)::
+
+    router/kernel          [D, E]       D over fs; replicated over tp and ep
+    experts/{gate,up}      [E, D, F]    E over ep, column-parallel: D over fs, F over tp
+    experts/down           [E, F, D]    E over ep, row-parallel: F over tp, D over fs
+    shared/{gate,up,down}  the dense MLP's, with ``moe_shared_expert``
+
+Each expert is its own matrix to Dion and the family (the expert axis is a batch axis).
+
+The math, for a token x (router in float32)::
+
+    p = softmax(x W_r)                      [E]
+    e_1..e_k = top-k(p),  g_i = p_{e_i} / Σ_j p_{e_j}    (p_{e_i} without renormalization)
+    y = Σ_i g_i · expert_{e_i}(x)  (+ shared(x))
+
+Groups are sequences (GShard's groups): with a capacity factor c each expert takes at most
+``C = ceil(c·T·k/E)`` of a sequence's T·k assignments, in order of position (then of
+choice), so whether a token is dropped never depends on later tokens. A sequence's
+load-balancing loss is ``E·Σ_e f_e·P_e`` (Switch), f_e the share of its assignments routed
+to e (before drops), P_e its mean router probability; the z-loss is ``logsumexp(x W_r)²``
+per token (ST-MoE). Every statistic is a sum over sequences, and routing looks at one
+sequence at a time, so any split of the batch over devices and micro-batches computes
+exactly one device's result.
+
+Dispatch (dropless by default): each device sorts its tokens' assignments by expert and
+multiplies them with grouped matmuls (``jax.lax.ragged_dot``), the rows of expert e in one
+contiguous block. With ``ep`` > 1 the sorted rows are cut into one block per ep rank (the
+rank holding their experts), exchanged by one ``all_to_all``, sorted again by the
+receiver's local experts, multiplied, and sent back by a second ``all_to_all``. Shapes are
+static, so a block has room for the worst case: all of the device's assignments
+(dropless), or what the capacity allows its experts (``E/ep · sequences · C``). XLA's
+ragged all-to-all, which would send only the rows, has no CPU implementation.
+
+How ep composes: ep ranks are data-parallel ranks (the batch is split over rp·fs·ep), each
+holding E/ep experts; every other parameter is replicated over ep with gradients summed,
+as over rp. Inside the dispatch the experts' D axis is gathered over fs (ZeRO-3, reduce-
+scattered back in the backward pass) and F stays split over tp, whose partial products
+XLA reduces as for the dense MLP; sequence parallelism gathers the sequence before the MLP
+as before. Not supported yet: context parallelism (a sequence's capacity and balance loss
+would span cp ranks) and pipelines: differentiating this dispatch inside the pipeline's
+``shard_map`` fails to lower on jax 0.10 (a shape mismatch in Shardy's manual computation,
+with or without the ``custom_vjp``). The parameters keep the stage axis, so a run
+restores onto a pipeline once that works.
+
+The dispatch runs in a ``shard_map`` manual over the data-parallel axes (tp left to XLA),
+under a ``custom_vjp`` whose backward pass re-runs the dispatch under ``jax.vjp`` in a
+second ``shard_map``: on jax 0.10 a ``shard_map`` differentiated inside another one (the
+per-replica gradient's) fails to lower. The cost is one more forward
+pass of the experts, as with ``remat``.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from models.config import GPTConfig
+from models.layers import MLP, Dense, init_std
+from models.sharding import BATCH_AXES, Parallelism
+
+EXPERT_AXIS = "ep"
+
+
+class RouterStats(NamedTuple):
+  """A layer's routing, summed over the sequences of a batch (float32 scalars unless noted)."""
+  balance: jax.Array  # Σ over sequences of the load-balancing loss
+  z: jax.Array  # Σ over tokens of logsumexp(router logits)²
+  load: jax.Array  # [E] assignments routed to each expert (before drops)
+  dropped: jax.Array  # assignments over capacity
+
+
+class Experts(nnx.Module):
+  """E stacked expert MLPs: kernels ``[E, fan_in, fan_out]``, each initialized like a Dense."""
+
+  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    E, D, F = cfg.num_experts, cfg.d_model, cfg.d_mlp
+
+    def kernel(fan_in, fan_out):
+      return nnx.Param(init_std(fan_in, fan_out) * jax.random.normal(rngs.params(), (E, fan_in, fan_out)))
+
+    if cfg.mlp == "swiglu":
+      self.gate = kernel(D, F)
+    self.up = kernel(D, F)
+    self.down = kernel(F, D)
+
+
+class MoE(nnx.Module):
+  """Router, experts and an optional shared expert (module docstring)."""
+
+  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    self.router = Dense(cfg.d_model, cfg.num_experts, "router", rngs=rngs)
+    self.experts = Experts(cfg, rngs=rngs)
+    if cfg.moe_shared_expert:
+      self.shared = MLP(cfg, rngs=rngs)
+    self.cfg = cfg
+
+  def __call__(self, x_BxTxD: jax.Array, par: Parallelism) -> tuple[jax.Array, RouterStats]:
+    weights = {"router": self.router.kernel[...]}
+    weights.update({name: getattr(self.experts, name)[...] for name in ("gate", "up", "down")
+                    if hasattr(self.experts, name)})
+    y_BxTxD, stats = _dispatch(x_BxTxD, weights, self.cfg, par)
+    if self.cfg.moe_shared_expert:
+      y_BxTxD = y_BxTxD + self.shared(x_BxTxD, par)
+    return y_BxTxD, stats
+
+
+def capacity(cfg: GPTConfig, seq_len: int) -> int | None:
+  """Assignments each expert takes per sequence (None: dropless)."""
+  if cfg.moe_capacity_factor is None:
+    return None
+  return math.ceil(cfg.moe_capacity_factor * seq_len * cfg.moe_top_k / cfg.num_experts)
+
+
+def route(x_BxTxD: jax.Array, router_DxE: jax.Array, cfg: GPTConfig
+          ) -> tuple[jax.Array, jax.Array, RouterStats]:
+  """Each assignment's expert and gate, ``[B·T·k]`` in (sequence, position, choice) order;
+  an assignment over capacity gets expert E (none) and gate 0."""
+  B, T, _ = x_BxTxD.shape
+  E, k = cfg.num_experts, cfg.moe_top_k
+  logits_BxTxE = x_BxTxD.astype(jnp.float32) @ router_DxE.astype(jnp.float32)
+  probs_BxTxE = jax.nn.softmax(logits_BxTxE, -1)
+  top_p_BxTxK, top_e_BxTxK = jax.lax.top_k(probs_BxTxE, k)
+  gates_BxTxK = top_p_BxTxK / top_p_BxTxK.sum(-1, keepdims=True) if cfg.moe_renormalize else top_p_BxTxK
+  onehot_BxAxE = jax.nn.one_hot(top_e_BxTxK.reshape(B, T * k), E, dtype=jnp.int32)
+  routed_BxE = onehot_BxAxE.sum(1)
+  share_BxE = routed_BxE.astype(jnp.float32) / (T * k)
+  balance_B = E * jnp.sum(share_BxE * probs_BxTxE.mean(1), -1)
+  z_B = jnp.sum(jnp.square(jax.nn.logsumexp(logits_BxTxE, -1)), -1)
+  experts_A, gates_A = top_e_BxTxK.reshape(-1), gates_BxTxK.reshape(-1)
+  C = capacity(cfg, T)
+  if C is None:
+    dropped = jnp.zeros((), jnp.float32)
+  else:
+    slot_BxA = jnp.sum(jnp.cumsum(onehot_BxAxE, 1) * onehot_BxAxE, -1) - 1
+    kept_A = (slot_BxA < C).reshape(-1)
+    experts_A, gates_A = jnp.where(kept_A, experts_A, E), jnp.where(kept_A, gates_A, 0.0)
+    dropped = jnp.sum(~kept_A).astype(jnp.float32)
+  stats = RouterStats(jnp.sum(balance_B), jnp.sum(z_B), routed_BxE.sum(0).astype(jnp.float32), dropped)
+  return experts_A, gates_A, stats
+
+
+def _expert_mlp(rows_RxD: jax.Array, weights: dict[str, jax.Array], group_sizes_G: jax.Array,
+                kind: str) -> jax.Array:
+  """The experts' MLPs on rows grouped by expert (group g: the next ``group_sizes[g]`` rows;
+  rows past the groups give zeros)."""
+  dot = lambda x, w: jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes_G)  # noqa: E731
+  h_RxF = dot(rows_RxD, weights["up"])
+  if kind == "swiglu":
+    h_RxF = jax.nn.silu(dot(rows_RxD, weights["gate"])) * h_RxF
+  else:
+    h_RxF = jnp.square(jax.nn.relu(h_RxF))
+  return dot(h_RxF, weights["down"])
+
+
+def _exchange(sorted_AxD: jax.Array, sorted_experts_A: jax.Array, counts_E: jax.Array,
+              weights: dict[str, jax.Array], cfg: GPTConfig, slots: int, ep: int) -> jax.Array:
+  """The experts' outputs for rows sorted by expert, computed by the ep ranks holding them
+  (two all-to-alls of ``[ep, slots, D]``)."""
+  A, D = sorted_AxD.shape
+  E_loc = cfg.num_experts // ep
+  counts_RxEl = counts_E.reshape(ep, E_loc)
+  to_rank_R = counts_RxEl.sum(1)
+  start_R = jnp.cumsum(to_rank_R) - to_rank_R
+  i_S = jnp.arange(slots)
+  valid_RxS = i_S < to_rank_R[:, None]
+  send_RxSxD = jnp.where(valid_RxS[..., None], sorted_AxD[jnp.clip(start_R[:, None] + i_S, 0, A - 1)], 0)
+  recv_RxSxD = jax.lax.all_to_all(send_RxSxD, EXPERT_AXIS, 0, 0, tiled=True)
+  recv_counts_RxEl = jax.lax.all_to_all(counts_RxEl, EXPERT_AXIS, 0, 0, tiled=True)
+  # The local expert of each received row (E_loc past a source's rows), and a sort by it.
+  ends_RxEl = jnp.cumsum(recv_counts_RxEl, 1)
+  local_expert = jnp.sum(i_S[None, :, None] >= ends_RxEl[:, None, :], -1).reshape(-1)
+  order = jnp.argsort(local_expert, stable=True)
+  out = _expert_mlp(recv_RxSxD.reshape(-1, D)[order], weights, recv_counts_RxEl.sum(0), cfg.mlp)
+  back_RxSxD = jax.lax.all_to_all(out[jnp.argsort(order)].reshape(ep, slots, D), EXPERT_AXIS, 0, 0, tiled=True)
+  rank_A = jnp.minimum(sorted_experts_A // E_loc, ep - 1)
+  mine_A = jnp.arange(A) - start_R[rank_A]
+  return jnp.where((sorted_experts_A < cfg.num_experts)[:, None],
+                   back_RxSxD[rank_A, jnp.clip(mine_A, 0, slots - 1)], 0)
+
+
+def _local(x_BxTxD: jax.Array, weights: dict[str, jax.Array], cfg: GPTConfig, ep: int
+           ) -> tuple[jax.Array, RouterStats]:
+  """The MoE on one device's sequences, its experts ``weights`` (``E/ep`` of them)."""
+  B, T, D = x_BxTxD.shape
+  k = cfg.moe_top_k
+  experts_A, gates_A, stats = route(x_BxTxD, weights["router"], cfg)
+  order = jnp.argsort(experts_A, stable=True)
+  sorted_experts_A = experts_A[order]
+  sorted_AxD = x_BxTxD.reshape(B * T, D)[order // k]
+  counts_E = jnp.sum(jax.nn.one_hot(experts_A, cfg.num_experts, dtype=jnp.int32), 0)
+  if ep == 1:
+    out_AxD = _expert_mlp(sorted_AxD, weights, counts_E, cfg.mlp)
+  else:
+    C = capacity(cfg, T)
+    slots = B * T * k if C is None else min(B * T * k, cfg.num_experts // ep * B * C)
+    out_AxD = _exchange(sorted_AxD, sorted_experts_A, counts_E, weights, cfg, slots, ep)
+  out_NxKxD = out_AxD[jnp.argsort(order)].reshape(B * T, k, D).astype(jnp.float32)
+  y_NxD = jnp.einsum("nk,nkd->nd", gates_A.reshape(B * T, k), out_NxKxD)
+  return y_NxD.reshape(B, T, D).astype(x_BxTxD.dtype), stats
+
+
+# Where each weight's dimensions lie inside the dispatch (the fs-sharded one is gathered).
+_WEIGHT_SPECS = {"router": P("fs"), "gate": P(EXPERT_AXIS, "fs"), "up": P(EXPERT_AXIS, "fs"),
+                 "down": P(EXPERT_AXIS, None, "fs")}
+_TP_SPECS = {"router": P(), "gate": P(None, None, "tp"), "up": P(None, None, "tp"), "down": P(None, "tp")}
+
+
+def _dispatch(x_BxTxD: jax.Array, weights: dict[str, jax.Array], cfg: GPTConfig, par: Parallelism
+              ) -> tuple[jax.Array, RouterStats]:
+  if par.mesh is None:
+    return _local(x_BxTxD, weights, cfg, 1)
+  if par.cp > 1 or par.pp > 1:
+    raise ValueError("mixture-of-experts layers do not run with context or pipeline parallelism"
+                     " (cp or pp > 1) yet; drop cp and pp from the mesh")
+  ep = par.size(EXPERT_AXIS)
+  # Taken once, for the backward pass too, which is traced outside this context.
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = set(mesh.manual_axes)
+  region = tuple(a for a in BATCH_AXES if a not in manual)
+  data = P(region)
+  w_specs = {name: _WEIGHT_SPECS[name] for name in weights}
+
+  def body(x, weights):
+    full = {}
+    for name, w in weights.items():
+      gathered = jax.lax.all_gather(w, "fs", axis=_WEIGHT_SPECS[name].index("fs"), tiled=True)
+      full[name] = jax.lax.with_sharding_constraint(gathered, _TP_SPECS[name])
+    y, stats = _local(x, full, cfg, ep)
+    return y, jax.tree.map(lambda s: jax.lax.psum(s, region), stats)
+
+  def shard_map(f, in_specs, out_specs):
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(region))
+
+  stat_specs = RouterStats(P(), P(), P(), P())
+
+  @jax.custom_vjp
+  def apply(x, weights):
+    return shard_map(body, (data, w_specs), (data, stat_specs))(x, weights)
+
+  def forward(x, weights):
+    return apply(x, weights), (x, weights)
+
+  def backward(residuals, cotangents):
+    def vjp(x, weights, cotangents):
+      return jax.vjp(body, x, weights)[1](cotangents)
+
+    return shard_map(vjp, (data, w_specs, (data, stat_specs)), (data, w_specs))(*residuals, cotangents)
+
+  apply.defvjp(forward, backward)
+  return apply(x_BxTxD, weights)
+
+
+def router_loss(stats: RouterStats, cfg: GPTConfig, sequences: jax.Array, seq_len: int) -> jax.Array:
+  """The auxiliary losses of ``stats`` (any leading layer axes, summed) as a mean over
+  ``sequences``: ``(aux_coeff·Σ balance + z_coeff·Σ z / T) / sequences``."""
+  return (cfg.moe_aux_loss_coeff * jnp.sum(stats.balance)
+          + cfg.moe_z_loss_coeff * jnp.sum(stats.z) / seq_len) / sequences
