@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import context, moe
+from models import context, moe, pipeline
 from models.config import GPTConfig
 from models.layers import MLP, Dense, rms_norm
 from models.sharding import Parallelism, param_specs, shardings, to_stages
@@ -239,7 +239,8 @@ def apply_layers(block_graphdef: Any, layers: Any, x_BxTxD: jax.Array, rope,
   policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
   layer = jax.checkpoint(layer, policy=policy)
   num_layers = jax.tree.leaves(layers)[0].shape[0]
-  return jax.lax.scan(layer, x_BxTxD, jnp.arange(num_layers), unroll=cfg.unroll)
+  nested = bool(jax.sharding.get_abstract_mesh().manual_axes)
+  return pipeline.scan(layer, x_BxTxD, num_layers, cfg.unroll, python_loop=bool(cfg.num_experts) and nested)
 
 
 def _create(cfg: GPTConfig, par: Parallelism, seed: int) -> Callable[[], Any]:

@@ -171,7 +171,8 @@ def _manual_call(graphdef, params, batch, scale, denominator, sequences, par: Pa
     if pp > 1:
       outputs, aux_I = pipeline.circular(
           lambda layers, x, i: run_layers(layers, x, *extras(i)), params["blocks"],
-          lambda i: model.embed_tokens(micro["inputs"][i], par), M, pp, v, unroll=model.cfg.unroll)
+          lambda i: model.embed_tokens(micro["inputs"][i], par), M, pp, v, unroll=model.cfg.unroll,
+          python_loop=bool(model.cfg.num_experts))
       x_mxbxTxD = pipeline.scatter_from_last(outputs, pp)
       m = M // pp
       targets_mxbxT = jax.lax.dynamic_slice_in_dim(micro["targets"], jax.lax.axis_index(pipeline.AXIS) * m, m)

@@ -41,11 +41,8 @@ holding E/ep experts; every other parameter is replicated over ep with gradients
 as over rp. Inside the dispatch the experts' D axis is gathered over fs (ZeRO-3, reduce-
 scattered back in the backward pass) and F stays split over tp, whose partial products
 XLA reduces as for the dense MLP; sequence parallelism gathers the sequence before the MLP
-as before. Not supported yet: context parallelism (a sequence's capacity and balance loss
-would span cp ranks) and pipelines: differentiating this dispatch inside the pipeline's
-``shard_map`` fails to lower on jax 0.10 (a shape mismatch in Shardy's manual computation,
-with or without the ``custom_vjp``). The parameters keep the stage axis, so a run
-restores onto a pipeline once that works.
+as before. Pipeline stages stack experts like every other weight. Not supported yet:
+context parallelism (a sequence's capacity and balance loss would span cp ranks).
 
 The dispatch runs in a ``shard_map`` manual over the data-parallel axes (tp left to XLA),
 under a ``custom_vjp`` whose backward pass re-runs the dispatch under ``jax.vjp`` in a
@@ -218,9 +215,9 @@ def _dispatch(x_BxTxD: jax.Array, weights: dict[str, jax.Array], cfg: GPTConfig,
               ) -> tuple[jax.Array, RouterStats]:
   if par.mesh is None:
     return _local(x_BxTxD, weights, cfg, 1)
-  if par.cp > 1 or par.pp > 1:
-    raise ValueError("mixture-of-experts layers do not run with context or pipeline parallelism"
-                     " (cp or pp > 1) yet; drop cp and pp from the mesh")
+  if par.cp > 1:
+    raise ValueError("mixture-of-experts layers do not run with context parallelism (cp > 1) yet;"
+                     " drop cp from the mesh")
   ep = par.size(EXPERT_AXIS)
   # Taken once, for the backward pass too, which is traced outside this context.
   mesh = jax.sharding.get_abstract_mesh()

@@ -34,9 +34,27 @@ def finish_iterations(num_micro: int, pp: int, virtual_stages: int) -> np.ndarra
   return (i // pp) * pp * virtual_stages + i % pp + last_stage
 
 
+def scan(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, n: int, unroll: bool = False,
+         python_loop: bool = False) -> tuple[Any, Any]:
+  """``jax.lax.scan(f, init, jnp.arange(n))``, or the same as a Python loop.
+
+  The loop is for mixture-of-experts layers inside another ``shard_map`` (the pipeline's,
+  Dion's per-replica gradient): jax 0.10 fails to lower their own ``shard_map``
+  (``models/moe.py``) differentiated inside a scan there. It traces every iteration, so
+  the compile time grows with their number.
+  """
+  if not python_loop:
+    return jax.lax.scan(f, init, jnp.arange(n), unroll=unroll)
+  carry, outs = init, []
+  for i in range(n):
+    carry, out = f(carry, jnp.int32(i))
+    outs.append(out)
+  return carry, jax.tree.map(lambda *a: jnp.stack(a), *outs)
+
+
 def circular(stage_fn: Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, Any]], stage_params: Any,
              inputs_fn: Callable[[jax.Array], jax.Array], num_micro: int, pp: int,
-             virtual_stages: int, unroll: bool = False) -> tuple[jax.Array, Any]:
+             virtual_stages: int, unroll: bool = False, python_loop: bool = False) -> tuple[jax.Array, Any]:
   """Runs the schedule; returns the last stage's outputs ``[num_micro, ...]`` and every
   iteration's ``aux`` on this device ``[iterations, ...]`` (see :func:`iteration_repeats`).
 
@@ -49,6 +67,7 @@ def circular(stage_fn: Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, An
     num_micro: micro-batches M, a multiple of pp when virtual_stages > 1.
     pp, virtual_stages: the schedule's shape.
     unroll: unroll the loop over iterations.
+    python_loop: run the iterations as a Python loop (:func:`scan`).
 
   Returns:
     The outputs in micro-batch order; meaningful on device pp − 1 only.
@@ -66,9 +85,8 @@ def circular(stage_fn: Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, An
     return jax.lax.ppermute(y, AXIS, ring), (y, aux)
 
   x0 = inputs_fn(0)
-  iterations = jnp.arange(num_micro * v + pp - 1)
   state = jax.lax.pcast(jnp.zeros_like(x0), AXIS, to="varying")
-  _, (ys, aux) = jax.lax.scan(iteration, state, iterations, unroll=unroll)
+  _, (ys, aux) = scan(iteration, state, num_micro * v + pp - 1, unroll, python_loop)
   return ys[finish_iterations(num_micro, pp, v)], aux
 
 

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 import dion_jax
 import models
 from models import context
+from tests import model_meshes
 
 # 16 tokens split into 2·cp chunks for cp up to 4; two layers keep the compiles short.
 CFG = models.preset("tiny", num_layers=2, d_model=64, num_heads=4, seq_len=16)
@@ -22,22 +23,6 @@ BATCH = 8
 def _batch(seed=0, cfg=CFG, batch=BATCH):
   tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, cfg.seq_len + 1))
   return {"inputs": jnp.asarray(tokens[:, :-1], jnp.int32), "targets": jnp.asarray(tokens[:, 1:], jnp.int32)}
-
-
-def _mesh(spec):
-  sizes = dion_jax.parse_mesh_spec(spec)
-  return dion_jax.make_mesh(spec, jax.devices()[: int(np.prod(list(sizes.values())))])
-
-
-def _in_layer_order(tree, par):
-  return {**tree, "blocks": models.to_layers(tree["blocks"], par.pp, par.virtual_stages)}
-
-
-def _assert_close_trees(got, want, rtol):
-  for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
-    g, w = np.asarray(g), np.asarray(w)
-    err = np.max(np.abs(g - w)) / np.max(np.abs(w))
-    assert err < rtol, f"{jax.tree_util.keystr(path)}: relative error {err:.2e}"
 
 
 # --- the layout ------------------------------------------------------------------------
@@ -73,7 +58,7 @@ def test_attention_with_segments_and_fewer_kv_heads_matches_dense():
   order = context.token_order(T, cp)
   local = jax.shard_map(
       lambda q, k, v, seg: context.attention(q, k, v, implementation="xla", cp=cp, segment_ids_BxT=seg),
-      mesh=_mesh(f"cp={cp}"), in_specs=P(None, "cp"), out_specs=P(None, "cp"))
+      mesh=model_meshes.mesh(f"cp={cp}"), in_specs=P(None, "cp"), out_specs=P(None, "cp"))
   got = local(q[:, order], k[:, order], v[:, order], segments[:, order])
   np.testing.assert_allclose(np.asarray(got)[:, np.argsort(order)], want, rtol=1e-5, atol=1e-6)
 
@@ -83,9 +68,7 @@ def test_attention_with_segments_and_fewer_kv_heads_matches_dense():
 
 @pytest.fixture(scope="module")
 def reference():
-  graphdef, params = models.init(CFG)
-  loss, grads = jax.jit(jax.value_and_grad(lambda p, b: models.loss(graphdef, p, b)))(params, _batch())
-  return graphdef, float(loss), _in_layer_order(grads, models.Parallelism())
+  return model_meshes.one_device(CFG, _batch())
 
 
 MESHES = [
@@ -100,27 +83,11 @@ MESHES = [
 
 @pytest.mark.parametrize("spec,options", MESHES, ids=[f"{s}{o}" for s, o in MESHES])
 def test_mesh_matches_one_device(reference, spec, options):
-  graphdef, want_loss, want_grads = reference
-  mesh = _mesh(spec)
-  par = models.Parallelism(mesh, **options)
-  _, params = models.init(CFG, par)
-
-  def loss_fn(p, b):
-    return models.loss(graphdef, p, b, par)
-
-  per_replica = jax.tree.map(lambda label: label == "dion", dion_jax.default_labels(params))
-  with jax.set_mesh(mesh):
-    if par.size("rp") > 1:  # Dion's per-replica gradients, averaged here
-      loss, grads = jax.jit(dion_jax.value_and_grad_per_replica(loss_fn, mesh, per_replica))(params, _batch())
-      grads = jax.tree.map(lambda g, keep: g.mean(0) if keep else g, grads, per_replica)
-    else:
-      loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params, _batch())
-  np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
-  _assert_close_trees(_in_layer_order(grads, par), want_grads, rtol=1e-5)
+  model_meshes.assert_mesh_matches(reference, CFG, _batch(), spec, options)
 
 
 def test_sequence_that_does_not_split_is_refused():
-  par = models.Parallelism(_mesh("cp=4"))
+  par = models.Parallelism(model_meshes.mesh("cp=4"))
   graphdef, params = models.init(CFG, par)
   batch = jax.tree.map(lambda x: x[:, :12], _batch())
   with jax.set_mesh(par.mesh), pytest.raises(ValueError, match="sequence length 12 does not split"):
@@ -132,7 +99,7 @@ def test_sequence_that_does_not_split_is_refused():
 
 def _train(spec, steps=3):
   """Dion steps on ``spec`` (None: one device); per-replica gradients when rp > 1."""
-  mesh = None if spec is None else _mesh(spec)
+  mesh = None if spec is None else model_meshes.mesh(spec)
   par = models.Parallelism(mesh)
   graphdef, params = models.init(CFG, par)
   tx = dion_jax.dion(0.02, rank_fraction=0.25, mesh=mesh, partition_specs=models.param_specs(params))
@@ -182,14 +149,14 @@ def test_dion_training_with_cp_matches_one_device(one_device_training, spec):
   for keep, rtol in ((True, 1e-5), (False, 5e-4)):
     def pick(tree, keep=keep):
       return [x for x, d in zip(jax.tree.leaves(tree), jax.tree.leaves(is_dion)) if d == keep]
-    _assert_close_trees(pick(params), pick(want_params), rtol=rtol)
+    model_meshes.assert_close_trees(pick(params), pick(want_params), rtol=rtol)
 
 
 # --- what the compiled step holds and communicates -------------------------------------
 
 
 def _compiled(spec, cfg):
-  mesh = _mesh(spec)
+  mesh = model_meshes.mesh(spec)
   par = models.Parallelism(mesh)
   graphdef, params = models.init(cfg, par)
   with jax.set_mesh(mesh):

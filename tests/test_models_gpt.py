@@ -4,12 +4,12 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import dion_jax
 import models
 from dion_jax.accounting import hlo as comms
+from tests import model_meshes
 
 CFG = models.preset("tiny", num_layers=4, d_model=64, num_heads=4, seq_len=16)
 BATCH = 8
@@ -18,17 +18,6 @@ BATCH = 8
 def _batch(seed=0, cfg=CFG):
   tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (BATCH, cfg.seq_len + 1))
   return {"inputs": jnp.asarray(tokens[:, :-1], jnp.int32), "targets": jnp.asarray(tokens[:, 1:], jnp.int32)}
-
-
-def _mesh(spec):
-  sizes = dion_jax.parse_mesh_spec(spec)
-  return dion_jax.make_mesh(spec, jax.devices()[: int(np.prod(list(sizes.values())))])
-
-
-def _in_layer_order(tree, par):
-  tree = dict(tree)
-  tree["blocks"] = models.to_layers(tree["blocks"], par.pp, par.virtual_stages)
-  return tree
 
 
 # --- an independent float64 implementation of the forward pass ------------------------
@@ -97,16 +86,7 @@ def test_initial_loss_is_near_uniform():
 
 @pytest.fixture(scope="module")
 def reference():
-  graphdef, params = models.init(CFG)
-  loss, grads = jax.jit(jax.value_and_grad(lambda p, b: models.loss(graphdef, p, b)))(params, _batch())
-  return graphdef, float(loss), _in_layer_order(grads, models.Parallelism())
-
-
-def _assert_close_trees(got, want, rtol):
-  for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
-    g, w = np.asarray(g), np.asarray(w)
-    err = np.max(np.abs(g - w)) / np.max(np.abs(w))
-    assert err < rtol, f"{jax.tree_util.keystr(path)}: relative error {err:.2e}"
+  return model_meshes.one_device(CFG, _batch())
 
 
 MESHES = [
@@ -123,23 +103,7 @@ MESHES = [
 
 @pytest.mark.parametrize("spec,options", MESHES, ids=[f"{s}{o}" for s, o in MESHES])
 def test_mesh_matches_one_device(reference, spec, options):
-  graphdef, want_loss, want_grads = reference
-  mesh = _mesh(spec)
-  par = models.Parallelism(mesh, **options)
-  _, params = models.init(CFG, par)
-
-  def loss_fn(p, b):
-    return models.loss(graphdef, p, b, par)
-
-  per_replica = jax.tree.map(lambda label: label == "dion", dion_jax.default_labels(params))
-  with jax.set_mesh(mesh):
-    if par.size("rp") > 1:  # per-replica gradients of the Dion matrices, averaged here
-      loss, grads = jax.jit(dion_jax.value_and_grad_per_replica(loss_fn, mesh, per_replica))(params, _batch())
-      grads = jax.tree.map(lambda g, keep: g.mean(0) if keep else g, grads, per_replica)
-    else:
-      loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params, _batch())
-  np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
-  _assert_close_trees(_in_layer_order(grads, par), want_grads, rtol=1e-5)
+  model_meshes.assert_mesh_matches(reference, CFG, _batch(), spec, options)
 
 
 def test_remat_and_bfloat16():
@@ -150,7 +114,7 @@ def test_remat_and_bfloat16():
   remat_graphdef, _ = models.init(models.preset("tiny", **{**CFG.__dict__, "remat": True}))
   loss_r, grads_r = jax.jit(jax.value_and_grad(lambda p: models.loss(remat_graphdef, p, batch)))(params)
   np.testing.assert_allclose(float(loss_r), float(loss), rtol=1e-6)
-  _assert_close_trees(grads_r, grads, rtol=1e-5)
+  model_meshes.assert_close_trees(grads_r, grads, rtol=1e-5)
   bf16_graphdef, _ = models.init(models.preset("tiny", **{**CFG.__dict__, "dtype": "bfloat16"}))
   np.testing.assert_allclose(float(models.loss(bf16_graphdef, params, batch)), float(loss), rtol=2e-2)
 
@@ -162,14 +126,14 @@ def test_loss_scale_reaches_the_float16_backward_pass(reference, spec, options):
   gradient within float16's rounding (measured: at most 1.9e-3), and 2^40 overflows float16
   while the float32 loss stays finite."""
   _, want_loss, want_grads = reference
-  par = models.Parallelism(_mesh(spec), **options)
+  par = models.Parallelism(model_meshes.mesh(spec), **options)
   graphdef, params = models.init(models.preset("tiny", **{**CFG.__dict__, "dtype": "float16"}), par)
   batch = _batch()
   grad = jax.jit(jax.value_and_grad(lambda p, scale: models.loss(graphdef, p, batch, par, scale)))
   with jax.set_mesh(par.mesh):
     loss, grads = grad(params, jnp.float32(2**8))
     np.testing.assert_allclose(float(loss) / 2**8, want_loss, rtol=1e-3)
-    _assert_close_trees(jax.tree.map(lambda g: g / 2**8, _in_layer_order(grads, par)), want_grads, rtol=1e-2)
+    model_meshes.assert_close_trees(jax.tree.map(lambda g: g / 2**8, model_meshes.in_layer_order(grads, par)), want_grads, rtol=1e-2)
     loss, grads = grad(params, jnp.float32(2**40))
   assert np.isfinite(float(loss)) and not all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
 
@@ -177,35 +141,10 @@ def test_loss_scale_reaches_the_float16_backward_pass(reference, spec, options):
 # --- training with Dion on a mesh ---------------------------------------------------
 
 
-def _train(spec, options, steps=3):
-  mesh = None if spec is None else _mesh(spec)
-  par = models.Parallelism(mesh, **options)
-  graphdef, params = models.init(CFG, par)
-  # The specs name each matrix's tp dimension, which is the one Dion orthonormalizes:
-  # one device needs them too to run the same algorithm (for square matrices).
-  tx = dion_jax.dion(0.02, rank_fraction=0.25, mesh=mesh, partition_specs=models.param_specs(params))
-  opt_state = tx.init(params)
-
-  @jax.jit
-  def step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(lambda p: models.loss(graphdef, p, batch, par))(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  losses = []
-  with jax.set_mesh(mesh) if mesh is not None else _nullcontext():
-    for i in range(steps):
-      params, opt_state, loss = step(params, opt_state, _batch(seed=i))
-      losses.append(float(loss))
-  return losses, _in_layer_order(params, par)
-
-
-class _nullcontext:
-  def __enter__(self):
-    return None
-
-  def __exit__(self, *exc):
-    return False
+def _train(spec, options):
+  return model_meshes.train(CFG, [_batch(seed=i) for i in range(3)], spec, options,
+                            lambda mesh, specs: dion_jax.dion(0.02, rank_fraction=0.25, mesh=mesh,
+                                                              partition_specs=specs))
 
 
 def test_dion_training_on_fs_tp_pp_matches_one_device():
@@ -213,7 +152,7 @@ def test_dion_training_on_fs_tp_pp_matches_one_device():
   losses, params = _train("fs=2,tp=2,pp=2", {"microbatches": 2})
   assert want_losses[-1] < want_losses[0]
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-  _assert_close_trees(params, want_params, rtol=1e-5)
+  model_meshes.assert_close_trees(params, want_params, rtol=1e-5)
 
 
 # --- what each device holds, and what the compiled step communicates --------------------
@@ -230,14 +169,14 @@ def test_parameter_bytes_per_device_scale_with_the_mesh():
   for spec in ("fs=2", "tp=2", "pp=2", "fs=2,tp=2", "fs=2,tp=2,pp=2", "fs=4,tp=2"):
     sizes = dion_jax.parse_mesh_spec(spec)
     shards = sizes["fs"] * sizes["tp"] * sizes["pp"]
-    par = models.Parallelism(_mesh(spec), microbatches=sizes["pp"])
+    par = models.Parallelism(model_meshes.mesh(spec), microbatches=sizes["pp"])
     per_device = _device_bytes(models.init(cfg, par)[1])
     # Replicated vectors (norm scales) are the only padding: under 2% here.
     assert total / shards <= per_device <= total / shards * 1.02, spec
 
 
 def _compiled_step(spec, cfg=CFG, **options):
-  mesh = _mesh(spec)
+  mesh = model_meshes.mesh(spec)
   par = models.Parallelism(mesh, **options)
   graphdef, params = models.init(cfg, par)
   with jax.set_mesh(mesh):

@@ -25,7 +25,7 @@ def _batch(cfg, seed=0):
 
 def _logits(graphdef, params, batch, par=models.Parallelism()):
   """The maxima of ``models.loss``, in layer order [L, N]."""
-  fn = jax.jit(lambda p, b: models.loss(graphdef, p, b, par, logit_max=True)[1])
+  fn = jax.jit(lambda p, b: models.loss(graphdef, p, b, par, aux=True, logit_max=True)[1].logit_max)
   if par.mesh is None:
     return models.to_layers(fn(params, batch), 1)
   with jax.set_mesh(par.mesh):

@@ -9,10 +9,10 @@ from dion_jax.parallel import mesh as mesh_lib
 
 @pytest.mark.parametrize("spec, expected", [
     ("rp=1,fs=2,tp=2", {"rp": 1, "fs": 2, "ep": 1, "cp": 1, "tp": 2, "pp": 1}),
-    (" fs = 4 , tp=2 ", {"rp": 1, "fs": 4, "cp": 1, "tp": 2, "pp": 1}),
-    ("pp=2,rp=2,", {"rp": 2, "fs": 1, "cp": 1, "tp": 1, "pp": 2}),
-    ("cp=2,fs=2", {"rp": 1, "fs": 2, "cp": 2, "tp": 1, "pp": 1}),
-    ("", {"rp": 1, "fs": 1, "cp": 1, "tp": 1, "pp": 1}),
+    (" fs = 4 , tp=2 ", {"rp": 1, "fs": 4, "ep": 1, "cp": 1, "tp": 2, "pp": 1}),
+    ("pp=2,rp=2,", {"rp": 2, "fs": 1, "ep": 1, "cp": 1, "tp": 1, "pp": 2}),
+    ("cp=2,fs=2", {"rp": 1, "fs": 2, "ep": 1, "cp": 2, "tp": 1, "pp": 1}),
+    ("", {"rp": 1, "fs": 1, "ep": 1, "cp": 1, "tp": 1, "pp": 1}),
 ])
 def test_parse_mesh_spec(spec, expected):
   sizes = mesh_lib.parse_mesh_spec(spec)
@@ -21,7 +21,7 @@ def test_parse_mesh_spec(spec, expected):
 
 
 @pytest.mark.parametrize("spec, pattern", [
-    ("rp=2,dp=2", r"unknown axis 'dp'; use only rp, fs, cp, tp, pp"),
+    ("rp=2,dp=2", r"unknown axis 'dp'; use only rp, fs, ep, cp, tp, pp"),
     ("fs=2,tp=2,fs=2", r"axis 'fs' is given twice; give each axis at most once"),
     ("fs=0", r"size of axis 'fs' must be a positive integer, got '0'; write e.g. 'fs=2'"),
     ("tp=-2", r"size of axis 'tp' must be a positive integer, got '-2'"),
@@ -38,18 +38,18 @@ def test_parse_mesh_spec_errors(spec, pattern):
 def test_make_mesh_axes_and_types():
   mesh = mesh_lib.make_mesh("rp=2,fs=2,tp=2")
   assert mesh.axis_names == ("rp", "fs", "ep", "cp", "tp", "pp")
-  assert dict(mesh.shape) == {"rp": 2, "fs": 2, "cp": 1, "tp": 2, "pp": 1}
+  assert dict(mesh.shape) == {"rp": 2, "fs": 2, "ep": 1, "cp": 1, "tp": 2, "pp": 1}
   assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
 
 
 def test_make_mesh_from_mapping_and_devices():
   devices = jax.devices()[::-1]
   mesh = mesh_lib.make_mesh({"fs": 4, "tp": 2}, devices=devices)
-  assert dict(mesh.shape) == {"rp": 1, "fs": 4, "cp": 1, "tp": 2, "pp": 1}
+  assert dict(mesh.shape) == {"rp": 1, "fs": 4, "ep": 1, "cp": 1, "tp": 2, "pp": 1}
   assert [d.id for d in mesh.devices.flat] == [7, 6, 5, 4, 3, 2, 1, 0]
   assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
   sub = mesh_lib.make_mesh("tp=2", devices=jax.devices()[:2])
-  assert sub.devices.shape == (1, 1, 1, 2, 1)
+  assert sub.devices.shape == (1, 1, 1, 1, 2, 1)
 
 
 @pytest.mark.parametrize("sizes, pattern", [

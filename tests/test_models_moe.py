@@ -1,0 +1,192 @@
+"""Mixture of experts (models/moe.py): the routing against float64 NumPy, every mesh with ep
+against one device, Dion and Dion2 on expert stacks, and what the compiled step sends."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import dion_jax
+import models
+from models import moe
+from tests import model_meshes
+
+# 4 experts of width 32, 2 per token; two layers keep the compiles short.
+CFG = models.preset("tiny-moe", num_layers=2, d_model=32, num_heads=2, seq_len=16, mlp_dim=32, num_experts=4)
+# Half of what an expert would take at an even split: some assignments are dropped.
+CAPPED = models.preset("tiny-moe", **{**CFG.__dict__, "moe_capacity_factor": 0.5})
+BATCH = 8
+
+
+def _batch(seed=0, cfg=CFG):
+  tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (BATCH, cfg.seq_len + 1))
+  return {"inputs": jnp.asarray(tokens[:, :-1], jnp.int32), "targets": jnp.asarray(tokens[:, 1:], jnp.int32)}
+
+
+# --- the routing against an independent float64 implementation --------------------------
+
+
+def _np_mlp(x, up, down, gate, kind):
+  if kind == "swiglu":
+    g = x @ gate
+    return (g / (1 + np.exp(-g)) * (x @ up)) @ down
+  return np.square(np.maximum(x @ up, 0)) @ down
+
+
+def _np_moe(x, w, cfg):
+  """Token by token, in order: y [B, T, D] and the layer's statistics."""
+  B, T, _ = x.shape
+  E, k = cfg.num_experts, cfg.moe_top_k
+  cap = math.inf if cfg.moe_capacity_factor is None else math.ceil(cfg.moe_capacity_factor * T * k / E)
+  logits = x @ w["router"]
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  y = np.zeros_like(x)
+  balance = z = dropped = 0.0
+  load = np.zeros(E)
+  for b in range(B):
+    taken, routed = np.zeros(E), np.zeros(E)
+    for t in range(T):
+      top = np.argsort(-probs[b, t], kind="stable")[:k]
+      gates = probs[b, t, top] / (probs[b, t, top].sum() if cfg.moe_renormalize else 1.0)
+      for g, e in zip(gates, top):
+        routed[e] += 1
+        if taken[e] < cap:
+          taken[e] += 1
+          y[b, t] += g * _np_mlp(x[b, t], w["up"][e], w["down"][e], w.get("gate", [None] * E)[e], cfg.mlp)
+        else:
+          dropped += 1
+    balance += E * np.sum(routed / (T * k) * probs[b].mean(0))
+    load += routed
+    m = logits[b].max(-1)
+    z += np.sum(np.square(m + np.log(np.exp(logits[b] - m[:, None]).sum(-1))))
+  if cfg.moe_shared_expert:
+    y += _np_mlp(x, w["shared_up"], w["shared_down"], w.get("shared_gate"), cfg.mlp)
+  return y, moe.RouterStats(balance, z, load, dropped)
+
+
+ROUTINGS = {
+    "dropless": CFG,
+    "capacity, swiglu": models.preset("tiny-moe", **{**CAPPED.__dict__, "mlp": "swiglu"}),
+    "top-1, raw gates, shared expert": models.preset(
+        "tiny-moe", **{**CFG.__dict__, "moe_top_k": 1, "moe_renormalize": False, "moe_shared_expert": True}),
+}
+
+
+@pytest.mark.parametrize("name", ROUTINGS)
+def test_layer_matches_float64_numpy(name):
+  cfg = ROUTINGS[name]
+  layer = moe.MoE(cfg, rngs=nnx.Rngs(1))
+  x = np.random.default_rng(0).normal(size=(3, cfg.seq_len, cfg.d_model))
+  y, stats = layer(jnp.asarray(x, jnp.float32), models.Parallelism())
+  w = {"router": layer.router.kernel[...], **{n: getattr(layer.experts, n)[...] for n in ("up", "down", "gate")
+                                               if hasattr(layer.experts, n)}}
+  if cfg.moe_shared_expert:
+    w.update({f"shared_{n}": getattr(layer.shared, n).kernel[...] for n in ("up", "down", "gate")
+              if hasattr(layer.shared, n)})
+  want_y, want = _np_moe(x, jax.tree.map(lambda a: np.asarray(a, np.float64), w), cfg)
+  np.testing.assert_allclose(np.asarray(y), want_y, rtol=1e-4, atol=1e-5)
+  for got, expected in zip(stats, want):
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5)
+  if cfg.moe_capacity_factor is not None:
+    assert want.dropped > 0  # the cap binds, so the test sees drops
+
+
+def test_loss_adds_the_weighted_router_losses():
+  graphdef, params = models.init(CFG)
+  batch = _batch()
+  loss, aux = models.loss(graphdef, params, batch, aux=True)
+  B, T = batch["inputs"].shape
+  want = (CFG.moe_aux_loss_coeff * aux.router.balance.sum() + CFG.moe_z_loss_coeff * aux.router.z.sum() / T) / B
+  np.testing.assert_allclose(float(aux.router_loss), float(want), rtol=1e-6)
+  assert aux.router.load.shape == (1, CFG.num_layers, CFG.num_experts)
+  # A near-uniform router at init: each balance term is close to its minimum, 1.
+  np.testing.assert_allclose(np.asarray(aux.router.balance) / B, 1.0, atol=0.2)
+  dense = models.preset("tiny-moe", **{**CFG.__dict__, "moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": 0.0})
+  np.testing.assert_allclose(float(models.loss(models.init(dense)[0], params, batch)), float(loss - aux.router_loss),
+                             rtol=1e-6)
+
+
+# --- every mesh with ep gives one device's loss and gradients --------------------------
+
+
+@pytest.fixture(scope="module")
+def reference():
+  return {cfg: model_meshes.one_device(cfg, _batch(cfg=cfg)) for cfg in (CFG, CAPPED)}
+
+
+MESHES = [
+    ("ep=2", {}, CFG),
+    ("fs=2,ep=2", {}, CFG),
+    ("ep=2,tp=2", {}, CFG),
+    ("rp=2,ep=2", {}, CFG),
+    ("ep=2,pp=2", {"microbatches": 4}, CFG),
+    ("fs=2,ep=2,tp=2", {"sequence_parallel": True}, CFG),
+    ("ep=4", {}, CAPPED),
+]
+
+
+@pytest.mark.parametrize("spec,options,cfg", MESHES,
+                         ids=[f"{s}{o}{'-capped' if c is CAPPED else ''}" for s, o, c in MESHES])
+def test_mesh_matches_one_device(reference, spec, options, cfg):
+  model_meshes.assert_mesh_matches(reference[cfg], cfg, _batch(cfg=cfg), spec, options)
+
+
+OPTIMIZERS = {
+    "dion 1/4": lambda mesh, specs: dion_jax.dion(0.02, rank_fraction=0.25, mesh=mesh, partition_specs=specs),
+    # float32 Newton-Schulz: bfloat16's rounding would magnify the meshes' summation order.
+    "dion2": lambda mesh, specs: dion_jax.dion2(0.02, selection_scope="global", ortho_dtype=jnp.float32, mesh=mesh,
+                                                partition_specs=specs),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_training_on_fs_ep_tp_matches_one_device(name):
+  batches = [_batch(seed=i) for i in range(3)]
+  want_losses, want_params = model_meshes.train(CFG, batches, None, {}, OPTIMIZERS[name])
+  losses, params = model_meshes.train(CFG, batches, "fs=2,ep=2,tp=2", {}, OPTIMIZERS[name])
+  assert want_losses[-1] < want_losses[0]
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  model_meshes.assert_close_trees(params, want_params, rtol=1e-5)
+
+
+# --- what each device holds, and what the compiled step communicates --------------------
+
+
+def test_expert_bytes_per_device_scale_with_ep_fs_tp():
+  def expert_bytes(params):
+    experts = params["blocks"]["mlp"]["experts"]
+    return sum(s.data.nbytes for x in jax.tree.leaves(experts) for s in x.addressable_shards
+               if s.device == jax.devices()[0])
+
+  total = expert_bytes(models.init(CFG)[1])
+  for spec, shards in (("ep=2", 2), ("ep=4", 4), ("fs=2,ep=2,tp=2", 8), ("ep=8", 4)):
+    if spec == "ep=8":  # 4 experts do not split 8 ways
+      with pytest.raises(ValueError, match="not divisible"):
+        models.init(CFG, models.Parallelism(model_meshes.mesh(spec)))
+      continue
+    assert expert_bytes(models.init(CFG, models.Parallelism(model_meshes.mesh(spec)))[1]) == total // shards, spec
+
+
+def test_ep_step_sends_tokens_by_all_to_all_and_never_gathers_experts():
+  """Capacity factor 1: each direction's all-to-all carries exactly tokens·k rows of d_model."""
+  cfg = models.preset("tiny-moe", **{**CFG.__dict__, "moe_capacity_factor": 1.0})
+  mesh = model_meshes.mesh("fs=2,ep=2")
+  par = models.Parallelism(mesh)
+  graphdef, params = models.init(cfg, par)
+  with jax.set_mesh(mesh):
+    compiled = jax.jit(jax.value_and_grad(lambda p, b: models.loss(graphdef, p, b, par))).lower(
+        params, _batch(cfg=cfg)).compile()
+  stats = dion_jax.collective_stats(compiled, mesh)
+  (to_all,) = [s for s in stats if s.op == "all-to-all"]
+  assert to_all.axes == ("ep",)
+  # Per layer (one scan body): rows out and back in the forward pass, the same again in the
+  # backward pass's recomputation, and the transposes of both; each carries this device's
+  # tokens·k rows of d_model (float32). Plus the row counts [ep, E/ep] (int32), twice.
+  rows = BATCH // 4 * cfg.seq_len * cfg.moe_top_k * cfg.d_model * 4
+  counts = 2 * cfg.num_experts // 2 * 4
+  assert (to_all.count, to_all.bytes) == (8, 6 * rows + 2 * counts)
+  # Experts are gathered over fs only (ZeRO-3), never across ep.
+  assert all("ep" not in s.axes for s in stats if s.op == "all-gather"), stats
