@@ -1,11 +1,12 @@
-"""Hugging Face Llama and Qwen3 checkpoints as :class:`GPTConfig` options, and their tensors
-as our parameter leaves (and back), in NumPy: no torch, no file format here.
+"""Hugging Face Llama, Qwen3 and Qwen3-MoE checkpoints as :class:`GPTConfig` options, and
+their tensors as our parameter leaves (and back), in NumPy: no torch, no file format here.
 
 Configs: :func:`from_hf_config` maps a ``config.json`` dict (``LlamaForCausalLM``,
-``Qwen3ForCausalLM``) onto a :class:`GPTConfig`; :func:`to_hf_config` writes one back.
+``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``) onto a :class:`GPTConfig`; :func:`to_hf_config`
+writes one back.
 
 Tensors. Every parameter leaf of the GPT (``models/gpt.py``'s tree) is read from one
-Hugging Face tensor per layer:
+Hugging Face tensor per layer (per layer and expert for the experts):
 
     embed/embedding                   model.embed_tokens.weight          [V, D]
     blocks/attn_norm/scale            model.layers.{i}.input_layernorm.weight
@@ -13,6 +14,9 @@ Hugging Face tensor per layer:
     blocks/attn/{query,key}_norm/scale         ...self_attn.{q,k}_norm.weight (Qwen3)
     blocks/mlp_norm/scale             model.layers.{i}.post_attention_layernorm.weight
     blocks/mlp/{gate,up,down}/kernel  model.layers.{i}.mlp.{gate,up,down}_proj.weight (transposed)
+    blocks/mlp/router/kernel          model.layers.{i}.mlp.gate.weight (transposed; Qwen3-MoE)
+    blocks/mlp/experts/{gate,up,down} model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight
+                                      (expert e of [.., E, fan_in, fan_out], transposed; Qwen3-MoE)
     final_norm/scale                  model.norm.weight
     lm_head/kernel                    lm_head.weight (transposed; absent when tied)
 
@@ -24,6 +28,16 @@ each pair (x[i], x[i + H/2]) by minus the angle (the reference's convention), Hu
 Face's by plus it; negating x[i + H/2] of both query and key maps one onto the other and
 leaves every query-key product, hence the model, unchanged (QK-norm scales are per
 dimension and commute with it).
+
+Qwen3-MoE's routing is ours (``models/moe.py``: softmax over all experts in float32, top-k,
+``norm_topk_prob`` renormalizes), on every layer and without a shared expert; a config with
+dense layers (``decoder_sparse_step`` != 1, ``mlp_only_layers``) or a shared expert is
+refused. The experts are stored one tensor per expert, as on the Hub and as transformers'
+``save_pretrained`` writes them (it fuses them into ``gate_up_proj`` in memory only).
+``router_aux_loss_coef`` becomes ``moe_aux_loss_coeff``, the weight of our balance loss
+(per layer and sequence, where transformers pools layers and batch), and the z-loss,
+which Qwen3-MoE lacks, is off; a capacity factor is a training choice the export drops
+(transformers routes every token).
 
 :func:`read_leaf` assembles any slice of a leaf from slices of the tensors, so that a
 process reads only what its devices hold (``train/hf.py``).
@@ -39,7 +53,7 @@ import numpy as np
 from models.config import GPTConfig
 from models.sharding import to_stages
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 
 # leaf path (without "blocks/") -> Hugging Face name, with {i} the layer.
 _LAYER_NAMES = {
@@ -51,9 +65,18 @@ _LAYER_NAMES = {
     "attn/query_norm/scale": "model.layers.{i}.self_attn.q_norm.weight",
     "attn/key_norm/scale": "model.layers.{i}.self_attn.k_norm.weight",
     "mlp_norm/scale": "model.layers.{i}.post_attention_layernorm.weight",
+}
+_MLP_NAMES = {
     "mlp/gate/kernel": "model.layers.{i}.mlp.gate_proj.weight",
     "mlp/up/kernel": "model.layers.{i}.mlp.up_proj.weight",
     "mlp/down/kernel": "model.layers.{i}.mlp.down_proj.weight",
+}
+# {e}: the expert.
+_MOE_NAMES = {
+    "mlp/router/kernel": "model.layers.{i}.mlp.gate.weight",
+    "mlp/experts/gate": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+    "mlp/experts/up": "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+    "mlp/experts/down": "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
 }
 _TOP_NAMES = {
     "embed/embedding": "model.embed_tokens.weight",
@@ -74,7 +97,9 @@ def from_hf_config(hf: dict, *, seq_len: int, dtype: str = "float32", **options)
     hf: the parsed config.json.
     seq_len: training sequence length (a checkpoint only records its maximum).
     dtype: compute dtype.
-    options: other GPTConfig fields (remat, attention, unroll).
+    options: other GPTConfig fields (remat, attention, unroll); a mixture of experts'
+      training options (moe_capacity_factor, moe_aux_loss_coeff, moe_z_loss_coeff) replace
+      the checkpoint's.
 
   Raises:
     UnsupportedCheckpoint: another architecture, or an option we do not implement.
@@ -93,6 +118,22 @@ def from_hf_config(hf: dict, *, seq_len: int, dtype: str = "float32", **options)
       "rope type": (rope_type if rope_type != "llama3" else "default", "default"),
       "use_sliding_window": (bool(hf.get("use_sliding_window", False)), False),
   }
+  moe = {}
+  if kind == "qwen3_moe":
+    # transformers saves num_experts under its alias num_local_experts; the Hub's files use num_experts.
+    experts = hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"]
+    if experts < 1:
+      raise UnsupportedCheckpoint(f"{archs[0]} with num_experts={experts} (no expert) is not supported")
+    # Every layer a mixture of experts, none shared: dense layers would need a second MLP
+    # shape in the layer stack.
+    checks.update({
+        "decoder_sparse_step": (hf.get("decoder_sparse_step", 1), 1),
+        "mlp_only_layers": (list(hf.get("mlp_only_layers") or []), []),
+        "shared_expert_intermediate_size": (hf.get("shared_expert_intermediate_size") or 0, 0),
+    })
+    moe = {"num_experts": experts, "moe_top_k": hf["num_experts_per_tok"],
+           "moe_renormalize": bool(hf.get("norm_topk_prob", False)),
+           "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.001)), "moe_z_loss_coeff": 0.0}
   for name, (got, want) in checks.items():
     if got != want:
       raise UnsupportedCheckpoint(f"{archs[0]} with {name}={got!r} is not supported (only {want!r})")
@@ -105,11 +146,33 @@ def from_hf_config(hf: dict, *, seq_len: int, dtype: str = "float32", **options)
   return GPTConfig(
       vocab_size=hf["vocab_size"], num_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"],
       num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, mlp_dim=hf["intermediate_size"],
-      mlp="swiglu", qk_norm="rms_scale" if kind == "qwen3" else "none",
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+      mlp_dim=hf["moe_intermediate_size"] if moe else hf["intermediate_size"],
+      mlp="swiglu", qk_norm="none" if kind == "llama" else "rms_scale",
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_base=float(theta), rope_llama3=llama3,
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), mask_vocab_padding=True,
-      seq_len=seq_len, dtype=dtype, **options)
+      seq_len=seq_len, dtype=dtype, **{**moe, **options})
+
+
+def _export_kind(cfg: GPTConfig) -> str:
+  """The :data:`ARCHITECTURES` kind ``cfg`` exports as.
+
+  Raises:
+    UnsupportedCheckpoint: no Llama, Qwen3 or Qwen3-MoE (the reference GPT's ReLU² MLP and
+      unscaled QK-norm, a mixture of experts without QK-norm scales or with a shared
+      expert have no Hugging Face architecture here).
+  """
+  if cfg.mlp != "swiglu" or cfg.qk_norm == "rms":
+    raise UnsupportedCheckpoint(
+        f"this model (mlp={cfg.mlp}, qk_norm={cfg.qk_norm}) is no Llama or Qwen3: only models"
+        " with mlp=swiglu and qk_norm none (Llama) or rms_scale (Qwen3) export")
+  if not cfg.num_experts:
+    return "qwen3" if cfg.qk_norm == "rms_scale" else "llama"
+  if cfg.qk_norm != "rms_scale" or cfg.moe_shared_expert:
+    raise UnsupportedCheckpoint(
+        f"this mixture of experts (qk_norm={cfg.qk_norm}, moe_shared_expert={cfg.moe_shared_expert})"
+        " is no Qwen3-MoE: only mixtures with qk_norm rms_scale and no shared expert export")
+  return "qwen3_moe"
 
 
 def to_hf_config(cfg: GPTConfig, base: dict | None = None) -> dict:
@@ -117,20 +180,14 @@ def to_hf_config(cfg: GPTConfig, base: dict | None = None) -> dict:
   token ids and the like) with our fields written over it.
 
   Raises:
-    UnsupportedCheckpoint: ``cfg`` is no Llama or Qwen3 (the reference GPT's ReLU² MLP
-      and unscaled QK-norm have no Hugging Face architecture).
+    UnsupportedCheckpoint: ``cfg`` is no Llama, Qwen3 or Qwen3-MoE (:func:`_export_kind`).
   """
-  if cfg.mlp != "swiglu" or cfg.qk_norm == "rms":
-    raise UnsupportedCheckpoint(
-        f"this model (mlp={cfg.mlp}, qk_norm={cfg.qk_norm}) is no Llama or Qwen3: only models"
-        " with mlp=swiglu and qk_norm none (Llama) or rms_scale (Qwen3) export")
-  qwen3 = cfg.qk_norm == "rms_scale"
+  kind = _export_kind(cfg)
   out = dict(base or {})
   out.pop("rope_scaling", None)
   out.update(
-      architectures=["Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"],
-      model_type="qwen3" if qwen3 else "llama", vocab_size=cfg.vocab_size,
-      hidden_size=cfg.d_model, intermediate_size=cfg.d_mlp, num_hidden_layers=cfg.num_layers,
+      architectures=[next(a for a, k in ARCHITECTURES.items() if k == kind)], model_type=kind,
+      vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.num_layers,
       num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
       hidden_act="silu", rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_base,
       rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base},
@@ -142,8 +199,17 @@ def to_hf_config(cfg: GPTConfig, base: dict | None = None) -> dict:
     out["rope_parameters"] = {**scaling, "rope_theta": cfg.rope_base}
     out["rope_scaling"] = scaling
   out.setdefault("max_position_embeddings", cfg.seq_len)
-  if not qwen3:
+  if kind == "llama":
     out["mlp_bias"] = False
+  if kind == "qwen3_moe":
+    # intermediate_size, the width of dense layers, which we have none of, stays the base's.
+    # num_local_experts, transformers' alias, would win over num_experts.
+    out.pop("num_local_experts", None)
+    out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_top_k,
+               moe_intermediate_size=cfg.d_mlp, norm_topk_prob=cfg.moe_renormalize,
+               router_aux_loss_coef=cfg.moe_aux_loss_coeff, decoder_sparse_step=1, mlp_only_layers=[])
+  else:
+    out["intermediate_size"] = cfg.d_mlp
   return out
 
 
@@ -152,18 +218,22 @@ class LeafSource:
   """Where one parameter leaf comes from.
 
   Attributes:
-    names: the Hugging Face tensor of each layer of the stack (one name when not stacked).
+    names: the Hugging Face tensor of each layer of the stack (one name when not stacked);
+      of each layer and expert, layer-major, for an expert leaf.
     transpose: the tensor is torch's (fan_out, fan_in) of our (fan_in, fan_out) kernel.
     head_dim: flip the sign of the second half of each head of the kernel's columns
       (query and key; 0: none).
     padded_axis: our axis holding the vocabulary, padded with zeros past ``vocab``.
     vocab: the real vocabulary size.
+    experts: for an expert leaf ``[.., E, fan_in, fan_out]``, E (its axis after the layer
+      axes holds one tensor per expert); else 0.
   """
   names: tuple[str, ...]
   transpose: bool
   head_dim: int = 0
   padded_axis: int | None = None
   vocab: int = 0
+  experts: int = 0
 
 
 def leaf_sources(cfg: GPTConfig) -> dict[str, LeafSource]:
@@ -175,13 +245,24 @@ def leaf_sources(cfg: GPTConfig) -> dict[str, LeafSource]:
       continue
     padded = {"embed/embedding": 0, "lm_head/kernel": 1}.get(path)
     out[path] = LeafSource((name,), path.endswith("kernel"), padded_axis=padded, vocab=cfg.vocab_size)
-  for path, name in _LAYER_NAMES.items():
+  for path, name in {**_LAYER_NAMES, **(_MOE_NAMES if cfg.num_experts else _MLP_NAMES)}.items():
     if (("gate" in path and cfg.mlp != "swiglu")
         or ("_norm/" in path and path.startswith("attn/") and cfg.qk_norm != "rms_scale")):
       continue
-    out["blocks/" + path] = LeafSource(tuple(name.format(i=i) for i in layers), path.endswith("kernel"),
-                                       head_dim=cfg.head_dim if path in _ROTATED else 0)
+    experts = cfg.num_experts if "{e}" in name else 0
+    names = tuple(name.format(i=i, e=e) for i in layers for e in range(max(experts, 1)))
+    out["blocks/" + path] = LeafSource(names, not path.endswith("/scale"),
+                                       head_dim=cfg.head_dim if path in _ROTATED else 0, experts=experts)
   return out
+
+
+def hf_shape(source: LeafSource, shape: tuple[int, ...]) -> tuple[int, ...]:
+  """The shape of each Hugging Face tensor of a leaf of ``shape`` without its layer axes
+  (with its expert axis)."""
+  shape = list(shape[1:] if source.experts else shape)
+  if source.padded_axis is not None:
+    shape[source.padded_axis] = source.vocab
+  return tuple(reversed(shape)) if source.transpose else tuple(shape)
 
 
 def _head_signs(columns: slice, head_dim: int) -> np.ndarray:
@@ -213,14 +294,20 @@ def read_core(source: LeafSource, name: str, index: tuple[slice, ...], shape: tu
 def read_leaf(source: LeafSource, index: tuple[slice, ...], shape: tuple[int, ...], pp: int,
               virtual_stages: int, get: Callable[[str, tuple[slice, ...]], np.ndarray]) -> np.ndarray:
   """Slice ``index`` of a leaf of global ``shape``: stacked leaves ``(stages, layers per
-  stage, ...)`` in ``pp``'s stage layout (:func:`models.to_stages`), others as they are."""
+  stage, ...)`` in ``pp``'s stage layout (:func:`models.to_stages`), expert leaves
+  ``(stages, layers per stage, experts, ...)``, others as they are."""
   if not is_stacked(source):
     return read_core(source, source.names[0], index, shape, get)
-  layer_ids = to_stages(np.arange(len(source.names)), pp, virtual_stages)  # [S, Ls]
-  ids = layer_ids[index[0], index[1]]
-  core_index, core_shape = index[2:], shape[2:]
+  experts = max(source.experts, 1)
+  layer_ids = to_stages(np.arange(len(source.names) // experts), pp, virtual_stages)  # [S, Ls]
+  ids = layer_ids[index[0], index[1]]  # [s, l]: into names
+  axes = 2
+  if source.experts:  # [s, l, e]
+    ids = ids[..., None] * experts + np.arange(experts)[index[2]]
+    axes = 3
+  core_index, core_shape = index[axes:], shape[axes:]
   out = None
-  for pos in np.ndindex(*ids.shape):  # filled layer by layer: no second copy of the slice
+  for pos in np.ndindex(*ids.shape):  # filled tensor by tensor: no second copy of the slice
     x = read_core(source, source.names[ids[pos]], core_index, core_shape, get)
     if out is None:
       out = np.empty(ids.shape + x.shape, np.float32)
@@ -229,7 +316,7 @@ def read_leaf(source: LeafSource, index: tuple[slice, ...], shape: tuple[int, ..
 
 
 def is_stacked(source: LeafSource) -> bool:
-  """Whether the leaf is a stack of layers (one tensor per layer)."""
+  """Whether the leaf is a stack of layers (one tensor per layer, or per layer and expert)."""
   return source.names[0].startswith("model.layers.")
 
 
@@ -242,9 +329,9 @@ def to_hf_tensors(cfg: GPTConfig, params: Any) -> dict[str, Callable[[], np.ndar
   if unknown:
     raise UnsupportedCheckpoint(f"parameters {sorted(unknown)} have no Hugging Face tensor")
 
-  def tensor(source: LeafSource, x: Any, layer: int | None) -> Callable[[], np.ndarray]:
+  def tensor(source: LeafSource, x: Any, at: tuple[int, ...]) -> Callable[[], np.ndarray]:
     def make():
-      w = np.asarray(x[layer] if layer is not None else x, np.float32)
+      w = np.asarray(x[at], np.float32)
       if source.head_dim:
         w = w * _head_signs(slice(0, w.shape[-1]), source.head_dim)
       if source.padded_axis is not None:
@@ -254,9 +341,11 @@ def to_hf_tensors(cfg: GPTConfig, params: Any) -> dict[str, Callable[[], np.ndar
 
   out = {}
   for path, source in leaf_sources(cfg).items():
-    layers = range(len(source.names)) if is_stacked(source) else [None]
-    for name, layer in zip(source.names, layers):
-      out[name] = tensor(source, flat[path], layer)
+    x = flat[path]
+    # the axes that index the tensors, in names' order: none, [L] or [L, E]
+    grid = np.shape(x)[:is_stacked(source) + bool(source.experts)]
+    for name, at in zip(source.names, np.ndindex(*grid)):
+      out[name] = tensor(source, x, at)
   return out
 
 
@@ -265,10 +354,8 @@ def hf_nbytes(cfg: GPTConfig, params: Any) -> dict[str, int]:
   flat = flatten(params)
   out = {}
   for path, source in leaf_sources(cfg).items():
-    shape = list(np.shape(flat[path])[1:] if is_stacked(source) else np.shape(flat[path]))
-    if source.padded_axis is not None:
-      shape[source.padded_axis] = cfg.vocab_size
-    out.update(dict.fromkeys(source.names, 4 * int(np.prod(shape))))
+    shape = np.shape(flat[path])[1:] if is_stacked(source) else np.shape(flat[path])
+    out.update(dict.fromkeys(source.names, 4 * int(np.prod(hf_shape(source, shape)))))
   return out
 
 

@@ -1,6 +1,9 @@
-"""Hugging Face Llama and Qwen3 checkpoints imported into the GPT: transformers (PyTorch,
-CPU) is the independent reference. Tiny random models are built from configs (no
+"""Hugging Face Llama, Qwen3 and Qwen3-MoE checkpoints imported into the GPT: transformers
+(PyTorch, CPU) is the independent reference. Tiny random models are built from configs (no
 download) and written with ``save_pretrained``."""
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,7 +31,14 @@ ARCHS = {
     # an explicit head_dim (32 != 64 / 4), QK-norm with scales, tied embeddings
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
               {"vocab_size": 256, "head_dim": 32, "tie_word_embeddings": True}),
+    # 4 experts of width 32 on every layer, 2 per token with renormalized gates; untied
+    # vocab 200; transformers' reference loop over experts
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  {"vocab_size": 200, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "norm_topk_prob": True, "router_aux_loss_coef": 0.02, "experts_implementation": "eager"}),
 }
+# MoE layers run on neither pp nor cp yet (models/moe.py): experts split over ep instead.
+MESHES = {"llama": "fs=2,tp=2,pp=2", "qwen3": "fs=2,tp=2,pp=2", "qwen3_moe": "fs=2,ep=2,tp=2"}
 
 
 def make_hf_model(arch: str, directory, seed: int = 0, **overrides):
@@ -41,6 +51,9 @@ def make_hf_model(arch: str, directory, seed: int = 0, **overrides):
     for name, p in model.named_parameters():
       if name.endswith("norm.weight"):
         p.copy_(1 + 0.5 * torch.randn_like(p))
+      # routers far from uniform and experts larger than the 0.02 init: a misrouted token shows
+      elif ".mlp.gate.weight" in name or ".mlp.experts." in name:
+        p.normal_(0, 0.3 if ".gate." in name else 0.1)
   model.save_pretrained(directory, safe_serialization=True)
   return model
 
@@ -77,23 +90,24 @@ def test_import_matches_transformers_logits(tmp_path, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_import_on_fs_tp_pp_mesh(tmp_path, arch):
-  """Read onto fs=2,tp=2,pp=2 slice by slice: the same arrays as on one device, and the
-  mesh's loss (with sequence parallelism) is transformers' loss."""
+def test_import_on_mesh(tmp_path, arch):
+  """Read onto ``MESHES[arch]`` slice by slice: the same arrays as on one device, and the
+  mesh's loss (with sequence parallelism; without the router's auxiliary losses) is
+  transformers' loss."""
   model = make_hf_model(arch, tmp_path)
   cfg = hf_io.model_config(str(tmp_path), seq_len=SEQ)
-  mesh = dion_jax.make_mesh("fs=2,tp=2,pp=2", jax.devices()[:8])
+  mesh = dion_jax.make_mesh(MESHES[arch], jax.devices()[:8])
   par = models.Parallelism(mesh, sequence_parallel=True, microbatches=2)
   graphdef, params = hf_io.load(str(tmp_path), cfg, par)
   _, single = hf_io.load(str(tmp_path), cfg, models.Parallelism())
-  layered = dict(params, blocks=models.to_layers(params["blocks"], 2))
+  layered = dict(params, blocks=models.to_layers(params["blocks"], par.pp))
   single = dict(single, blocks=models.to_layers(single["blocks"], 1))
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), layered, single)
   t = tokens(cfg.vocab_size)
   batch = {"inputs": jnp.asarray(t[:, :-1]), "targets": jnp.asarray(t[:, 1:])}
   with jax.set_mesh(mesh):
-    loss = float(jax.jit(lambda p, b: models.loss(graphdef, p, b, par))(params, batch))
-  assert loss == pytest.approx(np_loss(hf_logits(model, t[:, :-1]), t[:, 1:]), rel=1e-5)
+    loss, aux = jax.jit(lambda p, b: models.loss(graphdef, p, b, par, aux=True))(params, batch)
+  assert float(loss - aux.router_loss) == pytest.approx(np_loss(hf_logits(model, t[:, :-1]), t[:, 1:]), rel=1e-5)
 
 
 def test_kv_heads_must_split_over_tp(tmp_path):
@@ -112,6 +126,34 @@ def test_unsupported_checkpoints_are_named():
     hf_map.from_hf_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, seq_len=8)
   with pytest.raises(hf_map.UnsupportedCheckpoint, match="no Llama or Qwen3"):
     hf_map.to_hf_config(models.preset("tiny"))
+  # Qwen3-MoE with dense layers, a shared expert or no expert
+  moe = {**base, **ARCHS["qwen3_moe"][2], "architectures": ["Qwen3MoeForCausalLM"]}
+  for field, value in (("decoder_sparse_step", 2), ("mlp_only_layers", [1]),
+                       ("shared_expert_intermediate_size", 64), ("num_experts", 0)):
+    with pytest.raises(hf_map.UnsupportedCheckpoint, match=re.escape(f"{field}={value}")):
+      hf_map.from_hf_config({**moe, field: value}, seq_len=8)
+  cfg = hf_map.from_hf_config(moe, seq_len=8)
+  for change in ({"moe_shared_expert": True}, {"qk_norm": "none"}):
+    with pytest.raises(hf_map.UnsupportedCheckpoint, match="no Qwen3-MoE"):
+      hf_map.to_hf_config(dataclasses.replace(cfg, **change))
+
+
+def test_qwen3_moe_config_both_ways():
+  """transformers' config (which writes num_experts as its alias num_local_experts) gives the
+  MoE fields; ours reads back the same and loads in transformers."""
+  config_cls, _, extra = ARCHS["qwen3_moe"]
+  hf = config_cls(**{**COMMON, **extra}, architectures=["Qwen3MoeForCausalLM"]).to_dict()
+  assert "num_local_experts" in hf
+  cfg = hf_map.from_hf_config(hf, seq_len=8)
+  assert (cfg.num_experts, cfg.moe_top_k, cfg.d_mlp, cfg.moe_renormalize, cfg.moe_capacity_factor) == (4, 2, 32, True, None)
+  assert (cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff, cfg.qk_norm) == (0.02, 0.0, "rms_scale")
+  out = hf_map.to_hf_config(cfg, hf)
+  assert hf_map.from_hf_config(out, seq_len=8) == cfg and "num_local_experts" not in out
+  back = config_cls.from_dict(out)
+  assert (back.num_experts, back.num_experts_per_tok, back.moe_intermediate_size, back.norm_topk_prob) == (4, 2, 32, True)
+  # training options replace the checkpoint's
+  tuned = hf_map.from_hf_config(hf, seq_len=8, moe_capacity_factor=1.5, moe_aux_loss_coeff=0.1)
+  assert (tuned.moe_capacity_factor, tuned.moe_aux_loss_coeff) == (1.5, 0.1)
 
 
 def test_default_labels_route_the_new_matrices():

@@ -108,11 +108,17 @@ def test_bad_input_one_line_exit_2(trained, tmp_path, capsys):
   bad.mkdir()
   config = json.loads((source / "config.json").read_text())
   (bad / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+  dense_moe = tmp_path / "dense_moe"  # a Qwen3-MoE with a dense layer every other one
+  dense_moe.mkdir()
+  (dense_moe / "config.json").write_text(json.dumps({
+      **config, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
+      "moe_intermediate_size": 32, "decoder_sparse_step": 2}))
   cases = [
       (gpt.main, ["--init-from", f"hf:{bad}", "--run-dir", str(tmp_path / "r1")], "GPT2LMHeadModel"),
       (gpt.main, ["--init-from", f"hf:{source}", "--num-layers", "3", "--run-dir", str(tmp_path / "r2")],
        "--num-layers"),
       (eval_lib.main, [f"hf:{tmp_path / 'missing'}", "--data", "stdlib:val"], "config.json"),
+      (eval_lib.main, [f"hf:{dense_moe}", "--data", "stdlib:val"], "decoder_sparse_step=2"),
       (export_lib.main, [str(run), "--output", str(source)], "already exists"),
   ]
   for main, argv, message in cases:
@@ -153,3 +159,53 @@ def test_sample_writes_with_the_run_tokenizer(trained, capsys):
   assert sample.main([str(run), "--prompt", "w1 w2", "--max-new-tokens", "3"]) == 0
   words = capsys.readouterr().out.split()
   assert words[:2] == ["w1", "w2"] and len(words) == 5
+
+
+def test_qwen3_moe_export_is_what_transformers_saved(tmp_path):
+  """Import then export, with no training between: the per-expert tensors save_pretrained
+  wrote, under the same names, and from_pretrained loads the source model's exact weights."""
+  source = tmp_path / "qwen3_moe"
+  model = make_hf_model("qwen3_moe", source)
+  cfg = hf_io.model_config(str(source), seq_len=SEQ)
+  _, params = hf_io.load(str(source), cfg, models.Parallelism())
+  params = jax.tree.map(np.asarray, dict(params, blocks=models.to_layers(params["blocks"], 1)))
+  out = tmp_path / "export"
+  hf_io.save(str(out), cfg, params, hf_io.read_config(str(source)), max_shard_bytes=100000)
+  assert (out / "model.safetensors.index.json").exists()
+  assert set(hf_io._weight_files(str(out))) == set(hf_io._weight_files(str(source)))
+  loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+  assert type(loaded) is type(model)
+  want, got = model.state_dict(), loaded.state_dict()
+  assert set(got) == set(want)
+  for name in want:
+    assert got[name].equal(want[name]), name
+
+
+def test_qwen3_moe_fine_tune_export(tmp_path):
+  """One step of a tiny Qwen3-MoE with its experts split over ep=2 (AdamW, whose step
+  compiles faster than Dion's); train.export of the run loads in transformers with our
+  logits, and importing it again is bit-exact."""
+  source = tmp_path / "qwen3_moe"
+  make_hf_model("qwen3_moe", source, vocab_size=VOCAB)
+  run = tmp_path / "run"
+  assert gpt.main(["--init-from", f"hf:{source}", "--optimizer", "adamw", "--steps", "1",
+                   "--global-batch-size", "4", "--seq-len", str(SEQ), "--run-dir", str(run),
+                   "--eval-tokens", "0", "--mesh", "ep=2", "--lr", "0.01"]) == 0
+  restored = sample.restore(str(run))
+  _, initial = hf_io.load(str(source), restored.cfg, models.Parallelism())
+  # the experts trained
+  initial_gate = models.to_layers(initial["blocks"], 1)["mlp"]["experts"]["gate"]
+  assert not np.allclose(initial_gate, restored.params["blocks"]["mlp"]["experts"]["gate"])
+  out = tmp_path / "export"
+  assert export_lib.main([str(run), "--output", str(out)]) == 0
+  model, info = transformers.AutoModelForCausalLM.from_pretrained(out, experts_implementation="eager",
+                                                                  output_loading_info=True)
+  assert not any(info.values()), info  # no missing, unexpected or mismatched tensor
+  tokens = np.random.default_rng(0).integers(0, VOCAB, (2, SEQ)).astype(np.int32)
+  ours = np.asarray(sample.logits(restored.graphdef, restored.params, jnp.asarray(tokens)))[..., :VOCAB]
+  np.testing.assert_allclose(ours, hf_logits(model.eval(), tokens), atol=1e-4, rtol=0)
+  cfg = hf_io.model_config(str(out), seq_len=SEQ)
+  assert cfg == restored.cfg
+  _, params = hf_io.load(str(out), cfg, models.Parallelism())
+  params = dict(params, blocks=models.to_layers(params["blocks"], 1))
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, restored.params)

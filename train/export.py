@@ -3,8 +3,8 @@
 Writes ``config.json`` (the imported checkpoint's, with the model's fields written over it,
 when the run started from ``--init-from hf:DIR``), the weights as ``model.safetensors`` (or
 shards and ``model.safetensors.index.json`` above ``--max-shard-bytes``) and, for a run
-from a Hugging Face checkpoint, its tokenizer files. Only Llama- and Qwen3-shaped models
-export (``models/hf.py``). Atomic: the files go to a temporary directory beside DIR,
+from a Hugging Face checkpoint, its tokenizer files. Only Llama-, Qwen3- and Qwen3-MoE-shaped
+models export (``models/hf.py``). Atomic: the files go to a temporary directory beside DIR,
 renamed to DIR only when complete, so a failed export leaves nothing.
 
 Bad input prints one ``error: ...`` line on stderr and exits with code 2.

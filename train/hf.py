@@ -92,10 +92,7 @@ def _check_shapes(cfg: models.GPTConfig, reader: _Reader, directory: str) -> Non
   """Every tensor the model needs exists with the shape the config implies."""
   flat = hf_map.flatten(jax.tree.map(lambda s: s.shape, models.abstract(cfg)[1]))
   for path, source in hf_map.leaf_sources(cfg).items():
-    shape = flat[path][2:] if hf_map.is_stacked(source) else flat[path]
-    if source.padded_axis is not None:
-      shape = tuple(cfg.vocab_size if a == source.padded_axis else n for a, n in enumerate(shape))
-    want = tuple(reversed(shape)) if source.transpose else tuple(shape)
+    want = hf_map.hf_shape(source, flat[path][2:] if hf_map.is_stacked(source) else flat[path])
     for name in source.names:
       got = reader.shape(name)
       if got != want:
