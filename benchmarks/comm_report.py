@@ -2,6 +2,7 @@
 
     python -m benchmarks.comm_report --mesh rp=2,fs=2,tp=2
     python -m benchmarks.comm_report --optimizer muon --mesh fs=4,tp=2 --layers 8 --d-model 256
+    python -m benchmarks.comm_report --num-experts 8 --mesh rp=2,fs=2,ep=2 --layers 4 --d-model 256
 
 Compiles one update of the matrix transformation (``scale_by_dion``, or
 ``scale_by_orthogonal`` for dion2/nordion2/normuon/muon) for the Dion-labelled matrices of a
@@ -40,9 +41,11 @@ from dion_jax import accounting
 OPTIMIZERS = ("dion", "dion2", "nordion2", "normuon", "muon")
 
 
-def gpt_matrices(layers: int, d_model: int, pp: int) -> tuple[dict, dict]:
-  """(shapes, specs) by path of the repository GPT's Dion-labelled kernels."""
-  cfg = models.preset("small", num_layers=layers, d_model=d_model, num_heads=max(1, d_model // 64))
+def gpt_matrices(layers: int, d_model: int, pp: int, num_experts: int = 0) -> tuple[dict, dict]:
+  """(shapes, specs) by path of the repository GPT's Dion-labelled kernels (with
+  ``num_experts``, its MoE's router and expert stacks instead of the MLP's)."""
+  cfg = models.preset("small", num_layers=layers, d_model=d_model, num_heads=max(1, d_model // 64),
+                      num_experts=num_experts)
 
   def create():
     params = nnx.to_pure_dict(nnx.state(models.GPT(cfg, rngs=nnx.Rngs(0))))
@@ -147,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="the repository's GPT (default) or GPT-124M shapes with a fused qkv")
   parser.add_argument("--layers", type=int, default=12, help="transformer layers (default 12)")
   parser.add_argument("--d-model", type=int, default=768, help="model width (default 768)")
+  parser.add_argument("--num-experts", type=int, default=0,
+                      help="--matrices gpt: a mixture of this many experts per layer (default 0: dense);"
+                           " experts split over the mesh's ep")
   parser.add_argument("--rank-fractions", default="1,0.5,0.25,0.0625",
                       help="Dion's rank fractions, comma-separated (default 1,0.5,0.25,0.0625)")
   args = parser.parse_args(argv)
@@ -158,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
       pass  # The backend already started (e.g. called from Python): use its devices.
     mesh = harness.mesh(args.mesh)
     if args.matrices == "gpt":
-      shapes, specs = gpt_matrices(args.layers, args.d_model, sizes["pp"])
+      shapes, specs = gpt_matrices(args.layers, args.d_model, sizes["pp"], args.num_experts)
     else:
       shapes, specs = gpt124m_fused_matrices(args.layers, args.d_model)
     dion_jax.tree_check_divisible({k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}, specs, mesh)

@@ -157,6 +157,24 @@ def test_reshard_onto_other_meshes(compile_cache, tmp_path):
       np.testing.assert_allclose(r["grad_norm"], ref[step]["grad_norm"], rtol=1e-5, err_msg=mesh)
 
 
+def test_moe_reshards_onto_other_expert_layouts(compile_cache, tmp_path):
+  """A mixture-of-experts run saved on rp=2,ep=2,tp=2 (Dion's per-replica momenta) resumes on
+  fs=2,ep=4 and matches the original mesh's next steps; its log has the routing figures."""
+  moe = ("--preset", "tiny-moe", "--moe-capacity-factor", "1.0")
+  assert train(tmp_path / "ref", *moe, "--mesh", "rp=2,ep=2,tp=2", "--steps", "5") == 0
+  assert train(tmp_path / "saved", *moe, "--mesh", "rp=2,ep=2,tp=2", "--steps", "3", "--lr-decay-steps", "5") == 0
+  run_dir = tmp_path / "resumed"
+  subprocess.run(["cp", "-r", str(tmp_path / "saved"), str(run_dir)], check=True)
+  assert gpt.main(["--run-dir", str(run_dir), "--resume", "--mesh", "fs=2,ep=4", "--steps", "5"]) == 0
+  ref = {r["step"]: r for r in records(tmp_path / "ref") if "loss" in r}
+  new = {r["step"]: r for r in records(run_dir) if "loss" in r and r["step"] > 3}
+  assert sorted(new) == [4, 5]
+  for step, r in new.items():
+    for key in ("loss", "moe_aux_loss", "expert_load", "dropped"):
+      np.testing.assert_allclose(r[key], ref[step][key], rtol=1e-5, atol=1e-6, err_msg=key)
+  assert all(r["expert_load"] >= 1 and 0 <= r["dropped"] < 1 and r["moe_aux_loss"] > 0 for r in ref.values())
+
+
 def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -228,6 +246,11 @@ def test_bad_input_one_line_exit_2_nothing_written(compile_cache, tmp_path, caps
        "holds --optimizer dion state"),
       (["--run-dir", str(done), "--resume", "--steps", "2"], "already reaches --steps 2"),
       (["--steps", "0", "--run-dir", fresh], "--steps must be positive"),
+      (["--preset", "tiny-moe", "--num-experts", "6", "--mesh", "ep=4", "--run-dir", fresh],
+       "--mesh ep=4 does not divide the 6 experts"),
+      (["--preset", "tiny-moe", "--moe-top-k", "9", "--run-dir", fresh],
+       "moe_top_k=9 must be between 1 and num_experts=8"),
+      (["--preset", "tiny-moe", "--mesh", "cp=2", "--run-dir", fresh], "do not run with cp > 1 yet"),
   ]
   for args, message in cases:
     capsys.readouterr()

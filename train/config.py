@@ -188,8 +188,9 @@ class Config:
         raise UsageError(f"--init-from {self.init_from}: expected hf:DIR, a Hugging Face"
                          " checkpoint directory (config.json + safetensors)")
       shape_flags = [f"--{n.replace('_', '-')}" for n in ("num_layers", "hidden_size", "num_attention_heads",
-                                                          "qk_norm", "num_experts")
+                                                          "qk_norm", "num_experts", "moe_top_k")
                      if getattr(self, n) is not None]
+      shape_flags += ["--moe-shared-expert"] if self.moe_shared_expert else []
       if shape_flags:
         raise UsageError(f"--init-from takes the model's shape from its config.json; drop"
                          f" {', '.join(shape_flags)}")
@@ -211,7 +212,7 @@ HELP = {
     "preset": "model size: %s (default tiny: 4 layers x 128, seq 128)" % "|".join(PRESET_NAMES),
     "qk_norm": "none|rms|rms_scale: QK-norm of the preset's attention (default rms, the reference's;"
                " none as Llama, rms_scale as Qwen3)",
-    "init_from": "hf:DIR: start from a Hugging Face Llama or Qwen3 checkpoint (config.json +"
+    "init_from": "hf:DIR: start from a Hugging Face Llama, Qwen3 or Qwen3-MoE checkpoint (config.json +"
                  " safetensors) instead of a random preset; --seq-len sets the training length"
                  " (default min(max_position_embeddings, 1024))",
     "num_layers": "override the preset's number of transformer layers",

@@ -81,13 +81,18 @@ def _attention(cfg: Config, dtype: str) -> str:
   return cfg.attention
 
 
+# MoE flags that change the training, not the weights: they apply to imported models too.
+_ROUTING_FLAGS = ("moe_capacity_factor", "moe_aux_loss_coeff", "moe_z_loss_coeff")
+
+
 def _model_config(cfg: Config, vocab_size: int | None) -> models.GPTConfig:
   dtype = cfg.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
   if cfg.hf_dir is not None:
     hf_config = hf_io.read_config(cfg.hf_dir)
     seq_len = cfg.seq_len or min(hf_config.get("max_position_embeddings", 1024), 1024)
+    routing = {name: getattr(cfg, name) for name in _ROUTING_FLAGS if getattr(cfg, name) is not None}
     model_cfg = hf_io.model_config(cfg.hf_dir, seq_len=seq_len, dtype=dtype, remat=cfg.remat,
-                                   attention=_attention(cfg, dtype))
+                                   attention=_attention(cfg, dtype), **routing)
     if vocab_size is not None and vocab_size > model_cfg.vocab_size:
       raise UsageError(f"the data's tokens go up to {vocab_size} but {cfg.hf_dir} has a vocabulary"
                        f" of {model_cfg.vocab_size}; tokenize the data with its tokenizer"
@@ -98,8 +103,7 @@ def _model_config(cfg: Config, vocab_size: int | None) -> models.GPTConfig:
   for flag, field in (("num_layers", "num_layers"), ("hidden_size", "d_model"),
                       ("num_attention_heads", "num_heads"), ("seq_len", "seq_len"), ("qk_norm", "qk_norm"),
                       ("num_experts", "num_experts"), ("moe_top_k", "moe_top_k"),
-                      ("moe_capacity_factor", "moe_capacity_factor"), ("moe_aux_loss_coeff", "moe_aux_loss_coeff"),
-                      ("moe_z_loss_coeff", "moe_z_loss_coeff")):
+                      *((name, name) for name in _ROUTING_FLAGS)):
     if getattr(cfg, flag) is not None:
       overrides[field] = getattr(cfg, flag)
   if cfg.moe_shared_expert:
