@@ -21,7 +21,8 @@ Stages (fake CPU devices):
   counts once.
 - ``memory``: compiled arguments and temporaries per device of the training step of an
   8-expert model (``small``'s shape, 4 layers, 8 experts of width 768·2, top-2) on
-  fs=8 (ep=1), fs=4,ep=2 and fs=2,ep=4, from ``compiled.memory_analysis()``.
+  8 devices as fs=8 (ep=1), fs=4,ep=2 and fs=2,ep=4, and on fs=2 with ep = 1, 2, 4 (2, 4, 8
+  devices: the batch per device shrinks too), from ``compiled.memory_analysis()``.
 """
 from __future__ import annotations
 
@@ -123,7 +124,7 @@ def memory(args) -> None:
   print(f"{cfg.num_params() / 1e6:.0f}M parameters ({cfg.num_params(active=True) / 1e6:.0f}M active),"
         f" batch {args.batch} x {cfg.seq_len}, float32\n")
   print("| mesh | arguments MiB | temporaries MiB |\n| --- | --- | --- |")
-  for spec in ("fs=8", "fs=4,ep=2", "fs=2,ep=4"):
+  for spec in ("fs=8", "fs=4,ep=2", "fs=2,ep=4", "fs=2", "fs=2,ep=2"):
     mesh = harness.mesh(spec)
     par = models.Parallelism(mesh)
     graphdef, shapes = models.abstract(cfg, par)

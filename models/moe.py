@@ -5,7 +5,7 @@ expert parallelism over the mesh axis ``ep`` by all-to-all.
 
 Parameters (in a GPT block they sit under ``blocks/mlp`` behind the ``[S, Ls]`` stack axes)::
 
-    router/kernel          [D, E]       D over fs; replicated over tp and ep
+    router/kernel          [D, E]       D over fs and ep; replicated over tp
     experts/{gate,up}      [E, D, F]    E over ep, column-parallel: D over fs, F over tp
     experts/down           [E, F, D]    E over ep, row-parallel: F over tp, D over fs
     shared/{gate,up,down}  the dense MLP's, with ``moe_shared_expert``
@@ -37,9 +37,10 @@ static, so a block has room for the worst case: all of the device's assignments
 ragged all-to-all, which would send only the rows, has no CPU implementation.
 
 How ep composes: ep ranks are data-parallel ranks (the batch is split over rp·fs·ep), each
-holding E/ep experts; every other parameter is replicated over ep with gradients summed,
-as over rp. Inside the dispatch the experts' D axis is gathered over fs (ZeRO-3, reduce-
-scattered back in the backward pass) and F stays split over tp, whose partial products
+holding E/ep experts; every other parameter is fully sharded over fs·ep (ZeRO-3 over all of
+them: ``models.sharding.DENSE_SHARDS``). Inside the dispatch the experts' D axis is gathered
+over fs (and the router's over fs and ep; reduce-scattered back in the backward pass) and F
+stays split over tp, whose partial products
 XLA reduces as for the dense MLP; sequence parallelism gathers the sequence before the MLP
 as before. Pipeline stages stack experts like every other weight. Not supported yet:
 context parallelism (a sequence's capacity and balance loss would span cp ranks).
@@ -62,7 +63,7 @@ from jax.sharding import PartitionSpec as P
 
 from models.config import GPTConfig
 from models.layers import MLP, Dense, init_std
-from models.sharding import BATCH_AXES, Parallelism
+from models.sharding import BATCH_AXES, DENSE_SHARDS, Parallelism
 
 EXPERT_AXIS = "ep"
 
@@ -205,8 +206,10 @@ def _local(x_BxTxD: jax.Array, weights: dict[str, jax.Array], cfg: GPTConfig, ep
   return y_NxD.reshape(B, T, D).astype(x_BxTxD.dtype), stats
 
 
-# Where each weight's dimensions lie inside the dispatch (the fs-sharded one is gathered).
-_WEIGHT_SPECS = {"router": P("fs"), "gate": P(EXPERT_AXIS, "fs"), "up": P(EXPERT_AXIS, "fs"),
+# Where each weight's dimensions lie inside the dispatch: the router's D over fs and ep, the
+# experts' over fs (both gathered there), and the experts' F over tp (left to XLA).
+_GATHERED = {"router": DENSE_SHARDS, "gate": "fs", "up": "fs", "down": "fs"}
+_WEIGHT_SPECS = {"router": P(DENSE_SHARDS), "gate": P(EXPERT_AXIS, "fs"), "up": P(EXPERT_AXIS, "fs"),
                  "down": P(EXPERT_AXIS, None, "fs")}
 _TP_SPECS = {"router": P(), "gate": P(None, None, "tp"), "up": P(None, None, "tp"), "down": P(None, "tp")}
 
@@ -229,7 +232,8 @@ def _dispatch(x_BxTxD: jax.Array, weights: dict[str, jax.Array], cfg: GPTConfig,
   def body(x, weights):
     full = {}
     for name, w in weights.items():
-      gathered = jax.lax.all_gather(w, "fs", axis=_WEIGHT_SPECS[name].index("fs"), tiled=True)
+      gathered = jax.lax.all_gather(w, _GATHERED[name], axis=_WEIGHT_SPECS[name].index(_GATHERED[name]),
+                                    tiled=True)
       full[name] = jax.lax.with_sharding_constraint(gathered, _TP_SPECS[name])
     y, stats = _local(x, full, cfg, ep)
     return y, jax.tree.map(lambda s: jax.lax.psum(s, region), stats)

@@ -63,13 +63,19 @@ LOGICAL_AXES = {
     "seq": "tp",
 }
 
-# Each kernel's Megatron layout, and the sharding it is used in (gathered over fs).
+# What a dense weight is sharded over besides tp: fs, and ep, whose ranks are data-parallel
+# ranks to everything but the experts (fully sharded over both, as FSDP over all of them).
+DENSE_SHARDS = ("fs", "ep")
+# Each kernel's Megatron layout, and the sharding it is used in (gathered over fs and ep).
 KERNEL_LAYOUTS = {
-    "column": (parallel.column_parallel(), P(None, "tp")),
-    "row": (parallel.row_parallel(), P("tp", None)),
+    "column": (P(DENSE_SHARDS, "tp"), P(None, "tp")),
+    "row": (P("tp", DENSE_SHARDS), P("tp", None)),
     # The MoE router [D, E]: too narrow to split over tp.
-    "router": (P("fs", None), P(None, None)),
+    "router": (P(DENSE_SHARDS, None), P(None, None)),
 }
+# An expert stack's [E, fan_in, fan_out]: experts over ep, then a column- or row-parallel
+# kernel over fs and tp.
+EXPERT_LAYOUTS = {"column": P("ep", "fs", "tp"), "row": P("ep", "tp", "fs")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,15 +169,15 @@ def param_specs(params: Any) -> Any:
   def spec(path, leaf):
     names = [str(getattr(k, "key", k)) for k in path]
     if names[0] == "embed":
-      return P("tp", ("fs", "pp"))
+      return P("tp", (*DENSE_SHARDS, "pp"))
     if names[0] == "lm_head":
-      return P(("fs", "pp"), "tp")
+      return P((*DENSE_SHARDS, "pp"), "tp")
     if names[-1] == "scale":
       base = parallel.vector()
+    elif "experts" in names:
+      base = EXPERT_LAYOUTS[_layout_of(names)]
     else:
       base = KERNEL_LAYOUTS[_layout_of(names)][0]
-    if "experts" in names:  # [S, Ls, E, fan_in, fan_out]: experts split over ep
-      return P("pp", None, "ep", *base)
     return parallel.stacked(base, 2) if names[0] == "blocks" else base
 
   return jax.tree_util.tree_map_with_path(spec, params)

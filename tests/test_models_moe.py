@@ -1,6 +1,7 @@
 """Mixture of experts (models/moe.py): the routing against float64 NumPy, every mesh with ep
 against one device, Dion and Dion2 on expert stacks, and what the compiled step sends."""
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -155,19 +156,21 @@ def test_training_on_fs_ep_tp_matches_one_device(name):
 # --- what each device holds, and what the compiled step communicates --------------------
 
 
-def test_expert_bytes_per_device_scale_with_ep_fs_tp():
-  def expert_bytes(params):
-    experts = params["blocks"]["mlp"]["experts"]
-    return sum(s.data.nbytes for x in jax.tree.leaves(experts) for s in x.addressable_shards
+def test_bytes_per_device_scale_with_ep_fs_tp():
+  """Experts split over ep, fs and tp; every other weight over fs·ep and tp."""
+  def device_bytes(params):
+    return sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards
                if s.device == jax.devices()[0])
 
-  total = expert_bytes(models.init(CFG)[1])
-  for spec, shards in (("ep=2", 2), ("ep=4", 4), ("fs=2,ep=2,tp=2", 8), ("ep=8", 4)):
-    if spec == "ep=8":  # 4 experts do not split 8 ways
-      with pytest.raises(ValueError, match="not divisible"):
-        models.init(CFG, models.Parallelism(model_meshes.mesh(spec)))
-      continue
-    assert expert_bytes(models.init(CFG, models.Parallelism(model_meshes.mesh(spec)))[1]) == total // shards, spec
+  params = models.init(CFG)[1]
+  total, experts = device_bytes(params), device_bytes(params["blocks"]["mlp"]["experts"])
+  for spec, shards in (("ep=2", 2), ("ep=4", 4), ("fs=2,ep=2,tp=2", 8)):
+    params = models.init(CFG, models.Parallelism(model_meshes.mesh(spec)))[1]
+    assert device_bytes(params["blocks"]["mlp"]["experts"]) == experts // shards, spec
+    # Replicated norm scales and the router's tp copies are the only padding: under 5% here.
+    assert total / shards <= device_bytes(params) <= total / shards * 1.05, spec
+  with pytest.raises(ValueError, match="not divisible"):  # 4 experts do not split 8 ways
+    models.init(CFG, models.Parallelism(model_meshes.mesh("ep=8")))
 
 
 def test_ep_step_sends_tokens_by_all_to_all_and_never_gathers_experts():
@@ -188,5 +191,10 @@ def test_ep_step_sends_tokens_by_all_to_all_and_never_gathers_experts():
   rows = BATCH // 4 * cfg.seq_len * cfg.moe_top_k * cfg.d_model * 4
   counts = 2 * cfg.num_experts // 2 * 4
   assert (to_all.count, to_all.bytes) == (8, 6 * rows + 2 * counts)
-  # Experts are gathered over fs only (ZeRO-3), never across ep.
-  assert all("ep" not in s.axes for s in stats if s.op == "all-gather"), stats
+  # Experts are gathered over fs (ZeRO-3), E/ep of them, never across ep: no gathered array
+  # holds all E experts. (Dense weights are gathered over fs and ep.)
+  gathered = [[int(n) for n in dims.split(",")]
+              for dims in re.findall(r"= f32\[([0-9,]*)\]\{[^}]*\} all-gather", compiled.as_text())]
+  assert [cfg.num_experts // 2, cfg.d_model, cfg.d_mlp] in gathered
+  assert not [g for g in gathered if len(g) == 3 and g[0] == cfg.num_experts]
+  assert {s.axes for s in stats if s.op == "all-gather"} == {("fs",), ("fs", "ep")}

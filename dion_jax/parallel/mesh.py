@@ -4,8 +4,8 @@ Axis meanings (Megatron-Dion's names, docs/design.md §3):
   rp: data-parallel replicas that hold the same parameter shard.
   fs: data-parallel ranks among which parameters and optimizer state are sharded.
   ep: expert parallelism: each rank holds 1/ep of every layer's experts, and tokens travel
-      to their experts by all-to-all; to every other parameter, one more data-parallel
-      axis (replicated, gradients summed), as Megatron's EP reuses data-parallel ranks.
+      to their experts by all-to-all; to every other parameter, one more data-parallel axis
+      (as Megatron's EP reuses data-parallel ranks), which the GPT shards over with fs.
   cp: context parallelism: each sequence split over cp ranks; to the parameters and
       their optimizer state, one more data-parallel axis (replicated, gradients summed).
   tp: tensor parallelism (Megatron column/row-parallel layers).
