@@ -285,19 +285,6 @@ def test_non_finite_steps_change_nothing_and_stop_the_run(compile_cache, tmp_pat
   assert_trees_equal(saved_state(tmp_path / "one"), saved_state(tmp_path / "run"))
 
 
-# NorDion2 runs in the QK-clip test below; NorMuon is Muon plus a normalization, which the
-# optimizer's own mesh tests cover (tests/test_optimizers_orthogonal_mesh.py).
-@pytest.mark.parametrize("optimizer", ["dion2", "muon"])
-def test_orthogonal_family_on_a_mesh_matches_one_device(compile_cache, tmp_path, optimizer):
-  # float32 orthogonalization: bf16's rounding differs with the layout by ~1e-4 of the loss.
-  args = ("--optimizer", optimizer, "--ortho-dtype", "float32", "--steps", "3")
-  assert train(tmp_path / "one", *args, "--mesh", "fs=1") == 0
-  assert train(tmp_path / "mesh", *args, "--mesh", "fs=2,tp=2") == 0
-  one, mesh = train_losses(tmp_path / "one"), train_losses(tmp_path / "mesh")
-  assert len(one) == 3 and one[3] < one[1]
-  np.testing.assert_allclose([mesh[i] for i in one], list(one.values()), rtol=1e-5)
-
-
 def test_qk_clip_on_a_mesh_matches_one_device(compile_cache, tmp_path, capsys):
   """QK-clip at a threshold that every step crosses: the same losses, largest logits and
   clipped heads on fs=2,tp=2 as on one device, and logged; refused with QK-norm."""
