@@ -60,12 +60,18 @@ class GPTConfig:
       GPU and a 16-bit ``dtype``; XLA's runs everywhere and holds the T x T scores.
     unroll: unroll the layer scan and the pipeline's loop: longer compiles, and XLA's
       cost analysis (which counts a loop body once) then counts every iteration.
-    num_experts: 0 for a dense MLP; else every layer's MLP is a mixture of this many
-      experts, each an MLP of width ``d_mlp`` (``models/moe.py``).
+    num_experts: 0 for a dense MLP; else the MLP of every ``moe_every``-th layer is a
+      mixture of this many experts, each an MLP of width :attr:`d_expert` (``models/moe.py``).
+    moe_every: with experts, layer i (from 0) is a mixture of experts when (i + 1) is a
+      multiple of this (Qwen3-MoE's ``decoder_sparse_step``), the others dense: 1 puts
+      experts in every layer, 2 in every second one. Divides ``num_layers``; the layers
+      run in groups of ``moe_every`` (:attr:`group_size`).
+    moe_mlp_dim: hidden width of each expert and the shared expert (None: the dense
+      MLP's, :attr:`d_mlp`).
     moe_top_k: experts per token.
     moe_capacity_factor: None routes every token (dropless); c caps each expert at
       ceil(c·seq_len·top_k / num_experts) assignments per sequence and drops the rest.
-    moe_shared_expert: add a dense MLP of width ``d_mlp`` that every token goes through.
+    moe_shared_expert: add a dense MLP of the experts' width that every token goes through.
     moe_renormalize: the top-k gates sum to 1 (Mixtral, Qwen3-MoE); else they are the
       router's probabilities.
     moe_aux_loss_coeff, moe_z_loss_coeff: weights of each MoE layer's load-balancing loss
@@ -93,6 +99,8 @@ class GPTConfig:
   attention: str = "xla"
   unroll: bool = False
   num_experts: int = 0
+  moe_every: int = 1
+  moe_mlp_dim: int | None = None
   moe_top_k: int = 2
   moe_capacity_factor: float | None = None
   moe_shared_expert: bool = False
@@ -102,9 +110,9 @@ class GPTConfig:
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "d_model", "num_heads", "seq_len", "mlp_ratio",
-                 "num_kv_heads", "head_dim", "mlp_dim"):
+                 "num_kv_heads", "head_dim", "mlp_dim", "moe_mlp_dim"):
       value = getattr(self, name)
-      if value is None and name in ("num_kv_heads", "head_dim", "mlp_dim"):
+      if value is None and name in ("num_kv_heads", "head_dim", "mlp_dim", "moe_mlp_dim"):
         continue
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
@@ -132,6 +140,15 @@ class GPTConfig:
       object.__setattr__(self, "rope_llama3", tuple(self.rope_llama3))
     if not isinstance(self.num_experts, int) or self.num_experts < 0:
       raise ValueError(f"GPTConfig.num_experts must be 0 (dense) or a positive integer, got {self.num_experts!r}")
+    if not isinstance(self.moe_every, int) or isinstance(self.moe_every, bool) or self.moe_every < 1:
+      raise ValueError(f"GPTConfig.moe_every must be a positive integer, got {self.moe_every!r}")
+    if self.moe_every > 1 and not self.num_experts:
+      raise ValueError(f"GPTConfig: moe_every={self.moe_every} places mixtures of experts, but"
+                       " num_experts is 0; give num_experts, or leave moe_every at 1")
+    if self.num_layers % self.moe_every:
+      raise ValueError(f"GPTConfig: moe_every={self.moe_every} does not divide num_layers="
+                       f"{self.num_layers}; the layers run in groups of moe_every (dense ones,"
+                       " then one with experts): choose sizes that divide")
     if self.num_experts and not 1 <= self.moe_top_k <= self.num_experts:
       raise ValueError(f"GPTConfig: moe_top_k={self.moe_top_k} must be between 1 and num_experts="
                        f"{self.num_experts}")
@@ -161,6 +178,16 @@ class GPTConfig:
     return self.mlp_ratio * self.d_model if self.mlp_dim is None else self.mlp_dim
 
   @property
+  def d_expert(self) -> int:
+    return self.d_mlp if self.moe_mlp_dim is None else self.moe_mlp_dim
+
+  @property
+  def group_size(self) -> int:
+    """Layers in each unit of the layer stack: ``moe_every`` when MoE layers alternate
+    with dense ones (``models.gpt.Group``), else 1 (one ``Block`` per unit)."""
+    return self.moe_every if self.num_experts else 1
+
+  @property
   def padded_vocab(self) -> int:
     """The vocabulary rounded up to a multiple of 128 (which every power-of-two tp divides)."""
     return math.ceil(self.vocab_size / 128) * 128
@@ -170,14 +197,16 @@ class GPTConfig:
     with ``active``, only the experts a token uses (``moe_top_k`` of them)."""
     d, v, h = self.d_model, self.padded_vocab, self.head_dim
     attention = 2 * d * h * (self.num_heads + self.kv_heads)
-    mlp = (3 if self.mlp == "swiglu" else 2) * d * self.d_mlp
-    if self.num_experts:
-      experts = self.moe_top_k if active else self.num_experts
-      mlp = mlp * (experts + self.moe_shared_expert) + d * self.num_experts
+    matrices = 3 if self.mlp == "swiglu" else 2
+    mlp = matrices * d * self.d_mlp
+    moe_layers = self.num_layers // self.moe_every if self.num_experts else 0
+    experts = self.moe_top_k if active else self.num_experts
+    moe_mlp = matrices * d * self.d_expert * (experts + self.moe_shared_expert) + d * self.num_experts
     qk_scales = 2 * h if self.qk_norm == "rms_scale" else 0
-    per_layer = attention + mlp + 2 * d + qk_scales
+    layers = (self.num_layers * (attention + 2 * d + qk_scales) + (self.num_layers - moe_layers) * mlp
+              + moe_layers * moe_mlp)
     head = 0 if self.tie_embeddings else d * v
-    return self.num_layers * per_layer + d + head + (d * v if embeddings or self.tie_embeddings else 0)
+    return layers + d + head + (d * v if embeddings or self.tie_embeddings else 0)
 
   def flops_per_token(self) -> float:
     """Training flops per token: 6·N (N the active parameters without the embedding

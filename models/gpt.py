@@ -32,6 +32,11 @@ Parameter tree (Flax layout, blocks stacked ``(stages, layers_per_stage, ...)``)
 
 H = head_dim (D / N by default), F = d_mlp (4D by default).
 
+With experts on every n-th layer only (``moe_every`` = n > 1) the stack's unit is a
+:class:`Group` of n layers, ``[S, Gs, ...]`` with Gs = Ls / n groups per stage: its n − 1
+dense layers under ``blocks/dense/...`` ``[S, Gs, n − 1, ...]``, then its mixture-of-experts
+layer under ``blocks/moe/...`` ``[S, Gs, ...]``, each with the leaves above.
+
 Parallelism is in ``models/sharding.py`` (TP, SP, FS by annotation),
 ``models/pipeline.py`` (PP by ``shard_map``) and ``models/context.py`` (CP by ``shard_map``).
 """
@@ -135,14 +140,14 @@ def _llama3_frequencies(inv_freq: jax.Array, factor: float, low: float, high: fl
 
 
 class Block(nnx.Module):
-  """One pre-norm transformer layer, its MLP dense or a mixture of experts. The residual
-  stream stays float32."""
+  """One pre-norm transformer layer, its MLP dense or (``experts``) a mixture of experts.
+  The residual stream stays float32."""
 
-  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: GPTConfig, experts: bool, *, rngs: nnx.Rngs):
     self.attn_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
     self.attn = Attention(cfg, rngs=rngs)
     self.mlp_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
-    self.mlp = moe.MoE(cfg, rngs=rngs) if cfg.num_experts else MLP(cfg, rngs=rngs)
+    self.mlp = moe.MoE(cfg, rngs=rngs) if experts else MLP(cfg, rngs=rngs)
     self.dtype = jnp.dtype(cfg.dtype)
 
   def __call__(self, x_BxTxD: jax.Array, rope, par: Parallelism,
@@ -166,21 +171,51 @@ class Block(nnx.Module):
     return x_BxTxD + par.constrain(mlp.astype(jnp.float32), "batch", "seq", None), aux
 
 
+def _stack(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs) -> nnx.Module:
+  """``n`` modules from ``make``, each with its own random draws, stacked on a leading axis."""
+  return nnx.split_rngs(splits=n)(nnx.vmap(make, in_axes=(0,), out_axes=0))(rngs)
+
+
+class Group(nnx.Module):
+  """``moe_every`` consecutive layers, the unit of the layer stack when mixtures of experts
+  alternate with dense layers: ``moe_every − 1`` dense :class:`Block` s stacked under
+  ``dense`` (leading axis), then one mixture-of-experts :class:`Block`, ``moe``."""
+
+  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    self.dense = _stack(lambda r: Block(cfg, experts=False, rngs=r), cfg.moe_every - 1, rngs)
+    self.moe = Block(cfg, experts=True, rngs=rngs)
+
+  def __call__(self, x_BxTxD: jax.Array, rope, par: Parallelism,
+               segment_ids_BxT: jax.Array | None = None, logit_max: bool = False
+               ) -> tuple[jax.Array, dict[str, Any]]:
+    """The layers in order; aux as :class:`Block`'s, its ``"logit_max"`` [moe_every, N] in
+    layer order, its ``"router"`` the mixture's."""
+    graphdef, dense = nnx.split(self.dense)
+    maxima = []
+    for j in range(jax.tree.leaves(dense)[0].shape[0]):  # a few layers: traced one by one
+      block = nnx.merge(graphdef, jax.tree.map(lambda stack, j=j: stack[j], dense))
+      x_BxTxD, aux = block(x_BxTxD, rope, par, segment_ids_BxT, logit_max)
+      maxima.append(aux.get("logit_max"))
+    x_BxTxD, aux = self.moe(x_BxTxD, rope, par, segment_ids_BxT, logit_max)
+    if logit_max:
+      aux["logit_max"] = jnp.stack([*maxima, aux["logit_max"]])
+    return x_BxTxD, aux
+
+
 class GPT(nnx.Module):
-  """Embedding, ``num_layers`` stacked :class:`Block` s (leading layer axis), final norm, LM head
-  (the embedding's transpose when ``tie_embeddings``)."""
+  """Embedding, ``num_layers`` stacked :class:`Block` s (leading layer axis; :class:`Group` s of
+  ``moe_every`` layers when experts are on every n-th layer), final norm, LM head (the
+  embedding's transpose when ``tie_embeddings``)."""
 
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     V, D = cfg.padded_vocab, cfg.d_model
     self.embed = nnx.Embed(V, D, embedding_init=nnx.initializers.normal(1.0), rngs=rngs)
-
-    @nnx.split_rngs(splits=cfg.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def stack(rngs):
-      return Block(cfg, rngs=rngs)
-
-    self.blocks = stack(rngs)
+    if cfg.group_size > 1:
+      unit = lambda r: Group(cfg, rngs=r)
+    else:
+      unit = lambda r: Block(cfg, experts=bool(cfg.num_experts), rngs=r)
+    self.blocks = _stack(unit, cfg.num_layers // cfg.group_size, rngs)
     self.final_norm = nnx.RMSNorm(D, epsilon=cfg.norm_eps, rngs=rngs)
     if not cfg.tie_embeddings:
       self.lm_head = Dense(D, V, "column", rngs=rngs)
@@ -222,8 +257,9 @@ class GPT(nnx.Module):
 def apply_layers(block_graphdef: Any, layers: Any, x_BxTxD: jax.Array, rope,
                  par: Parallelism, cfg: GPTConfig, segment_ids_BxT: jax.Array | None = None,
                  logit_max: bool = False) -> Any:
-  """Runs the layers ``layers`` (leaves [L, ...], in order) over ``x`` with a scan;
-  returns ``(x, aux)``, aux the layers' :class:`Block` aux stacked ``[L, ...]``.
+  """Runs the layers ``layers`` (leaves [L, ...], in order; [L / moe_every, ...] groups when
+  ``cfg.group_size`` > 1) over ``x`` with a scan; returns ``(x, aux)``, aux the units'
+  :class:`Block` (:class:`Group`) aux stacked ``[L, ...]`` (``[L / moe_every, ...]``).
 
   The backward pass keeps only matrix products (``dots_saveable``; nothing with
   ``remat``): each layer's parameters are sliced from the stack inside the checkpointed
@@ -258,6 +294,11 @@ def abstract(cfg: GPTConfig, par: Parallelism = Parallelism()) -> tuple[Any, Any
 
   Checks that the mesh divides the model (heads, key/value heads, every sharded dimension).
   """
+  units, stages = cfg.num_layers // cfg.group_size, par.pp * par.virtual_stages
+  if units % stages:
+    grouped = f" (in groups of moe_every={cfg.group_size})" if cfg.group_size > 1 else ""
+    raise ValueError(f"{cfg.num_layers} layers{grouped} do not split into {stages} pipeline stages"
+                     f" (pp={par.pp} x virtual_stages={par.virtual_stages}); choose sizes that divide")
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
   shapes = jax.eval_shape(_create(cfg, par, 0))
   if par.mesh is None:

@@ -17,6 +17,7 @@ Hugging Face tensor per layer (per layer and expert for the experts):
     blocks/mlp/router/kernel          model.layers.{i}.mlp.gate.weight (transposed; Qwen3-MoE)
     blocks/mlp/experts/{gate,up,down} model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight
                                       (expert e of [.., E, fan_in, fan_out], transposed; Qwen3-MoE)
+    blocks/{dense,moe}/...            the same, for layers in groups (below)
     final_norm/scale                  model.norm.weight
     lm_head/kernel                    lm_head.weight (transposed; absent when tied)
 
@@ -30,9 +31,12 @@ leaves every query-key product, hence the model, unchanged (QK-norm scales are p
 dimension and commute with it).
 
 Qwen3-MoE's routing is ours (``models/moe.py``: softmax over all experts in float32, top-k,
-``norm_topk_prob`` renormalizes), on every layer and without a shared expert; a config with
-dense layers (``decoder_sparse_step`` != 1, ``mlp_only_layers``) or a shared expert is
-refused. The experts are stored one tensor per expert, as on the Hub and as transformers'
+``norm_topk_prob`` renormalizes), without a shared expert. Its ``decoder_sparse_step`` n is
+our ``moe_every``: layer i has experts (of width ``moe_intermediate_size``) when n divides
+i + 1, a dense MLP (of width ``intermediate_size``) otherwise; our layers then run in groups
+of n, and layer g·n + j is the group g's dense layer j (``blocks/dense``, j < n − 1) or its
+mixture (``blocks/moe``, j = n − 1). ``mlp_only_layers``, a step that does not divide the
+layers, or a shared expert are refused. The experts are stored one tensor per expert, as on the Hub and as transformers'
 ``save_pretrained`` writes them (it fuses them into ``gate_up_proj`` in memory only).
 ``router_aux_loss_coef`` becomes ``moe_aux_loss_coeff``, the weight of our balance loss
 (per layer and sequence, where transformers pools layers and batch), and the z-loss,
@@ -124,14 +128,17 @@ def from_hf_config(hf: dict, *, seq_len: int, dtype: str = "float32", **options)
     experts = hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"]
     if experts < 1:
       raise UnsupportedCheckpoint(f"{archs[0]} with num_experts={experts} (no expert) is not supported")
-    # Every layer a mixture of experts, none shared: dense layers would need a second MLP
-    # shape in the layer stack.
+    # Mixtures on every n-th layer (moe_every), none shared.
+    step = hf.get("decoder_sparse_step", 1)
+    if step < 1 or hf["num_hidden_layers"] % step:
+      raise UnsupportedCheckpoint(f"{archs[0]} with decoder_sparse_step={step} is not supported for"
+                                  f" {hf['num_hidden_layers']} layers (only steps that divide them)")
     checks.update({
-        "decoder_sparse_step": (hf.get("decoder_sparse_step", 1), 1),
         "mlp_only_layers": (list(hf.get("mlp_only_layers") or []), []),
         "shared_expert_intermediate_size": (hf.get("shared_expert_intermediate_size") or 0, 0),
     })
-    moe = {"num_experts": experts, "moe_top_k": hf["num_experts_per_tok"],
+    moe = {"num_experts": experts, "moe_top_k": hf["num_experts_per_tok"], "moe_every": step,
+           "moe_mlp_dim": hf["moe_intermediate_size"],
            "moe_renormalize": bool(hf.get("norm_topk_prob", False)),
            "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.001)), "moe_z_loss_coeff": 0.0}
   for name, (got, want) in checks.items():
@@ -147,7 +154,7 @@ def from_hf_config(hf: dict, *, seq_len: int, dtype: str = "float32", **options)
       vocab_size=hf["vocab_size"], num_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"],
       num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-      mlp_dim=hf["moe_intermediate_size"] if moe else hf["intermediate_size"],
+      mlp_dim=hf["intermediate_size"],
       mlp="swiglu", qk_norm="none" if kind == "llama" else "rms_scale",
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_base=float(theta), rope_llama3=llama3,
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), mask_vocab_padding=True,
@@ -202,14 +209,13 @@ def to_hf_config(cfg: GPTConfig, base: dict | None = None) -> dict:
   if kind == "llama":
     out["mlp_bias"] = False
   if kind == "qwen3_moe":
-    # intermediate_size, the width of dense layers, which we have none of, stays the base's.
     # num_local_experts, transformers' alias, would win over num_experts.
     out.pop("num_local_experts", None)
     out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_top_k,
-               moe_intermediate_size=cfg.d_mlp, norm_topk_prob=cfg.moe_renormalize,
-               router_aux_loss_coef=cfg.moe_aux_loss_coeff, decoder_sparse_step=1, mlp_only_layers=[])
-  else:
-    out["intermediate_size"] = cfg.d_mlp
+               moe_intermediate_size=cfg.d_expert, norm_topk_prob=cfg.moe_renormalize,
+               router_aux_loss_coef=cfg.moe_aux_loss_coeff, decoder_sparse_step=cfg.moe_every,
+               mlp_only_layers=[])
+  out["intermediate_size"] = cfg.d_mlp
   return out
 
 
@@ -225,41 +231,58 @@ class LeafSource:
       (query and key; 0: none).
     padded_axis: our axis holding the vocabulary, padded with zeros past ``vocab``.
     vocab: the real vocabulary size.
-    experts: for an expert leaf ``[.., E, fan_in, fan_out]``, E (its axis after the layer
-      axes holds one tensor per expert); else 0.
+    inner: the size of a stacked leaf's axis after its layer axes when that axis too holds
+      one tensor each: E for the experts ``[.., E, fan_in, fan_out]``, moe_every − 1 for a
+      group's dense layers ``[.., moe_every − 1, ...]``; else 0.
   """
   names: tuple[str, ...]
   transpose: bool
   head_dim: int = 0
   padded_axis: int | None = None
   vocab: int = 0
-  experts: int = 0
+  inner: int = 0
 
 
 def leaf_sources(cfg: GPTConfig) -> dict[str, LeafSource]:
   """The :class:`LeafSource` of every leaf, by its '/'-joined path (blocks in layer order)."""
-  layers = range(cfg.num_layers)
   out = {}
   for path, name in _TOP_NAMES.items():
     if path == "lm_head/kernel" and cfg.tie_embeddings:
       continue
     padded = {"embed/embedding": 0, "lm_head/kernel": 1}.get(path)
     out[path] = LeafSource((name,), path.endswith("kernel"), padded_axis=padded, vocab=cfg.vocab_size)
-  for path, name in {**_LAYER_NAMES, **(_MOE_NAMES if cfg.num_experts else _MLP_NAMES)}.items():
+  n = cfg.group_size
+  if n == 1:
+    out.update(_layer_sources(cfg, "blocks/", range(cfg.num_layers), bool(cfg.num_experts), 0))
+  else:  # layer g·n + j: group g's dense layer j, or (j = n − 1) its mixture
+    groups = range(cfg.num_layers // n)
+    dense = [g * n + j for g in groups for j in range(n - 1)]
+    out.update(_layer_sources(cfg, "blocks/dense/", dense, False, n - 1))
+    out.update(_layer_sources(cfg, "blocks/moe/", [g * n + n - 1 for g in groups], True, 0))
+  return out
+
+
+def _layer_sources(cfg: GPTConfig, prefix: str, layers: list[int], experts: bool, inner: int
+                   ) -> dict[str, LeafSource]:
+  """The sources of a stack of ``layers`` (Hugging Face indices, in stack order), with a
+  mixture of experts or a dense MLP; ``inner`` dense layers per row of the stack."""
+  out = {}
+  for path, name in {**_LAYER_NAMES, **(_MOE_NAMES if experts else _MLP_NAMES)}.items():
     if (("gate" in path and cfg.mlp != "swiglu")
         or ("_norm/" in path and path.startswith("attn/") and cfg.qk_norm != "rms_scale")):
       continue
-    experts = cfg.num_experts if "{e}" in name else 0
-    names = tuple(name.format(i=i, e=e) for i in layers for e in range(max(experts, 1)))
-    out["blocks/" + path] = LeafSource(names, not path.endswith("/scale"),
-                                       head_dim=cfg.head_dim if path in _ROTATED else 0, experts=experts)
+    per_layer = cfg.num_experts if "{e}" in name else 1
+    names = tuple(name.format(i=i, e=e) for i in layers for e in range(per_layer))
+    out[prefix + path] = LeafSource(names, not path.endswith("/scale"),
+                                    head_dim=cfg.head_dim if path in _ROTATED else 0,
+                                    inner=cfg.num_experts if "{e}" in name else inner)
   return out
 
 
 def hf_shape(source: LeafSource, shape: tuple[int, ...]) -> tuple[int, ...]:
   """The shape of each Hugging Face tensor of a leaf of ``shape`` without its layer axes
   (with its expert axis)."""
-  shape = list(shape[1:] if source.experts else shape)
+  shape = list(shape[1:] if source.inner else shape)
   if source.padded_axis is not None:
     shape[source.padded_axis] = source.vocab
   return tuple(reversed(shape)) if source.transpose else tuple(shape)
@@ -298,12 +321,12 @@ def read_leaf(source: LeafSource, index: tuple[slice, ...], shape: tuple[int, ..
   ``(stages, layers per stage, experts, ...)``, others as they are."""
   if not is_stacked(source):
     return read_core(source, source.names[0], index, shape, get)
-  experts = max(source.experts, 1)
-  layer_ids = to_stages(np.arange(len(source.names) // experts), pp, virtual_stages)  # [S, Ls]
+  inner = max(source.inner, 1)
+  layer_ids = to_stages(np.arange(len(source.names) // inner), pp, virtual_stages)  # [S, Ls]
   ids = layer_ids[index[0], index[1]]  # [s, l]: into names
   axes = 2
-  if source.experts:  # [s, l, e]
-    ids = ids[..., None] * experts + np.arange(experts)[index[2]]
+  if source.inner:  # [s, l, e]
+    ids = ids[..., None] * inner + np.arange(inner)[index[2]]
     axes = 3
   core_index, core_shape = index[axes:], shape[axes:]
   out = None
@@ -342,8 +365,8 @@ def to_hf_tensors(cfg: GPTConfig, params: Any) -> dict[str, Callable[[], np.ndar
   out = {}
   for path, source in leaf_sources(cfg).items():
     x = flat[path]
-    # the axes that index the tensors, in names' order: none, [L] or [L, E]
-    grid = np.shape(x)[:is_stacked(source) + bool(source.experts)]
+    # the axes that index the tensors, in names' order: none, [L], [L, E] or [G, moe_every − 1]
+    grid = np.shape(x)[:is_stacked(source) + bool(source.inner)]
     for name, at in zip(source.names, np.ndindex(*grid)):
       out[name] = tensor(source, x, at)
   return out

@@ -36,13 +36,15 @@ class Dense(nnx.Module):
 
 
 class MLP(nnx.Module):
-  """Column-parallel up (and gate), ReLU² (or SwiGLU: silu(gate)·up), row-parallel down."""
+  """Column-parallel up (and gate), ReLU² (or SwiGLU: silu(gate)·up), row-parallel down;
+  ``width`` hidden units (default ``cfg.d_mlp``)."""
 
-  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: GPTConfig, width: int | None = None, *, rngs: nnx.Rngs):
+    F = cfg.d_mlp if width is None else width
     if cfg.mlp == "swiglu":
-      self.gate = Dense(cfg.d_model, cfg.d_mlp, "column", rngs=rngs)
-    self.up = Dense(cfg.d_model, cfg.d_mlp, "column", rngs=rngs)
-    self.down = Dense(cfg.d_mlp, cfg.d_model, "row", rngs=rngs)
+      self.gate = Dense(cfg.d_model, F, "column", rngs=rngs)
+    self.up = Dense(cfg.d_model, F, "column", rngs=rngs)
+    self.down = Dense(F, cfg.d_model, "row", rngs=rngs)
     self.kind = cfg.mlp
 
   def __call__(self, x_BxTxD: jax.Array, par: Parallelism) -> jax.Array:

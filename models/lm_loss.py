@@ -32,9 +32,10 @@ class LossAux(NamedTuple):
 
   Attributes:
     logit_max: [S, Ls, N] each layer's and query head's largest attention logit over the
-      batch (QK-clip's input, ``models.qk_clip``), with ``logit_max``; else None.
+      batch (QK-clip's input, ``models.qk_clip``), with ``logit_max``; else None. [S, Gs,
+      moe_every, N] when the layers run in groups (``GPTConfig.group_size`` > 1).
     router: each MoE layer's :class:`models.moe.RouterStats` summed over the batch, leaves
-      [S, Ls] ([S, Ls, E] for the load); None without experts.
+      [S, Ls] ([S, Ls, E] for the load; Gs for Ls with groups); None without experts.
     router_loss: the auxiliary losses' part of the loss, unscaled (0 without experts).
   """
   logit_max: jax.Array | None
@@ -194,8 +195,7 @@ def _manual_call(graphdef, params, batch, scale, denominator, sequences, par: Pa
   if pp > 1:
     specs["blocks"] = jax.tree.map(lambda _: stages, params["blocks"])
   tokens = P(None, None, context.AXIS) if cp > 1 else P()
-  aux_specs = LossAux(stages if logit_max else None,
-                      moe.RouterStats(*(stages,) * 4) if "router" in params["blocks"]["mlp"] else None, P())
+  aux_specs = LossAux(stages, stages, P())  # a prefix of the aux: None stays None
   return jax.shard_map(
       jax.value_and_grad(local_loss, has_aux=True) if with_grad else local_loss,
       mesh=jax.sharding.get_abstract_mesh(),

@@ -3,12 +3,13 @@ expert parallelism over the mesh axis ``ep`` by all-to-all.
 
     y_BxTxD, stats = MoE(cfg, rngs=rngs)(x_BxTxD, par)
 
-Parameters (in a GPT block they sit under ``blocks/mlp`` behind the ``[S, Ls]`` stack axes)::
+Parameters (in a GPT block they sit under ``blocks/mlp`` behind the ``[S, Ls]`` stack axes,
+under ``blocks/moe/mlp`` with dense layers between, ``moe_every`` > 1), F = ``d_expert``::
 
     router/kernel          [D, E]       D over fs and ep; replicated over tp
     experts/{gate,up}      [E, D, F]    E over ep, column-parallel: D over fs, F over tp
     experts/down           [E, F, D]    E over ep, row-parallel: F over tp, D over fs
-    shared/{gate,up,down}  the dense MLP's, with ``moe_shared_expert``
+    shared/{gate,up,down}  a dense MLP's of width F, with ``moe_shared_expert``
 
 Each expert is its own matrix to Dion and the family (the expert axis is a batch axis).
 
@@ -80,7 +81,7 @@ class Experts(nnx.Module):
   """E stacked expert MLPs: kernels ``[E, fan_in, fan_out]``, each initialized like a Dense."""
 
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
-    E, D, F = cfg.num_experts, cfg.d_model, cfg.d_mlp
+    E, D, F = cfg.num_experts, cfg.d_model, cfg.d_expert
 
     def kernel(fan_in, fan_out):
       return nnx.Param(init_std(fan_in, fan_out) * jax.random.normal(rngs.params(), (E, fan_in, fan_out)))
@@ -98,7 +99,7 @@ class MoE(nnx.Module):
     self.router = Dense(cfg.d_model, cfg.num_experts, "router", rngs=rngs)
     self.experts = Experts(cfg, rngs=rngs)
     if cfg.moe_shared_expert:
-      self.shared = MLP(cfg, rngs=rngs)
+      self.shared = MLP(cfg, cfg.d_expert, rngs=rngs)
     self.cfg = cfg
 
   def __call__(self, x_BxTxD: jax.Array, par: Parallelism) -> tuple[jax.Array, RouterStats]:

@@ -17,7 +17,8 @@ norm, so clipping them would change nothing: QK-clip needs ``qk_norm="none"`` (t
 reference GPT's unscaled QK-norm bounds every logit by sqrt(H) already).
 
 Kernels are [S, Ls, D, N·H] (query) and [S, Ls, D, K·H] (key), the maxima [S, Ls, N],
-both in the blocks' stage layout, so the clip is elementwise on any mesh.
+both in the blocks' stage layout, so the clip is elementwise on any mesh (and the same
+with the group axes of ``moe_every``).
 """
 from __future__ import annotations
 
@@ -41,21 +42,36 @@ def check(cfg: GPTConfig, threshold: float) -> None:
 def qk_clip(params: Any, logits_SxLsxN: jax.Array, threshold: float, cfg: GPTConfig) -> tuple[Any, jax.Array]:
   """``(params, clipped)``: the parameters with the query and key kernels of every head
   whose logit maximum exceeds ``threshold`` scaled (module docstring), and the number of
-  such heads (int32)."""
+  such heads (int32).
+
+  With the layers in groups (``cfg.group_size`` > 1) the maxima are [S, Gs, moe_every, N]:
+  the first moe_every − 1 of each group are its dense layers' (``blocks/dense``), the last
+  its mixture-of-experts layer's (``blocks/moe``).
+  """
   check(cfg, threshold)
   over = logits_SxLsxN > threshold
   gamma = jnp.where(over, threshold / jnp.where(over, logits_SxLsxN, 1.0), 1.0)
+  blocks = params["blocks"]
+  if cfg.group_size > 1:
+    blocks = {"dense": _clipped(blocks["dense"], gamma[:, :, :-1], cfg),
+              "moe": _clipped(blocks["moe"], gamma[:, :, -1], cfg)}
+  else:
+    blocks = _clipped(blocks, gamma, cfg)
+  return {**params, "blocks": blocks}, jnp.sum(over).astype(jnp.int32)
+
+
+def _clipped(layers: Any, gamma_LxN: jax.Array, cfg: GPTConfig) -> Any:
+  """``layers`` (leaves [..., D, heads·H] behind the stack axes of ``gamma``'s [..., N]) with
+  their query and key heads scaled by the factors ``gamma``."""
   grouped = cfg.kv_heads < cfg.num_heads
-  query_factor, key_factor = (gamma, None) if grouped else (jnp.sqrt(gamma), jnp.sqrt(gamma))
+  query_factor, key_factor = (gamma_LxN, None) if grouped else (jnp.sqrt(gamma_LxN),) * 2
 
-  def scaled(kernel, factor_SxLsxN):
-    S, Ls, D, _ = kernel.shape
-    heads = kernel.reshape(S, Ls, D, factor_SxLsxN.shape[-1], cfg.head_dim)
-    return (heads * factor_SxLsxN[:, :, None, :, None].astype(kernel.dtype)).reshape(kernel.shape)
+  def scaled(kernel, factor_LxN):
+    heads = kernel.reshape(*kernel.shape[:-1], factor_LxN.shape[-1], cfg.head_dim)
+    return (heads * factor_LxN[..., None, :, None].astype(kernel.dtype)).reshape(kernel.shape)
 
-  attn = dict(params["blocks"]["attn"])
+  attn = dict(layers["attn"])
   attn["query"] = {"kernel": scaled(attn["query"]["kernel"], query_factor)}
   if key_factor is not None:
     attn["key"] = {"kernel": scaled(attn["key"]["kernel"], key_factor)}
-  blocks = {**params["blocks"], "attn": attn}
-  return {**params, "blocks": blocks}, jnp.sum(over).astype(jnp.int32)
+  return {**layers, "attn": attn}

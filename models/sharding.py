@@ -178,7 +178,10 @@ def param_specs(params: Any) -> Any:
       base = EXPERT_LAYOUTS[_layout_of(names)]
     else:
       base = KERNEL_LAYOUTS[_layout_of(names)][0]
-    return parallel.stacked(base, 2) if names[0] == "blocks" else base
+    if names[0] != "blocks":
+      return base
+    # [stages, units, ...]; a Group's dense layers have one more stack axis.
+    return parallel.stacked(base, 3 if names[1] == "dense" else 2)
 
   return jax.tree_util.tree_map_with_path(spec, params)
 

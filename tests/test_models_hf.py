@@ -37,8 +37,12 @@ ARCHS = {
                   {"vocab_size": 200, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                    "norm_topk_prob": True, "router_aux_loss_coef": 0.02, "experts_implementation": "eager"}),
 }
-# MoE layers run on neither pp nor cp yet (models/moe.py): experts split over ep instead.
-MESHES = {"llama": "fs=2,tp=2,pp=2", "qwen3": "fs=2,tp=2,pp=2", "qwen3_moe": "fs=2,ep=2,tp=2"}
+# experts on layers 1 and 3 only, dense MLPs (of another width, 96) on layers 0 and 2
+ARCHS["qwen3_moe_every_2"] = (*ARCHS["qwen3_moe"][:2],
+                              {**ARCHS["qwen3_moe"][2], "decoder_sparse_step": 2, "num_hidden_layers": 4})
+# MoE layers do not run on cp yet (models/moe.py).
+MESHES = {"llama": "fs=2,tp=2,pp=2", "qwen3": "fs=2,tp=2,pp=2", "qwen3_moe": "fs=2,ep=2,tp=2",
+          "qwen3_moe_every_2": "ep=2,tp=2,pp=2"}
 
 
 def make_hf_model(arch: str, directory, seed: int = 0, **overrides):
@@ -126,9 +130,9 @@ def test_unsupported_checkpoints_are_named():
     hf_map.from_hf_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, seq_len=8)
   with pytest.raises(hf_map.UnsupportedCheckpoint, match="no Llama or Qwen3"):
     hf_map.to_hf_config(models.preset("tiny"))
-  # Qwen3-MoE with dense layers, a shared expert or no expert
+  # Qwen3-MoE with dense layers we do not place, a shared expert or no expert
   moe = {**base, **ARCHS["qwen3_moe"][2], "architectures": ["Qwen3MoeForCausalLM"]}
-  for field, value in (("decoder_sparse_step", 2), ("mlp_only_layers", [1]),
+  for field, value in (("decoder_sparse_step", 3), ("mlp_only_layers", [1]),
                        ("shared_expert_intermediate_size", 64), ("num_experts", 0)):
     with pytest.raises(hf_map.UnsupportedCheckpoint, match=re.escape(f"{field}={value}")):
       hf_map.from_hf_config({**moe, field: value}, seq_len=8)
@@ -145,7 +149,8 @@ def test_qwen3_moe_config_both_ways():
   hf = config_cls(**{**COMMON, **extra}, architectures=["Qwen3MoeForCausalLM"]).to_dict()
   assert "num_local_experts" in hf
   cfg = hf_map.from_hf_config(hf, seq_len=8)
-  assert (cfg.num_experts, cfg.moe_top_k, cfg.d_mlp, cfg.moe_renormalize, cfg.moe_capacity_factor) == (4, 2, 32, True, None)
+  assert (cfg.num_experts, cfg.moe_top_k, cfg.d_expert, cfg.moe_renormalize, cfg.moe_capacity_factor) == (4, 2, 32, True, None)
+  assert (cfg.moe_every, cfg.d_mlp) == (1, 96)  # intermediate_size: the width of dense layers
   assert (cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff, cfg.qk_norm) == (0.02, 0.0, "rms_scale")
   out = hf_map.to_hf_config(cfg, hf)
   assert hf_map.from_hf_config(out, seq_len=8) == cfg and "num_local_experts" not in out

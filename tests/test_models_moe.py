@@ -11,7 +11,7 @@ from flax import nnx
 
 import dion_jax
 import models
-from models import moe
+from models import gpt, moe
 from tests import model_meshes
 
 # 4 experts of width 32, 2 per token; two layers keep the compiles short.
@@ -111,26 +111,68 @@ def test_loss_adds_the_weighted_router_losses():
   np.testing.assert_allclose(float(without), float(loss - aux.router_loss), rtol=1e-6)
 
 
+# --- experts on every second layer --------------------------------------------------------
+
+# Two groups of (dense layer, MoE layer).
+GROUPED = models.preset("tiny-moe", **{**CFG.__dict__, "num_layers": 4, "moe_every": 2})
+
+
+def test_every_second_layer_is_a_mixture_of_experts():
+  """The grouped stack equals its layers run one by one, in layer order: dense, MoE, dense,
+  MoE; the aux reports each layer's logit maxima in that order and the MoE layers' routing."""
+  graphdef, params = models.init(GROUPED)
+  assert GROUPED.num_params() == sum(x.size for x in jax.tree.leaves(params))
+  batch = _batch(cfg=GROUPED)
+  loss, aux = jax.jit(lambda p, b: models.loss(graphdef, p, b, aux=True, logit_max=True))(params, batch)
+
+  def layer_by_layer(params, batch):
+    model = nnx.merge(graphdef, params)
+    dense_def, moe_def = (nnx.graphdef(nnx.eval_shape(lambda e=e: gpt.Block(GROUPED, experts=e, rngs=nnx.Rngs(0))))
+                          for e in (False, True))
+    groups = models.to_layers(params["blocks"], 1)
+    layers = []
+    for g in range(GROUPED.num_layers // 2):
+      layers.append((dense_def, jax.tree.map(lambda a, g=g: a[g, 0], groups["dense"])))
+      layers.append((moe_def, jax.tree.map(lambda a, g=g: a[g], groups["moe"])))
+    T = batch["inputs"].shape[1]
+    rope = gpt.rotary_tables(GROUPED, jnp.arange(T))
+    x, maxima, router = model.embed_tokens(batch["inputs"], models.Parallelism()), [], []
+    for layer_def, layer_params in layers:
+      x, layer_aux = nnx.merge(layer_def, layer_params)(x, rope, models.Parallelism(), logit_max=True)
+      maxima.append(layer_aux["logit_max"])
+      if "router" in layer_aux:
+        router.append(layer_aux["router"])
+    router = jax.tree.map(lambda *a: jnp.stack(a), *router)
+    ce = jnp.mean(model.token_losses(x, batch["targets"], models.Parallelism()))
+    return ce + moe.router_loss(router, GROUPED, BATCH, T), jnp.stack(maxima), router
+
+  want_loss, want_maxima, want_router = jax.jit(layer_by_layer)(params, batch)
+  np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+  maxima = models.to_layers(aux.logit_max, 1)  # [groups, moe_every, N]
+  np.testing.assert_allclose(np.asarray(maxima).reshape(GROUPED.num_layers, -1), want_maxima, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a[0], b, rtol=1e-6), aux.router, want_router)
+
+
 # --- every mesh with ep gives one device's loss and gradients --------------------------
 
 
 @pytest.fixture(scope="module")
 def reference():
-  return {cfg: model_meshes.one_device(cfg, _batch(cfg=cfg)) for cfg in (CFG, CAPPED)}
+  return {cfg: model_meshes.one_device(cfg, _batch(cfg=cfg)) for cfg in (CFG, CAPPED, GROUPED)}
 
 
-# ep=2 on its own is inside each of these.
+# ep=2 on its own is inside each of these; the pipeline and SP cases run dense layers too.
 MESHES = [
     ("fs=2,ep=2", {}, CAPPED),
     ("ep=2,tp=2", {}, CFG),
     ("rp=2,ep=2", {}, CFG),
-    ("ep=2,pp=2", {"microbatches": 4}, CFG),
-    ("fs=2,ep=2,tp=2", {"sequence_parallel": True}, CFG),
+    ("ep=2,pp=2", {"microbatches": 4}, GROUPED),
+    ("fs=2,ep=2,tp=2", {"sequence_parallel": True}, GROUPED),
 ]
+_KIND = {CFG: "", CAPPED: "-capped", GROUPED: "-every-2nd"}
 
 
-@pytest.mark.parametrize("spec,options,cfg", MESHES,
-                         ids=[f"{s}{o}{'-capped' if c is CAPPED else ''}" for s, o, c in MESHES])
+@pytest.mark.parametrize("spec,options,cfg", MESHES, ids=[f"{s}{o}{_KIND[c]}" for s, o, c in MESHES])
 def test_mesh_matches_one_device(reference, spec, options, cfg):
   model_meshes.assert_mesh_matches(reference[cfg], cfg, _batch(cfg=cfg), spec, options)
 
@@ -145,9 +187,11 @@ OPTIMIZERS = {
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_training_on_fs_ep_tp_matches_one_device(name):
-  batches = [_batch(seed=i) for i in range(3)]
-  want_losses, want_params = model_meshes.train(CFG, batches, None, {}, OPTIMIZERS[name])
-  losses, params = model_meshes.train(CFG, batches, "fs=2,ep=2,tp=2", {}, OPTIMIZERS[name])
+  """Dion on expert stacks; Dion2 on a model with dense layers between (5-D dense stacks)."""
+  cfg = GROUPED if name == "dion2" else CFG
+  batches = [_batch(seed=i, cfg=cfg) for i in range(3)]
+  want_losses, want_params = model_meshes.train(cfg, batches, None, {}, OPTIMIZERS[name])
+  losses, params = model_meshes.train(cfg, batches, "fs=2,ep=2,tp=2", {}, OPTIMIZERS[name])
   assert want_losses[-1] < want_losses[0]
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
   model_meshes.assert_close_trees(params, want_params, rtol=1e-5)

@@ -91,6 +91,28 @@ def test_clipped_heads_reach_tau_and_nothing_else_moves(num_kv_heads):
   jax.tree.map(np.testing.assert_array_equal, others(clipped_params), others(params))
 
 
+def test_clip_reaches_the_dense_and_the_moe_layers_of_a_group():
+  """Experts on every second layer: the maxima [1, groups, 2, N] clip the dense layer's heads
+  through the first entry of each group and the mixture's through the last."""
+  cfg = models.preset("tiny", **{**_cfg(4, num_layers=2).__dict__, "num_experts": 2, "moe_every": 2})
+  graphdef, params = models.init(cfg)
+  params = jax.tree.map(lambda x: x * 3.0 if x.ndim == 4 else x, params)
+  batch = _batch(cfg)
+  before = np.asarray(_logits(graphdef, params, batch)[0])  # [2 layers, N]
+  for layer in (0, 1):  # only this layer's heads over tau: the other layer's maxima lowered
+    tau = float(np.median(before[layer]))
+    maxima = before.copy()
+    maxima[1 - layer] = tau - 1
+    clipped_params, clipped = qk_clip.qk_clip(params, jnp.asarray(maxima)[None, None], tau, cfg)
+    after = np.asarray(_logits(graphdef, clipped_params, batch)[0])
+    over = before[layer] > tau
+    assert int(clipped) == over.sum() == 2
+    np.testing.assert_allclose(after[layer][over], tau, rtol=1e-5)
+    np.testing.assert_allclose(after[layer][~over], before[layer][~over], rtol=1e-6)
+    if layer == 1:  # the dense layer before it is untouched
+      np.testing.assert_array_equal(after[0], before[0])
+
+
 @pytest.mark.parametrize("mesh_spec", ["fs=2,tp=2", "tp=2,pp=2", "rp=2,fs=2", "cp=2,tp=2", "cp=2,pp=2"])
 def test_logit_maxima_on_a_mesh_equal_one_device(mesh_spec):
   cfg = _cfg(2, num_layers=4)

@@ -158,9 +158,10 @@ def test_reshard_onto_other_meshes(compile_cache, tmp_path):
 
 
 def test_moe_reshards_onto_other_expert_layouts(compile_cache, tmp_path):
-  """A mixture-of-experts run saved on rp=2,ep=2,tp=2 (Dion's per-replica momenta) resumes on
-  fs=2,ep=4 and matches the original mesh's next steps; its log has the routing figures."""
-  moe = ("--preset", "tiny-moe", "--moe-capacity-factor", "1.0")
+  """A mixture-of-experts run (experts on every second layer) saved on rp=2,ep=2,tp=2 (Dion's
+  per-replica momenta) resumes on fs=2,ep=4 and matches the original mesh's next steps; its
+  log has the routing figures."""
+  moe = ("--preset", "tiny-moe", "--moe-every", "2", "--moe-capacity-factor", "1.0")
   assert train(tmp_path / "ref", *moe, "--mesh", "rp=2,ep=2,tp=2", "--steps", "5") == 0
   assert train(tmp_path / "saved", *moe, "--mesh", "rp=2,ep=2,tp=2", "--steps", "3", "--lr-decay-steps", "5") == 0
   run_dir = tmp_path / "resumed"
@@ -251,6 +252,11 @@ def test_bad_input_one_line_exit_2_nothing_written(compile_cache, tmp_path, caps
       (["--preset", "tiny-moe", "--moe-top-k", "9", "--run-dir", fresh],
        "moe_top_k=9 must be between 1 and num_experts=8"),
       (["--preset", "tiny-moe", "--mesh", "cp=2", "--run-dir", fresh], "do not run with cp > 1 yet"),
+      (["--preset", "tiny-moe", "--moe-every", "3", "--run-dir", fresh],
+       "moe_every=3 does not divide num_layers=2"),
+      (["--preset", "tiny", "--moe-every", "2", "--run-dir", fresh], "num_experts is 0"),
+      (["--preset", "tiny-moe", "--moe-every", "2", "--mesh", "pp=2", "--run-dir", fresh],
+       "2 layers (in groups of moe_every=2) do not split into 2 pipeline stages"),
   ]
   for args, message in cases:
     capsys.readouterr()

@@ -161,11 +161,13 @@ def test_sample_writes_with_the_run_tokenizer(trained, capsys):
   assert words[:2] == ["w1", "w2"] and len(words) == 5
 
 
-def test_qwen3_moe_export_is_what_transformers_saved(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_moe_every_2"])
+def test_qwen3_moe_export_is_what_transformers_saved(tmp_path, arch):
   """Import then export, with no training between: the per-expert tensors save_pretrained
-  wrote, under the same names, and from_pretrained loads the source model's exact weights."""
-  source = tmp_path / "qwen3_moe"
-  model = make_hf_model("qwen3_moe", source)
+  wrote, under the same names, and from_pretrained loads the source model's exact weights
+  (with dense layers between the mixtures too)."""
+  source = tmp_path / arch
+  model = make_hf_model(arch, source)
   cfg = hf_io.model_config(str(source), seq_len=SEQ)
   _, params = hf_io.load(str(source), cfg, models.Parallelism())
   params = jax.tree.map(np.asarray, dict(params, blocks=models.to_layers(params["blocks"], 1)))

@@ -45,6 +45,8 @@ class Config:
   virtual_stages: int = 1
   # mixture of experts (None: the preset's)
   num_experts: int | None = None
+  moe_every: int | None = None
+  moe_ffn_hidden_size: int | None = None
   moe_top_k: int | None = None
   moe_capacity_factor: float | None = None
   moe_shared_expert: bool = False
@@ -158,7 +160,8 @@ class Config:
     positive = ("virtual_stages", "global_batch_size", "steps", "log_interval", "keep",
                 "max_skipped", "micro_batch_size", "num_layers", "hidden_size",
                 "num_attention_heads", "seq_len", "vocab_size", "num_processes",
-                "loss_scale_window", "moe_top_k", "moe_capacity_factor")
+                "loss_scale_window", "moe_top_k", "moe_every", "moe_ffn_hidden_size",
+                "moe_capacity_factor")
     for name in positive:
       value = getattr(self, name)
       if value is not None and value < 1:
@@ -188,7 +191,8 @@ class Config:
         raise UsageError(f"--init-from {self.init_from}: expected hf:DIR, a Hugging Face"
                          " checkpoint directory (config.json + safetensors)")
       shape_flags = [f"--{n.replace('_', '-')}" for n in ("num_layers", "hidden_size", "num_attention_heads",
-                                                          "qk_norm", "num_experts", "moe_top_k")
+                                                          "qk_norm", "num_experts", "moe_top_k", "moe_every",
+                                                          "moe_ffn_hidden_size")
                      if getattr(self, n) is not None]
       shape_flags += ["--moe-shared-expert"] if self.moe_shared_expert else []
       if shape_flags:
@@ -227,9 +231,14 @@ HELP = {
     "remat": "recompute each layer's activations in the backward pass (less memory)",
     "sequence_parallel": "shard activations along the sequence over tp between layers",
     "virtual_stages": "stages per pp device of a circular (interleaved) pipeline (default 1)",
-    "num_experts": "mixture of experts: every layer's MLP becomes this many experts of the"
-                   " preset's MLP width, split over the mesh's ep axis (default: the preset's;"
-                   " tiny-moe has 8; 0 for a dense MLP)",
+    "num_experts": "mixture of experts: the MLP of every layer (every --moe-every-th) becomes"
+                   " this many experts of the preset's MLP width, split over the mesh's ep axis"
+                   " (default: the preset's; tiny-moe has 8; 0 for a dense MLP)",
+    "moe_ffn_hidden_size": "hidden width of each expert (default: the preset's MLP width; the"
+                           " dense layers of --moe-every keep it)",
+    "moe_every": "experts on every n-th layer only (layers n-1, 2n-1, ...; Qwen3-MoE's"
+                 " decoder_sparse_step), dense MLPs between; n divides the layers (default 1:"
+                 " every layer)",
     "moe_top_k": "experts per token (default 2)",
     "moe_capacity_factor": "cap each expert at ceil(c x seq_len x top_k / experts) tokens per"
                            " sequence and drop the overflow, counted in the log (default:"

@@ -37,7 +37,7 @@ from train.log import Logger
 EXIT_DIVERGED = 3
 # Model fields a checkpoint's arrays depend on.
 _SHAPE_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "kv_heads", "head_dim", "d_mlp",
-                 "mlp", "qk_norm", "tie_embeddings")
+                 "mlp", "qk_norm", "tie_embeddings", "num_experts", "moe_every", "d_expert", "moe_shared_expert")
 
 
 @dataclasses.dataclass
@@ -102,7 +102,8 @@ def _model_config(cfg: Config, vocab_size: int | None) -> models.GPTConfig:
                "attention": _attention(cfg, dtype)}
   for flag, field in (("num_layers", "num_layers"), ("hidden_size", "d_model"),
                       ("num_attention_heads", "num_heads"), ("seq_len", "seq_len"), ("qk_norm", "qk_norm"),
-                      ("num_experts", "num_experts"), ("moe_top_k", "moe_top_k"),
+                      ("num_experts", "num_experts"), ("moe_top_k", "moe_top_k"), ("moe_every", "moe_every"),
+                      ("moe_ffn_hidden_size", "moe_mlp_dim"),
                       *((name, name) for name in _ROUTING_FLAGS)):
     if getattr(cfg, flag) is not None:
       overrides[field] = getattr(cfg, flag)
