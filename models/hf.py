@@ -281,7 +281,7 @@ def _layer_sources(cfg: GPTConfig, prefix: str, layers: list[int], experts: bool
 
 def hf_shape(source: LeafSource, shape: tuple[int, ...]) -> tuple[int, ...]:
   """The shape of each Hugging Face tensor of a leaf of ``shape`` without its layer axes
-  (with its expert axis)."""
+  (with its inner axis: experts, or a group's dense layers)."""
   shape = list(shape[1:] if source.inner else shape)
   if source.padded_axis is not None:
     shape[source.padded_axis] = source.vocab

@@ -57,6 +57,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from dion_jax import parallel
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -64,7 +65,7 @@ from jax.sharding import PartitionSpec as P
 
 from models.config import GPTConfig
 from models.layers import MLP, Dense, init_std
-from models.sharding import BATCH_AXES, DENSE_SHARDS, Parallelism
+from models.sharding import BATCH_AXES, DENSE_SHARDS, EXPERT_LAYOUTS, KERNEL_LAYOUTS, Parallelism, layout_of
 
 EXPERT_AXIS = "ep"
 
@@ -207,12 +208,18 @@ def _local(x_BxTxD: jax.Array, weights: dict[str, jax.Array], cfg: GPTConfig, ep
   return y_NxD.reshape(B, T, D).astype(x_BxTxD.dtype), stats
 
 
-# Where each weight's dimensions lie inside the dispatch: the router's D over fs and ep, the
-# experts' over fs (both gathered there), and the experts' F over tp (left to XLA).
-_GATHERED = {"router": DENSE_SHARDS, "gate": "fs", "up": "fs", "down": "fs"}
-_WEIGHT_SPECS = {"router": P(DENSE_SHARDS), "gate": P(EXPERT_AXIS, "fs"), "up": P(EXPERT_AXIS, "fs"),
-                 "down": P(EXPERT_AXIS, None, "fs")}
-_TP_SPECS = {"router": P(), "gate": P(None, None, "tp"), "up": P(None, None, "tp"), "down": P(None, "tp")}
+def _split_layout(name: str) -> tuple[P, P, int]:
+  """A dispatch weight's stored layout (``models.sharding``) split in two: its data-parallel
+  part, the dispatch's ``in_specs``, and its tp part, left to XLA; and the dimension sharded
+  over fs, gathered inside (the router's D over fs·ep, the experts' over fs: ep keeps
+  whole experts)."""
+  stored = KERNEL_LAYOUTS["router"][0] if name == "router" else EXPERT_LAYOUTS[layout_of([name])]
+
+  def only(axes):
+    return P(*(tuple(a for a in parallel.axis_names(e) if a in axes) or None for e in stored))
+
+  data, tp = only(DENSE_SHARDS), only(("tp",))
+  return data, tp, next(i for i, e in enumerate(data) if "fs" in parallel.axis_names(e))
 
 
 def _dispatch(x_BxTxD: jax.Array, weights: dict[str, jax.Array], cfg: GPTConfig, par: Parallelism
@@ -228,14 +235,15 @@ def _dispatch(x_BxTxD: jax.Array, weights: dict[str, jax.Array], cfg: GPTConfig,
   manual = set(mesh.manual_axes)
   region = tuple(a for a in BATCH_AXES if a not in manual)
   data = P(region)
-  w_specs = {name: _WEIGHT_SPECS[name] for name in weights}
+  layouts = {name: _split_layout(name) for name in weights}
+  w_specs = {name: data_spec for name, (data_spec, _, _) in layouts.items()}
 
   def body(x, weights):
     full = {}
     for name, w in weights.items():
-      gathered = jax.lax.all_gather(w, _GATHERED[name], axis=_WEIGHT_SPECS[name].index(_GATHERED[name]),
-                                    tiled=True)
-      full[name] = jax.lax.with_sharding_constraint(gathered, _TP_SPECS[name])
+      data_spec, tp_spec, dim = layouts[name]
+      gathered = jax.lax.all_gather(w, data_spec[dim], axis=dim, tiled=True)
+      full[name] = jax.lax.with_sharding_constraint(gathered, tp_spec)
     y, stats = _local(x, full, cfg, ep)
     return y, jax.tree.map(lambda s: jax.lax.psum(s, region), stats)
 

@@ -175,9 +175,9 @@ def param_specs(params: Any) -> Any:
     if names[-1] == "scale":
       base = parallel.vector()
     elif "experts" in names:
-      base = EXPERT_LAYOUTS[_layout_of(names)]
+      base = EXPERT_LAYOUTS[layout_of(names)]
     else:
-      base = KERNEL_LAYOUTS[_layout_of(names)][0]
+      base = KERNEL_LAYOUTS[layout_of(names)][0]
     if names[0] != "blocks":
       return base
     # [stages, units, ...]; a Group's dense layers have one more stack axis.
@@ -189,7 +189,8 @@ def param_specs(params: Any) -> Any:
 _ROW_PARALLEL = ("out", "down")
 
 
-def _layout_of(names: list[str]) -> str:
+def layout_of(names: list[str]) -> str:
+  """The :data:`KERNEL_LAYOUTS` (:data:`EXPERT_LAYOUTS`) key of the weight at path ``names``."""
   if "router" in names:
     return "router"
   return "row" if any(n in _ROW_PARALLEL for n in names) else "column"

@@ -40,7 +40,7 @@ from train.cli import UsageError
 class Restored(NamedTuple):
   cfg: models.GPTConfig
   graphdef: Any
-  params: Any  # pure dict, blocks in layer order [L, ...]: the unstacked module's own layout
+  params: Any  # pure dict, blocks in layer order [L, ...] (groups with moe_every): the unstacked module's own layout
   step: int
 
 
