@@ -14,6 +14,9 @@ Stages (``--stages``); each reports, and the next runs even when one fails:
   n = 2048, 4096, ... while the stage's time lasts: Dion at rank 1, 1/4 and 1/16, Dion2
   (fraction 1/4), NorMuon and Muon (bf16 Polar Express), optax's Muon and AdamW; the
   Dion paper's step-time-versus-size figure. A size that runs out of memory is recorded.
+- ``moe``: ``jax.lax.ragged_dot`` (the experts' grouped matmul) checked against a loop over
+  experts, then timed forward and backward in bf16 against one dense matmul of the same
+  rows, 8 and 64 experts, even and skewed groups (``benchmarks/gpu_moe.py``).
 - ``train``: the trainer (``python -m train.gpt``) on ``small`` and ``350m`` in bfloat16
   with cuDNN attention, AdamW and Dion: tokens/s, model TFLOP/s, MFU against the
   device's dense bf16 peak and peak memory, from the last log interval.
@@ -44,10 +47,11 @@ import optax
 
 import dion_jax
 from benchmarks.gpu_kernels import stage_check, stage_kernels
+from benchmarks.gpu_moe import stage_moe
 from benchmarks.harness import jitted_step, time_fn
 
 EXIT_NO_GPU = 2
-STAGES = ("check", "kernels", "optimizers", "train", "profile")
+STAGES = ("check", "kernels", "optimizers", "moe", "train", "profile")
 # --- optimizers --------------------------------------------------------------------
 
 
@@ -232,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
   results = {"device": device, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
              "command": "python -m benchmarks.gpu " + " ".join(argv if argv is not None else sys.argv[1:])}
   functions = {"check": stage_check, "kernels": stage_kernels, "optimizers": stage_optimizers,
-               "train": stage_train, "profile": stage_profile}
+               "moe": stage_moe, "train": stage_train, "profile": stage_profile}
   for name in stages:
     print(f"== {name}", flush=True)
     t0 = time.monotonic()

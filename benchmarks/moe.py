@@ -7,10 +7,11 @@ Stages (fake CPU devices):
 
 - ``speed``: tokens/s of the training step (gradient + Dion, one CPU device) of
   ``tiny-moe`` (8 experts of width 256, 2 per token) against ``tiny`` (dense MLP of width
-  512: the same active MLP parameters), dropless and with capacity factor 1, interleaved
-  rounds.
-- ``quality``: ``python -m train.gpt --preset tiny-moe`` and ``--preset tiny`` at their
-  defaults (200 steps, the same tokens): final training loss and validation loss.
+  512: the same active MLP parameters), dropless and with capacity factor 1, and of tiny
+  with such experts on every second layer only (:data:`EVERY_2ND`), interleaved rounds.
+- ``quality``: ``python -m train.gpt --preset tiny-moe``, ``--preset tiny`` and tiny with
+  experts on every second layer at their defaults (200 steps, the same tokens): final
+  training loss and validation loss.
 - ``alltoall``: the all-to-all bytes per device of one training step of ``tiny-moe`` on
   ep = 2 and 4, against the formula. Per layer, the rows go out and come back in the
   forward pass, again in the backward pass's recomputation, and both are transposed:
@@ -46,6 +47,9 @@ import dion_jax  # noqa: E402
 import models  # noqa: E402
 
 STAGES = ("speed", "quality", "alltoall", "memory")
+# tiny with 8 experts of width 256, top-2, on layers 1 and 3 (dense MLPs of 512 on 0 and 2):
+# tiny's active parameters in every layer.
+EVERY_2ND = dict(num_experts=8, moe_every=2, moe_mlp_dim=256)
 
 
 def _batch(cfg: models.GPTConfig, batch: int, seed: int = 0) -> dict:
@@ -68,7 +72,8 @@ def _train_step(cfg: models.GPTConfig, par: models.Parallelism):
 def speed(args) -> None:
   cases, batch = {}, _batch(models.preset("tiny"), args.batch)
   configs = {"tiny (dense)": models.preset("tiny"), "tiny-moe dropless": models.preset("tiny-moe"),
-             "tiny-moe capacity 1": models.preset("tiny-moe", moe_capacity_factor=1.0)}
+             "tiny-moe capacity 1": models.preset("tiny-moe", moe_capacity_factor=1.0),
+             "tiny, experts every 2nd layer": models.preset("tiny", **EVERY_2ND)}
   for name, cfg in configs.items():
     step, params, tx = _train_step(cfg, models.Parallelism())
     cases[name] = (jax.jit(step), (params, tx.init(params), batch))
@@ -83,10 +88,11 @@ def speed(args) -> None:
 def quality(args) -> None:
   print("| preset | train loss | validation loss | tokens/s |\n| --- | --- | --- | --- |")
   with tempfile.TemporaryDirectory() as tmp:
-    for preset in ("tiny", "tiny-moe"):
-      run = os.path.join(tmp, preset)
-      subprocess.run([sys.executable, "-m", "train.gpt", "--preset", preset, "--run-dir", run], check=True,
-                     stdout=subprocess.DEVNULL)
+    every_2nd = "tiny --num-experts 8 --moe-every 2 --moe-ffn-hidden-size 256"
+    for preset in ("tiny", "tiny-moe", every_2nd):
+      run = os.path.join(tmp, preset.replace(" ", "_"))
+      subprocess.run([sys.executable, "-m", "train.gpt", "--preset", *preset.split(), "--run-dir", run],
+                     check=True, stdout=subprocess.DEVNULL)
       with open(os.path.join(run, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
       train = [r for r in records if "loss" in r]

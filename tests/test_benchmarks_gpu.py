@@ -1,9 +1,13 @@
-"""``python -m benchmarks.gpu`` without a GPU, and its profile summary on a synthetic trace."""
+"""``python -m benchmarks.gpu`` without a GPU, its profile summary on a synthetic trace, and
+its MoE stage at a small size on CPU (so that a lent GPU's minutes do not find its bugs)."""
 
+import argparse
 import gzip
 import json
 
-from benchmarks import gpu
+import numpy as np
+
+from benchmarks import gpu, gpu_moe
 
 
 def test_without_a_gpu_one_line_and_exit_2(capsys):
@@ -27,3 +31,13 @@ def test_profile_summary_counts_device_kernels_only(tmp_path):
   rows = gpu.summarize_trace(str(path))
   assert [(r["kernel"], r["ms"], r["count"]) for r in rows] == [("geqr2_batch_kernel", 3.0, 1), ("gemm", 1.0, 2)]
   assert abs(rows[0]["share"] - 0.75) < 1e-12
+
+
+def test_moe_stage_runs_and_checks_the_grouped_product():
+  assert gpu_moe.group_sizes(64, 4, skewed=False).tolist() == [16] * 4
+  assert gpu_moe.group_sizes(64, 4, skewed=True).tolist() == [34, 10, 10, 10]
+  out = gpu_moe.stage_moe(argparse.Namespace(stage_seconds=60), shapes=((64, 32, 16),), experts=(4,))
+  assert out["complete"] and len(out["rows"]) == 2
+  for row in out["rows"]:
+    assert row["max_relative_error"] < 1e-2  # bfloat16 inputs, float32 reference
+    assert np.isfinite(row["grouped_ms"]) and row["grouped_ms"] > 0
