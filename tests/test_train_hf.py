@@ -108,17 +108,17 @@ def test_bad_input_one_line_exit_2(trained, tmp_path, capsys):
   bad.mkdir()
   config = json.loads((source / "config.json").read_text())
   (bad / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
-  dense_moe = tmp_path / "dense_moe"  # a Qwen3-MoE with a dense layer every other one
+  dense_moe = tmp_path / "dense_moe"  # a Qwen3-MoE whose layer 1 is dense (mlp_only_layers)
   dense_moe.mkdir()
   (dense_moe / "config.json").write_text(json.dumps({
       **config, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
-      "moe_intermediate_size": 32, "decoder_sparse_step": 2}))
+      "moe_intermediate_size": 32, "mlp_only_layers": [1]}))
   cases = [
       (gpt.main, ["--init-from", f"hf:{bad}", "--run-dir", str(tmp_path / "r1")], "GPT2LMHeadModel"),
       (gpt.main, ["--init-from", f"hf:{source}", "--num-layers", "3", "--run-dir", str(tmp_path / "r2")],
        "--num-layers"),
       (eval_lib.main, [f"hf:{tmp_path / 'missing'}", "--data", "stdlib:val"], "config.json"),
-      (eval_lib.main, [f"hf:{dense_moe}", "--data", "stdlib:val"], "decoder_sparse_step=2"),
+      (eval_lib.main, [f"hf:{dense_moe}", "--data", "stdlib:val"], "mlp_only_layers=[1]"),
       (export_lib.main, [str(run), "--output", str(source)], "already exists"),
   ]
   for main, argv, message in cases:
