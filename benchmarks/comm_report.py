@@ -11,7 +11,7 @@ GPT (abstract arrays: nothing is allocated), counts every collective with
 next to two baselines:
 
 - ``Σ m·n·4``: the payload of an all-reduce of the full float32 gradient, and the
-  bytes a ring all-reduce of it over the rp·fs·ep data-parallel devices sends (an
+  bytes a ring all-reduce of it over the rp·fs·ep·cp data-parallel devices sends (an
   upper bound with experts, whose gradients reduce over rp·fs only);
 - the gradient all-reduce over ``rp`` that a data-parallel optimizer without
   compressed sync would do (compiled and measured the same way).
@@ -109,12 +109,12 @@ def report(mesh, shapes, specs, optimizer: str, rank_fractions: list[float]) -> 
   params = accounting.abstract_params(shapes, specs, mesh)
   per_replica = mesh.shape["rp"] > 1
   full = accounting.full_gradient_bytes(params)
-  dp = mesh.shape["rp"] * mesh.shape["fs"] * mesh.shape["ep"]
+  dp = mesh.shape["rp"] * mesh.shape["fs"] * mesh.shape["ep"] * mesh.shape["cp"]
   full_wire = accounting.ring_allreduce_bytes(full, dp)
   base = sum(s.bytes for s in gradient_allreduce_stats(mesh, shapes, specs)) if per_replica else 0
   lines = [
       f"mesh {dict(mesh.shape)}. Baselines per device: full-gradient payload Σm·n·4 = {full / 2**20:.2f} MiB"
-      f" (a ring all-reduce over the rp·fs·ep = {dp} data-parallel devices sends {full_wire / 2**20:.2f} MiB);"
+      f" (a ring all-reduce over the rp·fs·ep·cp = {dp} data-parallel devices sends {full_wire / 2**20:.2f} MiB);"
       f" averaging this device's gradient shard over rp = {base / 2**20:.2f} MiB.",
       "Payload: operand bytes (output for all-gather). Wire: bytes sent under ring algorithms"
       " (all-reduce 2(g-1)/g, reduce-scatter and all-gather (g-1)/g of the payload).",

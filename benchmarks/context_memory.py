@@ -6,8 +6,9 @@
 Stages (fake CPU devices; everything compiled from abstract arrays except ``speed``):
 
 - ``memory``: the compiled gradient step of ``--preset`` (default small) on one sequence,
-  per device: arguments (parameters, replicated over cp) and temporaries, from
-  ``compiled.memory_analysis()``, at each sequence length and cp. Formula for the
+  per device: arguments (the parameters, sharded over cp as over fs), outputs (their
+  gradients, sharded likewise) and temporaries, from ``compiled.memory_analysis()``, at
+  each sequence length and cp. Formula for the
   temporaries (float32, only matrix products saved for the backward pass):
   ``L·B·(T/cp)·(N·T + c·D)·4`` bytes: the saved (T/cp × T) scores of every layer, plus c
   activations of width D per token and layer (c is read off the measurement).
@@ -110,8 +111,9 @@ class _scheme:
 
 def memory(args) -> None:
   print(f"## per-device memory, {args.preset}, batch {args.batch}, float32 (MiB)")
-  print("| T | cp | arguments | temporaries | scores L·B·N·(T/cp)·T·4 | rest / (L·B·(T/cp)·D·4) = c |")
-  print("| --- | --- | --- | --- | --- | --- |")
+  print("| T | cp | arguments | outputs | temporaries | total | scores L·B·N·(T/cp)·T·4"
+        " | rest / (L·B·(T/cp)·D·4) = c |")
+  print("| --- | --- | --- | --- | --- | --- | --- | --- |")
   for T in args.seq_lens:
     for cp in args.cps:
       cfg = models.preset(args.preset, seq_len=T)
@@ -121,7 +123,8 @@ def memory(args) -> None:
       scores = L * B * N * (T // cp) * T * 4
       c = (mem.temp_size_in_bytes - scores) / (L * B * (T // cp) * D * 4)
       mib = 2**20
-      print(f"| {T} | {cp} | {mem.argument_size_in_bytes / mib:.0f} | {mem.temp_size_in_bytes / mib:.0f}"
+      sizes = (mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.temp_size_in_bytes)
+      print(f"| {T} | {cp} | {' | '.join(f'{x / mib:.0f}' for x in (*sizes, sum(sizes)))}"
             f" | {scores / mib:.0f} | {c:.1f} |", flush=True)
 
 

@@ -22,9 +22,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from dion_jax import parallel
 from models import context, moe, pipeline
 from models.gpt import apply_layers, rotary_tables
-from models.sharding import Parallelism, to_layers, to_stages
+from models.sharding import Parallelism, param_specs, to_layers, to_stages
 
 
 class LossAux(NamedTuple):
@@ -116,8 +117,10 @@ def _manual_loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], scale:
   loss run inside the same ``shard_map``: device 0 embeds each micro-batch as it enters,
   and the last stage's outputs are scattered over pp so that each device computes the
   loss of M/pp micro-batches. With cp > 1 each rank holds T/cp tokens of every sequence
-  in ``context``'s balanced layout; the parameters are the same on every cp rank, so
-  their gradients are summed over cp, as over data-parallel ranks.
+  in ``context``'s balanced layout; the weights stored sharded over cp enter as their cp
+  blocks (:func:`_entry_specs`) and are gathered where used, so their gradients leave
+  reduce-scattered over cp, as over data-parallel ranks; replicated ones (norm scales)
+  leave summed.
 
   The gradient is taken inside the ``shard_map`` and handed out by this ``custom_vjp``:
   on jax 0.10 differentiating a ``shard_map`` nested in another one (the per-replica
@@ -152,6 +155,8 @@ def _manual_call(graphdef, params, batch, scale, denominator, sequences, par: Pa
 
   def microbatched(x_BxT):  # micro-batch i = rows i, i + M, ...: keeps the batch sharding
     return context.balance(x_BxT, cp).reshape(B // M, M, T).swapaxes(0, 1)
+
+  entry_specs = _entry_specs(params, manual)
 
   def local_loss(params, micro, scale, denominator, sequences):  # micro: the batch's leaves [M, b, T/cp]
     model = nnx.merge(graphdef, params)
@@ -190,19 +195,32 @@ def _manual_call(graphdef, params, batch, scale, denominator, sequences, par: Pa
     value = _scaled(jax.lax.psum(jnp.sum(losses), manual) / denominator + extra, scale)
     return value, LossAux(layer_aux.get("logit_max"), router, extra)
 
-  specs = jax.tree.map(lambda _: P(), params)
   stages = P(pipeline.AXIS) if pp > 1 else P()
-  if pp > 1:
-    specs["blocks"] = jax.tree.map(lambda _: stages, params["blocks"])
   tokens = P(None, None, context.AXIS) if cp > 1 else P()
   aux_specs = LossAux(stages, stages, P())  # a prefix of the aux: None stays None
   return jax.shard_map(
       jax.value_and_grad(local_loss, has_aux=True) if with_grad else local_loss,
       mesh=jax.sharding.get_abstract_mesh(),
-      in_specs=(specs, tokens, P(), P(), P()),
-      out_specs=((P(), aux_specs), specs) if with_grad else (P(), aux_specs),
+      in_specs=(entry_specs, tokens, P(), P(), P()),
+      out_specs=((P(), aux_specs), entry_specs) if with_grad else (P(), aux_specs),
       axis_names=set(manual),
   )(params, jax.tree.map(microbatched, batch), scale, denominator, sequences)
+
+
+def _entry_specs(params: Any, manual: tuple[str, ...]) -> Any:
+  """Each parameter's ``in_specs`` entry for a ``shard_map`` manual over ``manual``: the
+  leading manual axes of each dimension of its stored layout (``param_specs``). That is
+  the stage axis of the layer stack on pp, and the cp blocks of the weights sharded over
+  cp (gathered where used: ``Parallelism.weight``); the other axes stay with the
+  partitioner (and the embedding's pp part, which is not leading, is gathered on entry)."""
+
+  def leading(entry):
+    names = parallel.axis_names(entry)
+    k = next((i for i, a in enumerate(names) if a not in manual), len(names))
+    return names[0] if k == 1 else (names[:k] or None)
+
+  return jax.tree.map(lambda spec: P(*(leading(e) for e in spec)), param_specs(params),
+                      is_leaf=lambda x: isinstance(x, P))
 
 
 def _per_stage(aux_I: dict[str, Any], M: int, pp: int, v: int) -> dict[str, Any]:

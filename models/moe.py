@@ -39,12 +39,12 @@ ragged all-to-all, which would send only the rows, has no CPU implementation.
 
 How ep composes: ep ranks are data-parallel ranks (the batch is split over rp·fs·ep), each
 holding E/ep experts; every other parameter is fully sharded over fs·ep (ZeRO-3 over all of
-them: ``models.sharding.DENSE_SHARDS``). Inside the dispatch the experts' D axis is gathered
-over fs (and the router's over fs and ep; reduce-scattered back in the backward pass) and F
-stays split over tp, whose partial products
-XLA reduces as for the dense MLP; sequence parallelism gathers the sequence before the MLP
-as before. Pipeline stages stack experts like every other weight. Not supported yet:
-context parallelism (a sequence's capacity and balance loss would span cp ranks).
+them: ``models.sharding.DENSE_SHARDS``). Inside the dispatch the experts' D axis is
+gathered over fs (and the router's over fs and ep; reduce-scattered back in the backward
+pass) and F stays split over tp, whose partial products XLA reduces as for the dense MLP;
+sequence parallelism gathers the sequence before the MLP as before. Pipeline stages stack
+experts like every other weight. Not supported yet: context parallelism (a sequence's
+capacity and balance loss would span cp ranks).
 
 The dispatch runs in a ``shard_map`` manual over the data-parallel axes (tp left to XLA),
 under a ``custom_vjp`` whose backward pass re-runs the dispatch under ``jax.vjp`` in a
@@ -65,7 +65,7 @@ from jax.sharding import PartitionSpec as P
 
 from models.config import GPTConfig
 from models.layers import MLP, Dense, init_std
-from models.sharding import BATCH_AXES, DENSE_SHARDS, EXPERT_LAYOUTS, KERNEL_LAYOUTS, Parallelism, layout_of
+from models.sharding import BATCH_AXES, EXPERT_LAYOUTS, KERNEL_LAYOUTS, Parallelism, layout_of
 
 EXPERT_AXIS = "ep"
 
@@ -218,7 +218,7 @@ def _split_layout(name: str) -> tuple[P, P, int]:
   def only(axes):
     return P(*(tuple(a for a in parallel.axis_names(e) if a in axes) or None for e in stored))
 
-  data, tp = only(DENSE_SHARDS), only(("tp",))
+  data, tp = only(BATCH_AXES), only(("tp",))  # the axes the dispatch is manual over; tp
   return data, tp, next(i for i, e in enumerate(data) if "fs" in parallel.axis_names(e))
 
 

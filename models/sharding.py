@@ -24,8 +24,13 @@ collectives; PP and CP are explicit (``models/pipeline.py``, ``models/context.py
   ``tp``, so that reduction becomes a reduce-scatter and the input of the next
   column-parallel product an all-gather (Megatron's sequence parallelism).
 - DP: the batch over ``rp`` and ``fs``.
-- CP: parameters replicated over ``cp``; the sequence split over it inside
-  ``models.loss``'s ``shard_map``, so no activation constraint names it.
+- CP: the sequence split over ``cp`` inside ``models.loss``'s ``shard_map``, so no
+  activation constraint names it. To the parameters cp is one more data-parallel axis:
+  dense weights are stored sharded over it as over fs (ZeRO-3 over cp, as Megatron's
+  distributed optimizer shards over data-parallel and cp ranks): each enters the
+  ``shard_map`` as its cp block and is gathered where used (:meth:`Parallelism.weight`),
+  its gradient reduce-scattered back; the optimizers' state and work are split over cp
+  like the weights.
 
 Logical names map to mesh axes in one table (:data:`LOGICAL_AXES`); axes that are manual
 in the surrounding ``shard_map`` (``rp`` under per-replica gradients, ``pp`` in the
@@ -63,10 +68,12 @@ LOGICAL_AXES = {
     "seq": "tp",
 }
 
-# What a dense weight is sharded over besides tp: fs, and ep, whose ranks are data-parallel
-# ranks to everything but the experts (fully sharded over both, as FSDP over all of them).
-DENSE_SHARDS = ("fs", "ep")
-# Each kernel's Megatron layout, and the sharding it is used in (gathered over fs and ep).
+# What a dense weight is sharded over besides tp: fs; ep, whose ranks are data-parallel
+# ranks to everything but the experts; and cp, whose ranks are data-parallel ranks to every
+# parameter (fully sharded over all of them, as FSDP). cp comes first: the shard_map manual
+# over cp (``models.lm_loss``) takes each rank's contiguous block and gathers it inside.
+DENSE_SHARDS = ("cp", "fs", "ep")
+# Each kernel's Megatron layout, and the sharding it is used in (gathered over cp, fs and ep).
 KERNEL_LAYOUTS = {
     "column": (P(DENSE_SHARDS, "tp"), P(None, "tp")),
     "row": (P("tp", DENSE_SHARDS), P("tp", None)),
@@ -132,17 +139,12 @@ class Parallelism:
 
     Axes that the surrounding ``shard_map`` made manual are left out.
     """
-    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
-
     def resolve(name):
       if name is None or (name == "seq" and not self.sequence_parallel):
         return None
-      axes = LOGICAL_AXES[name]
-      axes = (axes,) if isinstance(axes, str) else axes
-      axes = tuple(a for a in axes if a not in manual)
-      return axes[0] if len(axes) == 1 else (axes or None)
+      return LOGICAL_AXES[name]
 
-    return P(*(resolve(n) for n in names))
+    return without_manual(P(*(resolve(n) for n in names)))
 
   def constrain(self, x: jax.Array, *names: str | None) -> jax.Array:
     """``x`` with the sharding of the logical axes ``names`` (nothing on one device)."""
@@ -151,16 +153,34 @@ class Parallelism:
     return jax.lax.with_sharding_constraint(x, self.spec(*names))
 
   def weight(self, kernel: jax.Array, layout: str) -> jax.Array:
-    """A layer's kernel where it is used: its tp sharding, gathered over fs.
+    """A layer's kernel where it is used: its tp sharding, gathered over cp, fs and ep.
 
     Constraining to the stored layout first keeps the gradient (the transpose of the
-    gather) in that layout: reduced to fs shards, not all-reduced to full copies.
+    gather) in that layout: reduced to fs shards, not all-reduced to full copies. Inside
+    the ``shard_map`` manual over cp the kernel is this rank's cp block (``models.lm_loss``),
+    gathered here explicitly; the gather's transpose reduce-scatters the gradient.
     """
     if self.mesh is None:
       return kernel
     stored, used = KERNEL_LAYOUTS[layout]
-    kernel = jax.lax.with_sharding_constraint(kernel, stored)
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    for dim, entry in enumerate(stored):
+      over = tuple(a for a in parallel.axis_names(entry) if a in manual)
+      if over:
+        kernel = jax.lax.all_gather(kernel, over, axis=dim, tiled=True)
+    kernel = jax.lax.with_sharding_constraint(kernel, without_manual(stored))
     return jax.lax.with_sharding_constraint(kernel, used)
+
+
+def without_manual(spec: P) -> P:
+  """``spec`` without the axes that the surrounding ``shard_map`` made manual."""
+  manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+
+  def entry(e):
+    axes = tuple(a for a in parallel.axis_names(e) if a not in manual)
+    return axes[0] if len(axes) == 1 else (axes or None)
+
+  return P(*(entry(e) for e in spec))
 
 
 def param_specs(params: Any) -> Any:

@@ -1,6 +1,7 @@
 """Context parallelism (models/context.py): the balanced layout, the attention, and every
 mesh with cp against one device, in float32."""
 import contextlib
+import math
 import re
 
 import jax
@@ -94,15 +95,20 @@ def test_sequence_that_does_not_split_is_refused():
     models.loss(graphdef, params, batch, par)
 
 
-# --- Dion on meshes with cp: the optimizers see cp as replication ----------------------
+# --- Dion on meshes with cp: the optimizers see cp as one more fs --------------------
+
+
+def _init(mesh):
+  par = models.Parallelism(mesh)
+  graphdef, params = models.init(CFG, par)
+  tx = dion_jax.dion(0.02, rank_fraction=0.25, mesh=mesh, partition_specs=models.param_specs(params))
+  return par, graphdef, params, tx
 
 
 def _train(spec, steps=3):
   """Dion steps on ``spec`` (None: one device); per-replica gradients when rp > 1."""
   mesh = None if spec is None else model_meshes.mesh(spec)
-  par = models.Parallelism(mesh)
-  graphdef, params = models.init(CFG, par)
-  tx = dion_jax.dion(0.02, rank_fraction=0.25, mesh=mesh, partition_specs=models.param_specs(params))
+  par, graphdef, params, tx = _init(mesh)
   opt_state = tx.init(params)
 
   def loss_fn(p, b):
@@ -126,6 +132,11 @@ def _train(spec, steps=3):
       params, opt_state, loss = step(params, opt_state, _batch(seed=i))
       losses.append(float(loss))
   return losses, params
+
+
+def _first_device_bytes(tree):
+  return sum(shard.data.nbytes for x in jax.tree.leaves(tree) for shard in x.addressable_shards
+             if shard.device == jax.devices()[0])
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +163,20 @@ def test_dion_training_with_cp_matches_one_device(one_device_training, spec):
     model_meshes.assert_close_trees(pick(params), pick(want_params), rtol=rtol)
 
 
+@pytest.mark.parametrize("spec, as_fs", [("fs=2,cp=2,tp=2", "fs=4,tp=2"), ("rp=2,cp=2", "rp=2,fs=2")])
+def test_cp_shards_parameters_and_optimizer_state_as_fs_does(spec, as_fs):
+  """ZeRO over cp: a device holds the bytes of parameters and Dion's state that it holds
+  on the mesh with fs·cp in place of fs, which is less than without the sharding."""
+  def device_bytes(mesh_spec):
+    _, _, params, tx = _init(model_meshes.mesh(mesh_spec))
+    return _first_device_bytes(params), _first_device_bytes(tx.init(params))
+
+  got, want = device_bytes(spec), device_bytes(as_fs)
+  assert got == want, (got, want)
+  replicated = device_bytes(",".join(a for a in spec.split(",") if not a.startswith("cp=")))
+  assert got[0] < 0.55 * replicated[0] and got[1] < 0.55 * replicated[1], (got, replicated)
+
+
 # --- what the compiled step holds and communicates -------------------------------------
 
 
@@ -164,7 +189,7 @@ def _compiled(spec, cfg):
     return mesh, fn.lower(params, _batch(cfg=cfg, batch=4)).compile()
 
 
-def test_cp_step_holds_no_full_score_block_and_gathers_only_kv():
+def test_cp_step_holds_no_full_score_block_and_shards_weights_over_cp():
   # T = 48 is no other dimension of the model, so a [..., 48, 48] buffer is a score block.
   cfg = models.preset("tiny", num_layers=2, d_model=32, num_heads=2, seq_len=48)
   B, T, N, H, cp = 4, cfg.seq_len, cfg.num_heads, cfg.head_dim, 2
@@ -175,12 +200,37 @@ def test_cp_step_holds_no_full_score_block_and_gathers_only_kv():
   assert not full_scores.search(hlo)
   assert re.search(rf"\[{B},{N},{T // cp},{T}\]", hlo)  # this rank's queries x all keys
   stats = {(s.op, s.axes): s for s in dion_jax.collective_stats(compiled, mesh)}
-  # All-gathers of K and V, again in the backward pass (only matrix products are saved);
-  # reduce-scatters of dK and dV; all-reduces of the parameters' gradients and the loss.
   assert set(stats) == {("all-gather", ("cp",)), ("reduce-scatter", ("cp",)), ("all-reduce", ("cp",))}
+  # Activations: all-gathers of K and V, again in the backward pass (only matrix products
+  # are saved); reduce-scatters of dK and dV. Weights, stored sharded over cp: a layer's
+  # kernels gathered where used, again in the backward pass, their gradients
+  # reduce-scattered; the embedding and the LM head gathered once. The scan's body counts
+  # once, so a layer's kernels show as one layer's.
+  params = models.init(cfg, models.Parallelism(mesh))[1]
+  specs = jax.tree.leaves(models.param_specs(params), is_leaf=lambda x: isinstance(x, P))
+  layer, whole = [], []  # (full shape, the dimension sharded over cp)
+  for (path, x), spec in zip(jax.tree_util.tree_leaves_with_path(params), specs):
+    dims = [d for d, e in enumerate(spec) if "cp" in dion_jax.parallel.axis_names(e)]
+    if dims:
+      stacked = path[0].key == "blocks"
+      (layer if stacked else whole).append((x.shape[2:] if stacked else x.shape, dims[0] - 2 * stacked))
+  assert len(layer) == 6 and len(whole) == 2  # query, key, value, out, up, down; embedding, LM head
+
+  def f32(shape):
+    return f"f32[{','.join(map(str, shape))}]"
+
+  def halved(shape, dim):
+    return tuple(n // cp if d == dim else n for d, n in enumerate(shape))
+
   gathers = re.findall(r"= (f32\[[0-9,]*\])\{[^}]*\} all-gather(?:-start)?\(", hlo)
-  assert gathers == [f"f32[{B},{T},{N},{H}]"] * 4, gathers
+  want = [(B, T, N, H)] * 4 + [shape for shape, _ in 2 * layer + whole]
+  assert sorted(gathers) == sorted(map(f32, want)), gathers
   scatters = re.findall(r"= (f32\[[0-9,]*\])\{[^}]*\} reduce-scatter(?:-start)?\(", hlo)
-  assert scatters == [f"f32[{B},{T // cp},{N},{H}]"] * 2, scatters
-  # Per layer (the scan's body counts once): 4 gathers of B·T·D floats, the scheme's formula.
-  assert stats[("all-gather", ("cp",))].bytes == 4 * B * T * cfg.d_model * 4
+  want = [(B, T // cp, N, H)] * 2 + [halved(*w) for w in layer + whole]
+  assert sorted(scatters) == sorted(map(f32, want)), scatters
+  # K and V: 4 gathers of B·T·D floats per layer, the scheme's formula.
+  weight_bytes = 4 * sum(math.prod(shape) for shape, _ in 2 * layer + whole)
+  assert stats[("all-gather", ("cp",))].bytes == 4 * B * T * cfg.d_model * 4 + weight_bytes
+  # What is still all-reduced: the loss and the replicated norm scales' gradients, no weight's.
+  replicated = (2 * cfg.num_layers + 1) * cfg.d_model
+  assert stats[("all-reduce", ("cp",))].bytes <= 4 * (replicated + 2)

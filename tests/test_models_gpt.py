@@ -166,9 +166,9 @@ def _device_bytes(params):
 def test_parameter_bytes_per_device_scale_with_the_mesh():
   cfg = models.preset("tiny", num_layers=4, d_model=64, num_heads=4, seq_len=16, vocab_size=512)
   total = _device_bytes(models.init(cfg)[1])
-  for spec in ("fs=2", "tp=2", "pp=2", "fs=2,tp=2", "fs=2,tp=2,pp=2", "fs=4,tp=2"):
+  for spec in ("fs=2", "tp=2", "pp=2", "fs=2,tp=2", "fs=2,tp=2,pp=2", "fs=4,tp=2", "fs=2,cp=2,tp=2"):
     sizes = dion_jax.parse_mesh_spec(spec)
-    shards = sizes["fs"] * sizes["tp"] * sizes["pp"]
+    shards = sizes["fs"] * sizes["cp"] * sizes["tp"] * sizes["pp"]
     par = models.Parallelism(model_meshes.mesh(spec), microbatches=sizes["pp"])
     per_device = _device_bytes(models.init(cfg, par)[1])
     # Replicated vectors (norm scales) are the only padding: under 2% here.

@@ -7,7 +7,7 @@ Axis meanings (Megatron-Dion's names, docs/design.md §3):
       to their experts by all-to-all; to every other parameter, one more data-parallel axis
       (as Megatron's EP reuses data-parallel ranks), which the GPT shards over with fs.
   cp: context parallelism: each sequence split over cp ranks; to the parameters and
-      their optimizer state, one more data-parallel axis (replicated, gradients summed).
+      their optimizer state, one more data-parallel axis, which the GPT shards over with fs.
   tp: tensor parallelism (Megatron column/row-parallel layers).
   pp: pipeline stages; stacked stage weights carry a leading axis sharded on pp.
 
