@@ -191,7 +191,10 @@ def _manual_call(graphdef, params, batch, scale, denominator, sequences, par: Pa
       layer_aux = jax.tree.map(lambda a: to_stages(a, 1), aux_L)
     losses = jnp.where(targets_BxT >= 0, model.token_losses(x_BxTxD, targets_BxT, par), 0.0)
     router = layer_aux.get("router")
-    extra = jax.lax.psum(_router_loss(router, model.cfg, sequences, T), manual)
+    # The router's statistics are already whole over cp (models.moe sums each sequence's
+    # over it); the pipeline's stages hold different layers.
+    extra = _router_loss(router, model.cfg, sequences, T)
+    extra = jax.lax.psum(extra, pipeline.AXIS) if pp > 1 else extra
     value = _scaled(jax.lax.psum(jnp.sum(losses), manual) / denominator + extra, scale)
     return value, LossAux(layer_aux.get("logit_max"), router, extra)
 

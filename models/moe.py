@@ -43,8 +43,12 @@ them: ``models.sharding.DENSE_SHARDS``). Inside the dispatch the experts' D axis
 gathered over fs (and the router's over fs and ep; reduce-scattered back in the backward
 pass) and F stays split over tp, whose partial products XLA reduces as for the dense MLP;
 sequence parallelism gathers the sequence before the MLP as before. Pipeline stages stack
-experts like every other weight. Not supported yet: context parallelism (a sequence's
-capacity and balance loss would span cp ranks).
+experts like every other weight. With context parallelism a rank routes its T/cp tokens of
+every sequence; the per-sequence sums behind the balance loss (and the z-loss, the load)
+are summed over cp first, so every cp layout reproduces one device. Experts are replicated
+over cp (their gradients summed over it); the router is sharded over cp like every dense
+weight. A capacity limit is refused with cp: which assignments it drops depends on their
+order within the whole sequence.
 
 The dispatch runs in a ``shard_map`` manual over the data-parallel axes (tp left to XLA),
 under a ``custom_vjp`` whose backward pass re-runs the dispatch under ``jax.vjp`` in a
@@ -65,9 +69,11 @@ from jax.sharding import PartitionSpec as P
 
 from models.config import GPTConfig
 from models.layers import MLP, Dense, init_std
-from models.sharding import BATCH_AXES, EXPERT_LAYOUTS, KERNEL_LAYOUTS, Parallelism, layout_of
+from models.sharding import (BATCH_AXES, EXPERT_LAYOUTS, KERNEL_LAYOUTS, Parallelism, gathered_over_manual,
+                             layout_of)
 
 EXPERT_AXIS = "ep"
+CONTEXT_AXIS = "cp"
 
 
 class RouterStats(NamedTuple):
@@ -131,10 +137,12 @@ def route(x_BxTxD: jax.Array, router_DxE: jax.Array, cfg: GPTConfig
   top_p_BxTxK, top_e_BxTxK = jax.lax.top_k(probs_BxTxE, k)
   gates_BxTxK = top_p_BxTxK / top_p_BxTxK.sum(-1, keepdims=True) if cfg.moe_renormalize else top_p_BxTxK
   onehot_BxAxE = jax.nn.one_hot(top_e_BxTxK.reshape(B, T * k), E, dtype=jnp.int32)
-  routed_BxE = onehot_BxAxE.sum(1)
-  share_BxE = routed_BxE.astype(jnp.float32) / (T * k)
-  balance_B = E * jnp.sum(share_BxE * probs_BxTxE.mean(1), -1)
-  z_B = jnp.sum(jnp.square(jax.nn.logsumexp(logits_BxTxE, -1)), -1)
+  # Per-sequence sums: over this rank's T/cp tokens, then over cp (a no-op without cp).
+  routed_BxE = _over_cp(onehot_BxAxE.sum(1))
+  probs_BxE = _over_cp(probs_BxTxE.sum(1))
+  T_seq = T * _cp()
+  balance_B = E * jnp.sum(routed_BxE.astype(jnp.float32) / (T_seq * k) * probs_BxE / T_seq, -1)
+  z_B = _over_cp(jnp.sum(jnp.square(jax.nn.logsumexp(logits_BxTxE, -1)), -1))
   experts_A, gates_A = top_e_BxTxK.reshape(-1), gates_BxTxK.reshape(-1)
   C = capacity(cfg, T)
   if C is None:
@@ -146,6 +154,17 @@ def route(x_BxTxD: jax.Array, router_DxE: jax.Array, cfg: GPTConfig
     dropped = jnp.sum(~kept_A).astype(jnp.float32)
   stats = RouterStats(jnp.sum(balance_B), jnp.sum(z_B), routed_BxE.sum(0).astype(jnp.float32), dropped)
   return experts_A, gates_A, stats
+
+
+def _cp() -> int:
+  """cp when inside a ``shard_map`` manual over it (``models.context``), else 1."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return dict(mesh.shape)[CONTEXT_AXIS] if CONTEXT_AXIS in mesh.manual_axes else 1
+
+
+def _over_cp(x: jax.Array) -> jax.Array:
+  """``x`` summed over cp, whose ranks hold the other parts of the same sequences."""
+  return jax.lax.psum(x, CONTEXT_AXIS) if _cp() > 1 else x
 
 
 def _expert_mlp(rows_RxD: jax.Array, weights: dict[str, jax.Array], group_sizes_G: jax.Array,
@@ -208,12 +227,16 @@ def _local(x_BxTxD: jax.Array, weights: dict[str, jax.Array], cfg: GPTConfig, ep
   return y_NxD.reshape(B, T, D).astype(x_BxTxD.dtype), stats
 
 
+def _stored_layout(name: str) -> P:
+  return KERNEL_LAYOUTS["router"][0] if name == "router" else EXPERT_LAYOUTS[layout_of([name])]
+
+
 def _split_layout(name: str) -> tuple[P, P, int]:
   """A dispatch weight's stored layout (``models.sharding``) split in two: its data-parallel
   part, the dispatch's ``in_specs``, and its tp part, left to XLA; and the dimension sharded
   over fs, gathered inside (the router's D over fs·ep, the experts' over fs: ep keeps
   whole experts)."""
-  stored = KERNEL_LAYOUTS["router"][0] if name == "router" else EXPERT_LAYOUTS[layout_of([name])]
+  stored = _stored_layout(name)
 
   def only(axes):
     return P(*(tuple(a for a in parallel.axis_names(e) if a in axes) or None for e in stored))
@@ -226,9 +249,10 @@ def _dispatch(x_BxTxD: jax.Array, weights: dict[str, jax.Array], cfg: GPTConfig,
               ) -> tuple[jax.Array, RouterStats]:
   if par.mesh is None:
     return _local(x_BxTxD, weights, cfg, 1)
-  if par.cp > 1:
-    raise ValueError("mixture-of-experts layers do not run with context parallelism (cp > 1) yet;"
-                     " drop cp from the mesh")
+  if par.cp > 1 and capacity(cfg, x_BxTxD.shape[1]) is not None:
+    raise ValueError("a capacity limit (moe_capacity_factor) does not run with context parallelism"
+                     " (cp > 1): a sequence's order of arrival spans cp ranks; use dropless routing"
+                     " (moe_capacity_factor=None) or drop cp")
   ep = par.size(EXPERT_AXIS)
   # Taken once, for the backward pass too, which is traced outside this context.
   mesh = jax.sharding.get_abstract_mesh()
@@ -236,6 +260,9 @@ def _dispatch(x_BxTxD: jax.Array, weights: dict[str, jax.Array], cfg: GPTConfig,
   region = tuple(a for a in BATCH_AXES if a not in manual)
   data = P(region)
   layouts = {name: _split_layout(name) for name in weights}
+  # Inside the shard_map manual over cp, the weights stored sharded over cp (the router)
+  # entered as their cp blocks.
+  weights = {name: gathered_over_manual(w, _stored_layout(name)) for name, w in weights.items()}
   w_specs = {name: data_spec for name, (data_spec, _, _) in layouts.items()}
 
   def body(x, weights):

@@ -163,12 +163,7 @@ class Parallelism:
     if self.mesh is None:
       return kernel
     stored, used = KERNEL_LAYOUTS[layout]
-    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
-    for dim, entry in enumerate(stored):
-      over = tuple(a for a in parallel.axis_names(entry) if a in manual)
-      if over:
-        kernel = jax.lax.all_gather(kernel, over, axis=dim, tiled=True)
-    kernel = jax.lax.with_sharding_constraint(kernel, without_manual(stored))
+    kernel = jax.lax.with_sharding_constraint(gathered_over_manual(kernel, stored), without_manual(stored))
     return jax.lax.with_sharding_constraint(kernel, used)
 
 
@@ -181,6 +176,17 @@ def without_manual(spec: P) -> P:
     return axes[0] if len(axes) == 1 else (axes or None)
 
   return P(*(entry(e) for e in spec))
+
+
+def gathered_over_manual(kernel: jax.Array, stored: P) -> jax.Array:
+  """A weight stored as ``stored``, inside a ``shard_map`` manual over some of its axes
+  (cp) where it entered as its block: all-gathered over those axes."""
+  manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+  for dim, entry in enumerate(stored):
+    over = tuple(a for a in parallel.axis_names(entry) if a in manual)
+    if over:
+      kernel = jax.lax.all_gather(kernel, over, axis=dim, tiled=True)
+  return kernel
 
 
 def param_specs(params: Any) -> Any:

@@ -153,6 +153,24 @@ def test_every_second_layer_is_a_mixture_of_experts():
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a[0], b, rtol=1e-6), aux.router, want_router)
 
 
+def test_router_statistics_with_cp_are_one_devices():
+  """With cp a rank routes T/cp tokens of every sequence; the per-sequence sums are taken
+  over cp first, so the balance loss (a product of two of them), the z-loss and the load
+  equal one device's. A capacity limit, which would depend on the order of arrival
+  across cp ranks, is refused."""
+  batch = _batch()
+  graphdef, params = models.init(CFG)
+  want = jax.jit(lambda p, b: models.loss(graphdef, p, b, aux=True)[1].router)(params, batch)
+  par = models.Parallelism(model_meshes.mesh("cp=2"))
+  with jax.set_mesh(par.mesh):
+    _, params = models.init(CFG, par)
+    got = jax.jit(lambda p, b: models.loss(graphdef, p, b, par, aux=True)[1].router)(params, batch)
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5), got, want)
+    capped_graphdef, capped = models.init(CAPPED, par)
+    with pytest.raises(ValueError, match=r"capacity limit \(moe_capacity_factor\) does not run with context"):
+      models.loss(capped_graphdef, capped, batch, par)
+
+
 # --- every mesh with ep gives one device's loss and gradients --------------------------
 
 
@@ -168,6 +186,8 @@ MESHES = [
     ("rp=2,ep=2", {}, CFG),
     ("ep=2,pp=2", {"microbatches": 4}, GROUPED),
     ("fs=2,ep=2,tp=2", {"sequence_parallel": True}, GROUPED),
+    ("cp=2,ep=2", {}, GROUPED),
+    ("fs=2,cp=2,tp=2", {}, CFG),
 ]
 _KIND = {CFG: "", CAPPED: "-capped", GROUPED: "-every-2nd"}
 
