@@ -45,10 +45,10 @@ pass) and F stays split over tp, whose partial products XLA reduces as for the d
 sequence parallelism gathers the sequence before the MLP as before. Pipeline stages stack
 experts like every other weight. With context parallelism a rank routes its T/cp tokens of
 every sequence; the per-sequence sums behind the balance loss (and the z-loss, the load)
-are summed over cp first, so every cp layout reproduces one device. Experts are replicated
-over cp (their gradients summed over it); the router is sharded over cp like every dense
-weight. A capacity limit is refused with cp: which assignments it drops depends on their
-order within the whole sequence.
+are summed over cp first, so every cp layout reproduces one device. Router and experts are
+stored sharded over cp, as over fs, and gathered over cp before the dispatch. A capacity
+limit is refused with cp: which assignments it drops depends on their order within the
+whole sequence.
 
 The dispatch runs in a ``shard_map`` manual over the data-parallel axes (tp left to XLA),
 under a ``custom_vjp`` whose backward pass re-runs the dispatch under ``jax.vjp`` in a
@@ -260,8 +260,7 @@ def _dispatch(x_BxTxD: jax.Array, weights: dict[str, jax.Array], cfg: GPTConfig,
   region = tuple(a for a in BATCH_AXES if a not in manual)
   data = P(region)
   layouts = {name: _split_layout(name) for name in weights}
-  # Inside the shard_map manual over cp, the weights stored sharded over cp (the router)
-  # entered as their cp blocks.
+  # Inside the shard_map manual over cp, the weights entered as their cp blocks.
   weights = {name: gathered_over_manual(w, _stored_layout(name)) for name, w in weights.items()}
   w_specs = {name: data_spec for name, (data_spec, _, _) in layouts.items()}
 

@@ -81,8 +81,8 @@ KERNEL_LAYOUTS = {
     "router": (P(DENSE_SHARDS, None), P(None, None)),
 }
 # An expert stack's [E, fan_in, fan_out]: experts over ep, then a column- or row-parallel
-# kernel over fs and tp.
-EXPERT_LAYOUTS = {"column": P("ep", "fs", "tp"), "row": P("ep", "tp", "fs")}
+# kernel over cp·fs and tp (cp's ranks are data-parallel to the experts too).
+EXPERT_LAYOUTS = {"column": P("ep", ("cp", "fs"), "tp"), "row": P("ep", "tp", ("cp", "fs"))}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -221,14 +221,14 @@ def test_training_on_fs_ep_tp_matches_one_device(name):
 
 
 def test_bytes_per_device_scale_with_ep_fs_tp():
-  """Experts split over ep, fs and tp; every other weight over fs·ep and tp."""
+  """Experts split over ep, cp·fs and tp; every other weight over cp·fs·ep and tp."""
   def device_bytes(params):
     return sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards
                if s.device == jax.devices()[0])
 
   params = models.init(CFG)[1]
   total, experts = device_bytes(params), device_bytes(params["blocks"]["mlp"]["experts"])
-  for spec, shards in (("ep=2", 2), ("ep=4", 4), ("fs=2,ep=2,tp=2", 8)):
+  for spec, shards in (("ep=2", 2), ("ep=4", 4), ("fs=2,ep=2,tp=2", 8), ("cp=2,ep=2", 4)):
     params = models.init(CFG, models.Parallelism(model_meshes.mesh(spec)))[1]
     assert device_bytes(params["blocks"]["mlp"]["experts"]) == experts // shards, spec
     # Replicated norm scales and the router's tp copies are the only padding: under 5% here.
