@@ -1,9 +1,9 @@
 """Context parallelism: every sequence split over the mesh axis ``cp``, attention included.
 
 To the parameters cp is one more data-parallel axis (stored sharded over it as over fs,
-gathered on entering the ``shard_map``, gradients reduce-scattered back:
-``models.sharding``); to the activations it is a split of the sequence. ``models.loss`` runs the
-whole model in a ``shard_map`` manual over cp (as the pipeline runs in one manual over pp):
+gathered where used, gradients reduce-scattered back: ``models.sharding``); to the
+activations it is a split of the sequence. ``models.loss`` runs the whole model in a
+``shard_map`` manual over cp (as the pipeline runs in one manual over pp):
 embedding, norms, MLPs, LM head and loss are per token and run on the rank's own T/cp
 tokens as they are; only attention needs the other ranks' keys and values.
 

@@ -38,8 +38,8 @@ static, so a block has room for the worst case: all of the device's assignments
 ragged all-to-all, which would send only the rows, has no CPU implementation.
 
 How ep composes: ep ranks are data-parallel ranks (the batch is split over rp·fs·ep), each
-holding E/ep experts; every other parameter is fully sharded over fs·ep (ZeRO-3 over all of
-them: ``models.sharding.DENSE_SHARDS``). Inside the dispatch the experts' D axis is
+holding E/ep experts; every other parameter is fully sharded over cp·fs·ep (ZeRO-3 over all
+of them: ``models.sharding.DENSE_SHARDS``). Inside the dispatch the experts' D axis is
 gathered over fs (and the router's over fs and ep; reduce-scattered back in the backward
 pass) and F stays split over tp, whose partial products XLA reduces as for the dense MLP;
 sequence parallelism gathers the sequence before the MLP as before. Pipeline stages stack
