@@ -13,6 +13,7 @@ import os
 import numpy as np
 
 from data import tokenizer as byte_tokenizer
+from data.chat import ChatTemplate
 from data.errors import DataError, DataFileNotFoundError
 
 
@@ -22,6 +23,7 @@ class HFTokenizer:
   Attributes:
     eod: the end-of-document (eos) token id.
     vocab_size: ids are below it.
+    chat: the directory's chat template (``data.chat``), None if it has none.
   """
 
   def __init__(self, directory: str):
@@ -37,6 +39,7 @@ class HFTokenizer:
       raise DataError(f"{path}: not a tokenizers file ({e})") from None
     self.eod = _eos_id(directory, self._tokenizer)
     self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+    self.chat = ChatTemplate.from_directory(directory)
 
   def encode(self, text: str | bytes, *, append_eod: bool = False, special: bool = True) -> np.ndarray:
     """Token ids int32 [n]; ``special`` adds the tokenizer's own (e.g. a leading BOS)."""
@@ -48,12 +51,28 @@ class HFTokenizer:
   def decode(self, ids) -> str:
     return self._tokenizer.decode([int(i) for i in np.asarray(ids).ravel()], skip_special_tokens=False)
 
+  def encode_chat(self, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids int32 [n], learn bool [n])`` of a conversation rendered by the chat template:
+    ``learn`` marks the tokens that begin inside an assistant turn (``data.chat``). The
+    template writes the special tokens itself, so none are added."""
+    if self.chat is None:
+      raise DataError("the tokenizer has no chat template (chat_template.jinja or chat_template"
+                      " in tokenizer_config.json); use prompt/completion lines")
+    text, spans = self.chat.spans(messages, self._tokenizer.id_to_token(self.eod))
+    encoding = self._tokenizer.encode(text, add_special_tokens=False)
+    starts = np.asarray([start for start, _ in encoding.offsets], np.int64)
+    learn = np.zeros(len(starts), bool)
+    for start, end in spans:
+      learn |= (starts >= start) & (starts < end)
+    return np.asarray(encoding.ids, np.int32), learn
+
 
 class ByteTokenizer:
   """The byte tokenizer behind the same interface as :class:`HFTokenizer`."""
 
   eod = byte_tokenizer.EOD
   vocab_size = byte_tokenizer.VOCAB_SIZE
+  chat = None
 
   def encode(self, text: str | bytes, *, append_eod: bool = False, special: bool = True) -> np.ndarray:
     del special
@@ -61,6 +80,11 @@ class ByteTokenizer:
 
   def decode(self, ids) -> str:
     return byte_tokenizer.decode(ids)
+
+  def encode_chat(self, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    del messages
+    raise DataError("conversations need a Hugging Face tokenizer with a chat template"
+                    " (--init-from hf:DIR); the byte tokenizer has none")
 
 
 def load(directory: str | None) -> HFTokenizer | ByteTokenizer:

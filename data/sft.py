@@ -1,8 +1,14 @@
-"""Fine-tuning data: ``sft:FILE.jsonl``, one ``{"prompt": ..., "completion": ...}`` per line.
+"""Fine-tuning data: ``sft:FILE.jsonl``, one example per line, in either form:
 
-Each example is the tokens ``prompt + completion + [EOD]``; its inputs are all but the
-last, its targets all but the first, and the targets that are prompt tokens are -1 (not
-counted by the loss): the model learns the completions only.
+- ``{"prompt": ..., "completion": ...}``: the tokens ``prompt + completion + [EOD]``; the
+  model learns the completion and the EOD;
+- ``{"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}, ...]}``: a
+  conversation, rendered by the tokenizer's chat template (``data.chat``; a Hugging Face
+  tokenizer is needed); the model learns its assistant turns.
+
+An example is its tokens and which of them are learned; its inputs are all tokens but
+the last, its targets all but the first, and a target that is not learned is -1 (not
+counted by the loss).
 
 Packing (:func:`pack`) lays examples one after another into rows of ``seq_len`` positions,
 in file order, starting a new row when the next example does not fit (an example longer
@@ -23,6 +29,7 @@ import os
 
 import numpy as np
 
+from data import chat
 from data.errors import DataError, DataFileNotFoundError
 
 
@@ -32,12 +39,12 @@ class SFTSource:
 
   Attributes:
     name: the spec it was loaded from.
-    examples: per example, (tokens int32 [n], prompt length): tokens = prompt + completion + EOD.
+    examples: per example, (tokens int32 [n], learn bool [n]): the targets the model learns.
     vocab_size: the tokenizer's.
     packed: several examples per row (:func:`pack`), else one.
   """
   name: str
-  examples: tuple[tuple[np.ndarray, int], ...]
+  examples: tuple[tuple[np.ndarray, np.ndarray], ...]
   vocab_size: int
   packed: bool = True
 
@@ -55,25 +62,42 @@ def read(path: str, tokenizer, *, packed: bool = True, name: str | None = None) 
       if not line.strip():
         continue
       try:
-        record = json.loads(line)
-        prompt, completion = record["prompt"], record["completion"]
-      except (ValueError, KeyError, TypeError):
-        raise DataError(f"{path}:{lineno}: expected a JSON object with \"prompt\" and"
-                        " \"completion\" strings") from None
-      if not isinstance(prompt, str) or not isinstance(completion, str):
-        raise DataError(f"{path}:{lineno}: \"prompt\" and \"completion\" must be strings")
-      p = tokenizer.encode(prompt)
-      c = tokenizer.encode(completion, append_eod=True, special=False)
-      examples.append((np.concatenate([p, c]).astype(np.int32), len(p)))
+        examples.append(_example(_record(line), tokenizer))
+      except DataError as e:
+        raise DataError(f"{path}:{lineno}: {e}") from None
   if not examples:
     raise DataError(f"{path}: no examples")
   return SFTSource(name or f"sft:{path}", tuple(examples), tokenizer.vocab_size, packed)
 
 
-def example_row(tokens: np.ndarray, prompt_len: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-  """(inputs, targets) of one example, cut to ``seq_len`` positions; prompt targets -1."""
+def _record(line: bytes) -> dict:
+  try:
+    record = json.loads(line)
+  except ValueError:
+    record = None
+  if not isinstance(record, dict) or not ({"prompt", "completion"} <= record.keys() or "messages" in record):
+    raise DataError("expected a JSON object with \"prompt\" and \"completion\" strings,"
+                    " or with \"messages\" (a conversation)")
+  return record
+
+
+def _example(record: dict, tokenizer) -> tuple[np.ndarray, np.ndarray]:
+  """(tokens, learn) of one line's record."""
+  if "messages" in record:
+    return tokenizer.encode_chat(chat.check_messages(record["messages"]))
+  prompt, completion = record["prompt"], record["completion"]
+  if not isinstance(prompt, str) or not isinstance(completion, str):
+    raise DataError("\"prompt\" and \"completion\" must be strings")
+  p = tokenizer.encode(prompt)
+  c = tokenizer.encode(completion, append_eod=True, special=False)
+  tokens = np.concatenate([p, c]).astype(np.int32)
+  return tokens, np.arange(len(tokens)) >= len(p)
+
+
+def example_row(tokens: np.ndarray, learn: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+  """(inputs, targets) of one example, cut to ``seq_len`` positions; targets not learned -1."""
   inputs, targets = tokens[:-1].copy(), tokens[1:].copy()
-  targets[:max(prompt_len - 1, 0)] = -1
+  targets[~learn[1:]] = -1
   return inputs[:seq_len], targets[:seq_len]
 
 
@@ -82,8 +106,8 @@ def pack(examples, seq_len: int, packed: bool = True) -> dict[str, np.ndarray]:
   ``inputs``, ``targets``, ``segment_ids``, ``positions``."""
   rows: list[list[tuple[np.ndarray, np.ndarray]]] = []
   used = seq_len
-  for tokens, prompt_len in examples:
-    inputs, targets = example_row(tokens, prompt_len, seq_len)
+  for tokens, learn in examples:
+    inputs, targets = example_row(tokens, learn, seq_len)
     if not packed or used + len(inputs) > seq_len:
       rows.append([])
       used = 0

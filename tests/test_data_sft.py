@@ -24,8 +24,9 @@ def _write(tmp_path, examples=EXAMPLES):
 
 def test_prompt_targets_are_not_counted(tmp_path):
   source = data.load_source(f"sft:{_write(tmp_path)}")
-  tokens, prompt_len = source.examples[0]
-  assert prompt_len == len("def f(x):") and tokens[-1] == data.EOD
+  tokens, learn = source.examples[0]
+  assert list(learn) == [False] * len("def f(x):") + [True] * (len(" return x") + 1)
+  assert tokens[-1] == data.EOD
   rows = source.rows(CFG.seq_len)
   assert len(rows["inputs"]) == 2  # 18 + 5 + 12 positions fit one row of 40, 10 the next
   counted = rows["targets"][0] >= 0
@@ -73,6 +74,7 @@ def make_tokenizer(directory, words) -> None:
   vocab = {w: i for i, w in enumerate(["[UNK]", "</s>", *words])}
   tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
   tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tok.add_special_tokens(["</s>"])  # one token in text, as chat templates write it
   tok.save(str(directory / "tokenizer.json"))
   (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
 

@@ -28,16 +28,25 @@ WORDS = [f"w{i}" for i in range(40)]
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
   """A tiny random Qwen3 (tied embeddings, explicit head_dim) fine-tuned 2 steps on fs=2,tp=2
-  on packed prompt/completion data with its own (word-level) tokenizer."""
+  on packed prompt/completion lines and conversations (its chat_template.jinja) with its own
+  (word-level) tokenizer."""
   root = tmp_path_factory.mktemp("hf")
   source = root / "qwen3"
   make_hf_model("qwen3", source, vocab_size=VOCAB)
   make_tokenizer(source, WORDS)
+  (source / "chat_template.jinja").write_text(
+      "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+      "{% if add_generation_prompt %}assistant {% endif %}")
   sft = root / "sft.jsonl"
   rng = np.random.default_rng(0)
-  sft.write_text("".join(json.dumps({"prompt": " ".join(rng.choice(WORDS, 5)),
-                                     "completion": " ".join(rng.choice(WORDS, 3))}) + "\n"
-                         for _ in range(16)))
+
+  def words(n):
+    return " ".join(rng.choice(WORDS, n))
+
+  sft.write_text("".join(json.dumps({"prompt": words(5), "completion": words(3)} if k % 2 else
+                                    {"messages": [{"role": "user", "content": words(3)},
+                                                  {"role": "assistant", "content": words(2)}]}) + "\n"
+                         for k in range(16)))
   run = root / "run"
   flags = ["--init-from", f"hf:{source}", "--data", f"sft:{sft}", "--steps", "2",
            "--global-batch-size", "4", "--seq-len", str(SEQ), "--run-dir", str(run),
@@ -57,7 +66,8 @@ def test_fine_tune_export_loads_in_transformers(trained, tmp_path):
   assert [r["step"] for r in _records(run)] == [1, 2]
   out = tmp_path / "export"
   assert export_lib.main([str(run), "--output", str(out)]) == 0
-  assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(out))
+  assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+          "chat_template.jinja"} <= set(os.listdir(out))
   model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
   restored = sample.restore(str(run))
   tokens = np.random.default_rng(0).integers(0, VOCAB, (2, SEQ)).astype(np.int32)
@@ -159,6 +169,22 @@ def test_sample_writes_with_the_run_tokenizer(trained, capsys):
   assert sample.main([str(run), "--prompt", "w1 w2", "--max-new-tokens", "3"]) == 0
   words = capsys.readouterr().out.split()
   assert words[:2] == ["w1", "w2"] and len(words) == 5
+
+
+def test_sample_chat_prints_the_reply_up_to_its_eos(trained, capsys, monkeypatch):
+  """--chat: the prompt goes through the chat template with the generation prompt, and the
+  reply stops at the first eos."""
+  _, run = trained
+  prompts = []
+
+  def reply(model, prompt_P, max_new_tokens, *args):
+    prompts.append(list(prompt_P))
+    return np.asarray([4, 5, 1, 6], np.int32)  # w2 w3 </s> w4
+
+  monkeypatch.setattr(sample, "generate", reply)
+  assert sample.main([str(run), "--prompt", "w1 w2", "--chat"]) == 0
+  assert capsys.readouterr().out.split() == ["w2", "w3"]
+  assert prompts == [[0, 3, 4, 1, 0]]  # "user w1 w2 </s> assistant ", roles unknown to the words
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_moe_every_2"])

@@ -144,6 +144,7 @@ def test_step_flag_restores_that_checkpoint(run_dir, restored):
     (["{run}", "--temperature", "-1"], "--temperature must be >= 0"),
     (["{run}", "--top-k", "0"], "--top-k must be positive"),
     (["{run}", "--max-new-tokens", "x"], "invalid int value"),
+    (["{run}", "--chat"], "--chat needs a chat template"),
 ])
 def test_bad_input(run_dir, tmp_path, capsys, args, message):
   paths = {"missing": str(tmp_path / "nope"), "empty": str(tmp_path), "run": run_dir}

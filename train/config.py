@@ -247,8 +247,9 @@ HELP = {
     "moe_aux_loss_coeff": "weight of each MoE layer's load-balancing loss (default 0.01)",
     "moe_z_loss_coeff": "weight of each MoE layer's router z-loss (default 0.001)",
     "data": "training data: stdlib (the embedded corpus, default) | fineweb:GLOB |"
-            " megatron:PREFIX | sft:FILE.jsonl (prompt/completion lines, loss on completions,"
-            " tokenized with --init-from's tokenizer, else bytes) | a blend W1 SRC1 W2 SRC2 ... (e.g. 0.7 fineweb:'d/*.bin' 0.3 stdlib)",
+            " megatron:PREFIX | sft:FILE.jsonl (lines {\"prompt\", \"completion\"}, loss on the"
+            " completion, or {\"messages\": [...]}, rendered by --init-from's chat template,"
+            " loss on the assistant turns; tokenized with --init-from's tokenizer, else bytes) | a blend W1 SRC1 W2 SRC2 ... (e.g. 0.7 fineweb:'d/*.bin' 0.3 stdlib)",
     "valid_data": "validation data spec (default: stdlib:val for the embedded corpus, none otherwise)",
     "pack": "sft: data: pack several examples per sequence, attention kept within each"
             " (default on; --no-pack: one example per sequence)",

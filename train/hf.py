@@ -28,7 +28,8 @@ CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
+                   "chat_template.jinja", "generation_config.json", "vocab.json", "merges.txt",
+                   "tokenizer.model")
 # Above this many bytes of weights an export is split into shards (transformers' default
 # max_shard_size is 5 GB; smaller shards load with less peak memory).
 MAX_SHARD_BYTES = 2 * 2**30

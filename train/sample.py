@@ -6,6 +6,10 @@ at a time (byte tokens, or the ``tokenizer.json`` of the checkpoint a ``--init-f
 run started from): greedy with ``--temperature 0`` (the default), else drawn from
 softmax(logits / temperature), optionally among the ``--top-k`` likeliest tokens only.
 
+With ``--chat`` the prompt is a user message: the conversation ``[{"role": "user",
+"content": PROMPT}]`` rendered by the tokenizer's chat template with the generation prompt
+(``data.chat``), and only the reply is printed, up to its end-of-sequence token.
+
 The context is the last ``seq_len`` tokens (the length the model was trained on),
 padded on the right to that fixed length so that one compiled forward serves every
 step; causal attention keeps the padding from reaching the positions before it. An
@@ -141,6 +145,9 @@ def _parser() -> argparse.ArgumentParser:
                                   " tokenizer.json of the run's --init-from checkpoint).")
   parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of python -m train.gpt")
   parser.add_argument("--prompt", default="", help="text to continue (default: the start of a document)")
+  parser.add_argument("--chat", action="store_true",
+                      help="the prompt is a user message, rendered by the run tokenizer's chat"
+                           " template; print the assistant's reply up to its end-of-sequence token")
   parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens to write (default 200)")
   parser.add_argument("--temperature", type=float, default=0.0,
                       help="0 for greedy decoding (default), > 0 to sample from softmax(logits / T)")
@@ -168,6 +175,9 @@ def _restore(argv: list[str] | None) -> tuple[argparse.Namespace, Restored, Any]
     raise UsageError(f"the run's vocabulary has {model.cfg.vocab_size} tokens and no tokenizer of"
                      f" its own: train.sample reads and writes bytes ({data.VOCAB_SIZE} tokens) or"
                      " uses the tokenizer.json of the run's --init-from checkpoint")
+  if args.chat and tokenizer.chat is None:
+    raise UsageError("--chat needs a chat template: the run's --init-from checkpoint has no"
+                     " chat_template.jinja nor chat_template in tokenizer_config.json")
   return args, model, tokenizer
 
 
@@ -181,10 +191,18 @@ def run_tokenizer(run_dir: str):
 
 
 def _write(args: argparse.Namespace, model: Restored, tokenizer) -> int:
-  prompt_P = tokenizer.encode(args.prompt) if args.prompt else np.zeros(0, np.int32)
+  if args.chat:
+    text = tokenizer.chat.render([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+    prompt_P = tokenizer.encode(text, special=False)  # the template writes the special tokens
+  else:
+    prompt_P = tokenizer.encode(args.prompt) if args.prompt else np.zeros(0, np.int32)
   new = generate(model, prompt_P, args.max_new_tokens, args.temperature, args.top_k, args.seed,
                  tokenizer.eod)
-  print(tokenizer.decode(np.concatenate([prompt_P.astype(np.int32), new])))
+  if args.chat:
+    ends = np.flatnonzero(new == tokenizer.eod)
+    print(tokenizer.decode(new[:ends[0] if len(ends) else len(new)]))
+  else:
+    print(tokenizer.decode(np.concatenate([prompt_P.astype(np.int32), new])))
   return 0
 
 
