@@ -99,12 +99,15 @@ def test_eval_of_run_and_export_agree_with_transformers(trained, tmp_path, capsy
   capsys.readouterr()
   flags = ["--data", "stdlib:val", "--tokens", "100", "--seq-len", str(SEQ)]
   losses = []
-  for model in (str(run), f"hf:{out}"):
-    assert eval_lib.main([model, *flags]) == 0
+  # one device, then sharded: the run's checkpoint restaged into a pipeline, the export
+  # read slice by slice over fs and cp
+  for model, mesh in [(str(run), []), (f"hf:{out}", []), (str(run), ["--mesh", "pp=2,tp=2"]),
+                      (f"hf:{out}", ["--mesh", "fs=2,cp=2"])]:
+    assert eval_lib.main([model, *flags, *mesh]) == 0
     line = capsys.readouterr().out.strip()
     assert line.startswith("validation lm loss: ") and "perplexity" in line
     losses.append(float(line.split()[3]))
-  assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+  assert losses[1:] == pytest.approx([losses[0]] * 3, rel=1e-6)
   # the definition, recomputed from transformers: windows i·T .. i·T + T of the first 100 tokens
   w = eval_lib.windows("stdlib:val", 100, SEQ)
   assert w.shape == (6, SEQ + 1)
@@ -129,6 +132,10 @@ def test_bad_input_one_line_exit_2(trained, tmp_path, capsys):
        "--num-layers"),
       (eval_lib.main, [f"hf:{tmp_path / 'missing'}", "--data", "stdlib:val"], "config.json"),
       (eval_lib.main, [f"hf:{dense_moe}", "--data", "stdlib:val"], "mlp_only_layers=[1]"),
+      (eval_lib.main, [str(run), "--data", "stdlib:val", "--mesh", "fs=4", "--batch-size", "6"],
+       "--batch-size 6 does not split over the 4 data-parallel ranks"),
+      (eval_lib.main, [str(run), "--data", "stdlib:val", "--mesh", "cp=2", "--seq-len", "6"], "--seq-len"),
+      (eval_lib.main, [str(run), "--data", "stdlib:val", "--mesh", "tp=16"], "needs 16 devices but 8"),
       (export_lib.main, [str(run), "--output", str(source)], "already exists"),
   ]
   for main, argv, message in cases:
@@ -209,10 +216,11 @@ def test_qwen3_moe_export_is_what_transformers_saved(tmp_path, arch):
     assert got[name].equal(want[name]), name
 
 
-def test_qwen3_moe_fine_tune_export(tmp_path):
+def test_qwen3_moe_fine_tune_export(tmp_path, capsys):
   """One step of a tiny Qwen3-MoE with its experts split over ep=2 (AdamW, whose step
   compiles faster than Dion's); train.export of the run loads in transformers with our
-  logits, and importing it again is bit-exact."""
+  logits, importing it again is bit-exact, and train.eval on ep=2 gives transformers' loss
+  (the language-model loss, without the router's)."""
   source = tmp_path / "qwen3_moe"
   make_hf_model("qwen3_moe", source, vocab_size=VOCAB)
   run = tmp_path / "run"
@@ -237,3 +245,8 @@ def test_qwen3_moe_fine_tune_export(tmp_path):
   _, params = hf_io.load(str(out), cfg, models.Parallelism())
   params = dict(params, blocks=models.to_layers(params["blocks"], 1))
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, restored.params)
+  capsys.readouterr()
+  assert eval_lib.main([str(run), "--data", "stdlib:val", "--tokens", "100", "--mesh", "ep=2"]) == 0
+  w = eval_lib.windows("stdlib:val", 100, SEQ)
+  loss = float(capsys.readouterr().out.split()[3])
+  assert loss == pytest.approx(np_loss(hf_logits(model, w[:, :-1]), w[:, 1:]), rel=1e-5)

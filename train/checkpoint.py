@@ -114,6 +114,20 @@ def _saved_struct(path, x: jax.Array, saved_shape: tuple[int, ...] | None) -> ja
   return jax.ShapeDtypeStruct(tuple(saved_shape), x.dtype, sharding=NamedSharding(x.sharding.mesh, P(*spec)))
 
 
+def saved_structs(saved_shapes: Any, like: Any) -> dict:
+  """What to read for the live tree ``like`` from a checkpoint whose item metadata is
+  ``saved_shapes``: nested ShapeDtypeStructs of the saved shapes (:func:`_saved_struct`)."""
+
+  def struct(path, x):
+    try:
+      saved_shape = _lookup(saved_shapes, path).shape
+    except (KeyError, TypeError):
+      saved_shape = None
+    return _saved_struct(path, x, saved_shape)
+
+  return _nest((p, struct(p, x)) for p, x in jax.tree_util.tree_leaves_with_path(like))
+
+
 def from_saved(saved: dict, like: Any, pp: int, virtual_stages: int) -> Any:
   """Inverse of :func:`to_saved` onto the layout and shardings of the live tree ``like``."""
 
@@ -172,15 +186,7 @@ class Checkpoints:
     shapes = self.manager.item_metadata(step)["state"]
     absent = {name: getattr(like, name) for name in ADDED_LATER if name not in shapes}
     like = like._replace(**dict.fromkeys(absent))
-
-    def struct(path, x):
-      try:
-        saved_shape = _lookup(shapes, path).shape
-      except (KeyError, TypeError):
-        saved_shape = None
-      return _saved_struct(path, x, saved_shape)
-
-    target = _nest((p, struct(p, x)) for p, x in jax.tree_util.tree_leaves_with_path(like))
+    target = saved_structs(shapes, like)
     saved = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
     return from_saved(saved["state"], like, pp, virtual_stages)._replace(**absent)
 

@@ -1,11 +1,14 @@
 """The loss of a model on data: ``python -m train.eval (RUN_DIR | hf:DIR) --data SPEC``.
 
 Prints ``validation lm loss: X`` and the perplexity exp(X) of a run's checkpoint (the
-latest, or ``--step``) or of a Hugging Face checkpoint directory, on one device. The number
+latest, or ``--step``) or of a Hugging Face checkpoint directory, on one device or, with
+``--mesh``, sharded over the devices as the trainer shards it (each process reading only
+its devices' slices of the weights; a model too large for one device). The number
 is meant to be recomputable by anyone: the data's token streams, concatenated in order,
 are cut to their first ``--tokens`` N tokens; window i holds tokens [i·T, i·T + T]
 (T inputs, the targets shifted by one), for every i with i·T + T < N; the loss is the mean
-over every target of every window, in float64 over float32 per-token losses.
+over every target of every window, in float64 over float32 per-token losses (the
+language-model loss only: a mixture's router losses are left out).
 
 Bad input prints one ``error: ...`` line on stderr and exits with code 2.
 """
@@ -19,28 +22,33 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import data
 import models
-from train import cli, sample
+from models import context
+from train import cli, loop, sample
 from train import config as config_lib
 from train import hf as hf_io
 from train.cli import UsageError
 
 
-def load_model(spec: str, step: int | None = None) -> tuple[models.GPTConfig, object, object]:
-  """``(cfg, graphdef, params)`` on one device, blocks stacked as one stage, from a run
-  directory or ``hf:DIR``."""
+def load_model(spec: str, step: int | None, par: models.Parallelism) -> tuple[models.GPTConfig, object, object]:
+  """``(cfg, graphdef, params)`` from a run directory or ``hf:DIR``, laid out on ``par``'s
+  mesh like ``models.init``'s (call it under ``jax.set_mesh(par.mesh)``)."""
   if spec.startswith("hf:"):
     directory = os.path.abspath(spec[3:])
     if step is not None:
       raise UsageError("--step applies to run directories, not to hf:DIR")
     cfg = hf_io.model_config(directory, seq_len=1024)
-    graphdef, params = hf_io.load(directory, cfg, models.Parallelism())
+    try:
+      graphdef, params = hf_io.load(directory, cfg, par)
+    except ValueError as e:
+      raise UsageError(f"--mesh: {e}") from None
     return cfg, graphdef, params
-  restored = sample.restore(os.path.abspath(spec), step)
-  params = dict(restored.params, blocks=models.to_stages(restored.params["blocks"], 1))
-  return restored.cfg, restored.graphdef, params
+  restored = sample.restore(os.path.abspath(spec), step, par)
+  return restored.cfg, restored.graphdef, restored.params
 
 
 def windows(spec: str, num_tokens: int, seq_len: int) -> np.ndarray:
@@ -64,23 +72,38 @@ def windows(spec: str, num_tokens: int, seq_len: int) -> np.ndarray:
   return tokens[starts + np.arange(seq_len + 1)]
 
 
-def evaluate(cfg: models.GPTConfig, graphdef, params, windows_WxT1: np.ndarray,
+def evaluate(graphdef, params, windows_WxT1: np.ndarray, par: models.Parallelism,
              batch_size: int = 8) -> float:
-  """Mean next-token loss over every target of ``windows_WxT1``."""
+  """Mean next-token loss over every target of ``windows_WxT1``, ``batch_size`` windows at a
+  time split over ``par``'s mesh (every process holds all windows and places its own rows)."""
   @jax.jit
   def loss_sum(params, batch):
-    return models.loss(graphdef, params, batch, denominator=jnp.float32(1))
+    loss, aux = models.loss(graphdef, params, batch, par, denominator=jnp.float32(1), aux=True)
+    return loss - aux.router_loss
 
+  rows = NamedSharding(par.mesh, P(models.BATCH_AXES))
   total, count = 0.0, 0
   for i in range(0, len(windows_WxT1), batch_size):
     w = windows_WxT1[i:i + batch_size]
     pad = batch_size - len(w)  # one compiled shape; padded rows count no target
-    inputs = np.pad(w[:, :-1], ((0, pad), (0, 0)))
-    targets = np.pad(w[:, 1:], ((0, pad), (0, 0)), constant_values=-1)
-    total += float(loss_sum(params, {"inputs": jnp.asarray(inputs, jnp.int32),
-                                     "targets": jnp.asarray(targets, jnp.int32)}))
+    batch = {"inputs": np.pad(w[:, :-1], ((0, pad), (0, 0))).astype(np.int32),
+             "targets": np.pad(w[:, 1:], ((0, pad), (0, 0)), constant_values=-1).astype(np.int32)}
+    batch = {k: jax.make_array_from_callback(v.shape, rows, lambda index, v=v: v[index])
+             for k, v in batch.items()}
+    total += float(loss_sum(params, batch))
     count += w[:, 1:].size
   return total / count
+
+
+def _parallelism(spec: str | None, batch_size: int) -> models.Parallelism:
+  """The mesh of ``--mesh`` (one device by default), checked against the batch."""
+  mesh = loop.make_mesh(spec or "fs=1")
+  sizes = dict(mesh.shape)
+  pp, dp = sizes["pp"], sizes["rp"] * sizes["fs"] * sizes["ep"]
+  if batch_size % (dp * pp):
+    raise UsageError(f"--batch-size {batch_size} does not split over the {dp} data-parallel ranks"
+                     f" (rp x fs x ep) and {pp} pipeline micro-batches; choose a multiple of {dp * pp}")
+  return models.Parallelism(mesh, microbatches=pp)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -95,6 +118,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="tokens per window (default: the run's --seq-len; 1024 for hf:DIR)")
   parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
   parser.add_argument("--step", type=int, default=None, help="checkpoint step of RUN_DIR (default: the latest)")
+  parser.add_argument("--mesh", default=None, metavar="SPEC",
+                      help="shard the model as train.gpt does, e.g. fs=2,tp=2 (default: one device;"
+                           " --batch-size must split over rp x fs x ep x pp)")
   return parser
 
 
@@ -103,17 +129,25 @@ def _start(argv):
   for name in ("tokens", "seq_len", "batch_size"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
       raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-  cfg, graphdef, params = load_model(args.model, args.step)
-  w = windows(args.data, args.tokens, args.seq_len or cfg.seq_len)
+  par = _parallelism(args.mesh, args.batch_size)
+  with jax.set_mesh(par.mesh):
+    cfg, graphdef, params = load_model(args.model, args.step, par)
+  seq_len = args.seq_len or cfg.seq_len
+  try:
+    context.check_seq_len(seq_len, par.cp)
+  except ValueError as e:
+    raise UsageError(f"--seq-len / --mesh: {e}") from None
+  w = windows(args.data, args.tokens, seq_len)
   if w.max() >= cfg.vocab_size:
     raise UsageError(f"the data holds token {w.max()} but the model's vocabulary has"
                      f" {cfg.vocab_size}; evaluate on data made with the model's tokenizer")
-  return cfg, graphdef, params, w, args.batch_size
+  return graphdef, params, w, par, args.batch_size
 
 
 def _report(loaded) -> int:
-  cfg, graphdef, params, w, batch_size = loaded
-  loss = evaluate(cfg, graphdef, params, w, batch_size)
+  graphdef, params, w, par, batch_size = loaded
+  with jax.set_mesh(par.mesh):
+    loss = evaluate(graphdef, params, w, par, batch_size)
   print(f"validation lm loss: {loss:.6E} | perplexity: {math.exp(min(loss, 700)):.6E} |"
         f" windows: {len(w)} x {w.shape[1] - 1} tokens")
   return 0

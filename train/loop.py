@@ -59,9 +59,14 @@ class Run:
   eod: int | None  # the end-of-document token when windows carry document masks
 
 
-def _mesh(cfg: Config) -> jax.sharding.Mesh:
+def make_mesh(spec: str) -> jax.sharding.Mesh:
+  """The mesh of a ``--mesh`` spec over the first devices (all of them with several
+  processes); a spec the devices cannot hold is a UsageError."""
   devices = jax.devices()
-  sizes = dion_jax.parse_mesh_spec(cfg.mesh or f"fs={len(devices)}")
+  try:
+    sizes = dion_jax.parse_mesh_spec(spec)
+  except ValueError as e:
+    raise UsageError(f"--mesh: {e}") from None
   needed = math.prod(sizes.values())
   spec = format_mesh_spec(sizes)
   if needed > len(devices) or (jax.process_count() > 1 and needed != len(devices)):
@@ -196,7 +201,7 @@ def config_record(cfg: Config, model_cfg: models.GPTConfig) -> dict:
 
 
 def setup(cfg: Config) -> Run:
-  mesh = _mesh(cfg)
+  mesh = make_mesh(cfg.mesh or f"fs={len(jax.devices())}")
   accum = _batch_split(cfg, mesh)
   pp = dict(mesh.shape)["pp"]
   tokenizer = _tokenizer(cfg)

@@ -36,6 +36,7 @@ import data
 from data import hf_tokenizer
 import models
 from models import gpt
+from train import checkpoint as ckpt_lib
 from train import cli
 from train import config as config_lib
 from train.cli import UsageError
@@ -44,7 +45,9 @@ from train.cli import UsageError
 class Restored(NamedTuple):
   cfg: models.GPTConfig
   graphdef: Any
-  params: Any  # pure dict, blocks in layer order [L, ...] (groups with moe_every): the unstacked module's own layout
+  # pure dict; on one device blocks in layer order [L, ...] (groups with moe_every), the
+  # unstacked module's own layout; on a mesh laid out as models.init(cfg, par)'s
+  params: Any
   step: int
 
 
@@ -54,8 +57,10 @@ def checkpoint_path(run_dir: str) -> str:
   return config_lib.Config(**{**saved, "run_dir": run_dir}).ckpt_path
 
 
-def restore(run_dir: str, step: int | None = None) -> Restored:
-  """The GPT of checkpoint ``step`` (the latest when None) of ``run_dir``, on one device."""
+def restore(run_dir: str, step: int | None = None, par: models.Parallelism | None = None) -> Restored:
+  """The GPT of checkpoint ``step`` (the latest when None) of ``run_dir``: on one device,
+  or, given ``par``, sharded on its mesh like ``models.init(cfg, par)`` (call it under
+  ``jax.set_mesh(par.mesh)``; each process reads only its devices' slices)."""
   if not os.path.isdir(run_dir):
     raise UsageError(f"run directory {run_dir} does not exist; pass the --run-dir of a"
                      " python -m train.gpt run (default runs/PRESET-OPTIMIZER)")
@@ -82,16 +87,28 @@ def restore(run_dir: str, step: int | None = None) -> Restored:
       raise UsageError(f"--step {step}: {where} has checkpoints at steps"
                        f" {', '.join(map(str, sorted(steps)))}; pass one of them")
     record = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+    # XLA's attention runs on any device; the run may have trained with cuDNN's on a GPU.
+    cfg = models.GPTConfig(**{**record["model"], "attention": "xla"})
     shapes = manager.item_metadata(step)["state"]["params"]
-    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), shapes)
+    if par is None:
+      graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.GPT(cfg, rngs=nnx.Rngs(0))))
+      target = shapes
+      restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), shapes)
+    else:
+      try:
+        graphdef, like = models.abstract(cfg, par)
+      except ValueError as e:
+        raise UsageError(f"--mesh: {e}") from None
+      target = ckpt_lib.saved_structs(shapes, like)
+      restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape,
+                                                                 dtype=s.dtype), target)
     state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item={"params": shapes}, restore_args={"params": as_numpy}, partial_restore=True)))["state"]
+        item={"params": target}, restore_args={"params": restore_args}, partial_restore=True)))["state"]
   finally:
     manager.close()
-  # XLA's attention runs on any device; the run may have trained with cuDNN's on a GPU.
-  cfg = models.GPTConfig(**{**record["model"], "attention": "xla"})
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.GPT(cfg, rngs=nnx.Rngs(0))))
-  return Restored(cfg, graphdef, jax.device_put(state["params"]), step)
+  if par is None:
+    return Restored(cfg, graphdef, jax.device_put(state["params"]), step)
+  return Restored(cfg, graphdef, ckpt_lib.from_saved(state["params"], like, par.pp, par.virtual_stages), step)
 
 
 def logits(graphdef: Any, params: Any, tokens_BxT: jax.Array) -> jax.Array:
