@@ -47,8 +47,9 @@ experts like every other weight. With context parallelism a rank routes its T/cp
 every sequence; the per-sequence sums behind the balance loss (and the z-loss, the load)
 are summed over cp first, so every cp layout reproduces one device. Router and experts are
 stored sharded over cp, as over fs, and gathered over cp before the dispatch. A capacity
-limit is refused with cp: which assignments it drops depends on their order within the
-whole sequence.
+limit counts places in each expert's queue across the whole sequence: a rank adds to its
+own running counts those of the sequence's earlier chunks, all-gathered over cp (one
+``[cp, 2, B, E]`` integer gather per layer), so it drops what one device would.
 
 The dispatch runs in a ``shard_map`` manual over the data-parallel axes (tp left to XLA),
 under a ``custom_vjp`` whose backward pass re-runs the dispatch under ``jax.vjp`` in a
@@ -144,16 +145,38 @@ def route(x_BxTxD: jax.Array, router_DxE: jax.Array, cfg: GPTConfig
   balance_B = E * jnp.sum(routed_BxE.astype(jnp.float32) / (T_seq * k) * probs_BxE / T_seq, -1)
   z_B = _over_cp(jnp.sum(jnp.square(jax.nn.logsumexp(logits_BxTxE, -1)), -1))
   experts_A, gates_A = top_e_BxTxK.reshape(-1), gates_BxTxK.reshape(-1)
-  C = capacity(cfg, T)
+  C = capacity(cfg, T_seq)
   if C is None:
     dropped = jnp.zeros((), jnp.float32)
   else:
-    slot_BxA = jnp.sum(jnp.cumsum(onehot_BxAxE, 1) * onehot_BxAxE, -1) - 1
-    kept_A = (slot_BxA < C).reshape(-1)
+    kept_A = (_queue_places(onehot_BxAxE) < C).reshape(-1)
     experts_A, gates_A = jnp.where(kept_A, experts_A, E), jnp.where(kept_A, gates_A, 0.0)
-    dropped = jnp.sum(~kept_A).astype(jnp.float32)
+    dropped = _over_cp(jnp.sum(~kept_A).astype(jnp.float32))
   stats = RouterStats(jnp.sum(balance_B), jnp.sum(z_B), routed_BxE.sum(0).astype(jnp.float32), dropped)
   return experts_A, gates_A, stats
+
+
+def _queue_places(onehot_BxAxE: jax.Array) -> jax.Array:
+  """Each assignment's place (from 0) in its expert's queue of the whole sequence, in order
+  of position, then of choice: int [B, A].
+
+  With cp this rank holds two of the sequence's 2·cp chunks (``models.context``): its
+  places count, besides its own earlier assignments, the earlier chunks' assignments to
+  the same expert, which come from every rank's per-chunk counts.
+  """
+  cp = _cp()
+  if cp == 1:
+    return jnp.sum(jnp.cumsum(onehot_BxAxE, 1) * onehot_BxAxE, -1) - 1
+  B, A, E = onehot_BxAxE.shape
+  own_Bx2xHxE = onehot_BxAxE.reshape(B, 2, A // 2, E)
+  counts_Rx2xBxE = jax.lax.all_gather(own_Bx2xHxE.sum(2).transpose(1, 0, 2), CONTEXT_AXIS)
+  # Chunk c of the sequence is rank c's first for c < cp, rank 2·cp − 1 − c's second after.
+  chunks_CxBxE = jnp.concatenate([counts_Rx2xBxE[:, 0], counts_Rx2xBxE[::-1, 1]])
+  before_CxBxE = jnp.cumsum(chunks_CxBxE, 0) - chunks_CxBxE
+  r = jax.lax.axis_index(CONTEXT_AXIS)
+  offset_Bx2xE = jnp.stack([before_CxBxE[r], before_CxBxE[2 * cp - 1 - r]], 1)
+  places_Bx2xHxE = jnp.cumsum(own_Bx2xHxE, 2) + offset_Bx2xE[:, :, None]
+  return jnp.sum(places_Bx2xHxE * own_Bx2xHxE, -1).reshape(B, A) - 1
 
 
 def _cp() -> int:
@@ -219,7 +242,7 @@ def _local(x_BxTxD: jax.Array, weights: dict[str, jax.Array], cfg: GPTConfig, ep
   if ep == 1:
     out_AxD = _expert_mlp(sorted_AxD, weights, counts_E, cfg.mlp)
   else:
-    C = capacity(cfg, T)
+    C = capacity(cfg, T * _cp())
     slots = B * T * k if C is None else min(B * T * k, cfg.num_experts // ep * B * C)
     out_AxD = _exchange(sorted_AxD, sorted_experts_A, counts_E, weights, cfg, slots, ep)
   out_NxKxD = out_AxD[jnp.argsort(order)].reshape(B * T, k, D).astype(jnp.float32)
@@ -249,10 +272,6 @@ def _dispatch(x_BxTxD: jax.Array, weights: dict[str, jax.Array], cfg: GPTConfig,
               ) -> tuple[jax.Array, RouterStats]:
   if par.mesh is None:
     return _local(x_BxTxD, weights, cfg, 1)
-  if par.cp > 1 and capacity(cfg, x_BxTxD.shape[1]) is not None:
-    raise ValueError("a capacity limit (moe_capacity_factor) does not run with context parallelism"
-                     " (cp > 1): a sequence's order of arrival spans cp ranks; use dropless routing"
-                     " (moe_capacity_factor=None) or drop cp")
   ep = par.size(EXPERT_AXIS)
   # Taken once, for the backward pass too, which is traced outside this context.
   mesh = jax.sharding.get_abstract_mesh()

@@ -251,8 +251,6 @@ def test_bad_input_one_line_exit_2_nothing_written(compile_cache, tmp_path, caps
        "--mesh ep=4 does not divide the 6 experts"),
       (["--preset", "tiny-moe", "--moe-top-k", "9", "--run-dir", fresh],
        "moe_top_k=9 must be between 1 and num_experts=8"),
-      (["--preset", "tiny-moe", "--mesh", "cp=2", "--moe-capacity-factor", "1", "--run-dir", fresh],
-       "--moe-capacity-factor does not run with cp > 1"),
       (["--preset", "tiny-moe", "--moe-every", "3", "--run-dir", fresh],
        "moe_every=3 does not divide num_layers=2"),
       (["--preset", "tiny", "--moe-every", "2", "--run-dir", fresh], "num_experts is 0"),

@@ -151,9 +151,6 @@ def _check_experts(model_cfg: models.GPTConfig, mesh: jax.sharding.Mesh) -> None
   if model_cfg.num_experts % sizes["ep"]:
     raise UsageError(f"--mesh ep={sizes['ep']} does not divide the {model_cfg.num_experts} experts;"
                      " choose an ep that divides --num-experts (each ep rank holds experts/ep)")
-  if sizes["cp"] > 1 and model_cfg.moe_capacity_factor is not None:
-    raise UsageError("--moe-capacity-factor does not run with cp > 1 (which assignments it drops"
-                     " depends on their order in the whole sequence); drop it or cp from --mesh")
 
 
 def _check_resumable(cfg: Config, existing: list[int]) -> None:
