@@ -3,6 +3,8 @@ hf:DIR``, ``train.export`` back (transformers loads it with our logits; import o
 is bit-exact), ``train.eval`` on both; bad input is one line and exit 2."""
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,7 @@ import pytest
 import models
 from tests.test_data_sft import make_tokenizer
 from tests.test_models_hf import hf_logits, make_hf_model, np_loss
+from tests.test_train_gpt import free_port
 from train import eval as eval_lib
 from train import export as export_lib
 from train import gpt, sample
@@ -115,6 +118,29 @@ def test_eval_of_run_and_export_agree_with_transformers(trained, tmp_path, capsy
   assert losses[1] == pytest.approx(np_loss(hf_logits(model, w[:, :-1]), w[:, 1:]), rel=1e-5)
 
 
+@pytest.mark.slow
+def test_eval_on_two_processes_matches_one(trained, capsys):
+  """Two processes x 2 CPU devices (gloo) evaluate the run on fs=2,tp=2, each reading its
+  own slices of the checkpoint; process 0 prints one device's loss."""
+  _, run = trained
+  flags = ["--data", "stdlib:val", "--tokens", "100", "--seq-len", str(SEQ)]
+  assert eval_lib.main([str(run), *flags]) == 0
+  want = capsys.readouterr().out
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not conftest's 8 devices
+  env["JAX_PLATFORMS"] = "cpu"
+  port = free_port()
+  procs = [subprocess.Popen([sys.executable, "-m", "train.eval", str(run), *flags, "--mesh", "fs=2,tp=2",
+                             "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                             "--process-id", str(i)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i in range(2)]
+  outs = [p.communicate(timeout=300) for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+  lines = [[line for line in out.splitlines() if line.startswith("validation")] for out, _ in outs]
+  assert len(lines[0]) == 1 and not lines[1]  # gloo writes its own lines to stdout
+  assert float(lines[0][0].split()[3]) == pytest.approx(float(want.split()[3]), rel=1e-6)
+
+
 def test_bad_input_one_line_exit_2(trained, tmp_path, capsys):
   source, run = trained
   bad = tmp_path / "gpt2"
@@ -136,6 +162,8 @@ def test_bad_input_one_line_exit_2(trained, tmp_path, capsys):
        "--batch-size 6 does not split over the 4 data-parallel ranks"),
       (eval_lib.main, [str(run), "--data", "stdlib:val", "--mesh", "cp=2", "--seq-len", "6"], "--seq-len"),
       (eval_lib.main, [str(run), "--data", "stdlib:val", "--mesh", "tp=16"], "needs 16 devices but 8"),
+      (eval_lib.main, [str(run), "--data", "stdlib:val", "--coordinator", "127.0.0.1:1"],
+       "multi-host runs need all of --coordinator"),
       (export_lib.main, [str(run), "--output", str(source)], "already exists"),
   ]
   for main, argv, message in cases:

@@ -3,7 +3,9 @@
 Prints ``validation lm loss: X`` and the perplexity exp(X) of a run's checkpoint (the
 latest, or ``--step``) or of a Hugging Face checkpoint directory, on one device or, with
 ``--mesh``, sharded over the devices as the trainer shards it (each process reading only
-its devices' slices of the weights; a model too large for one device). The number
+its devices' slices of the weights; a model too large for one device), on several hosts
+with the trainer's ``--coordinator``/``--num-processes``/``--process-id`` (process 0
+prints). The number
 is meant to be recomputable by anyone: the data's token streams, concatenated in order,
 are cut to their first ``--tokens`` N tokens; window i holds tokens [i·T, i·T + T]
 (T inputs, the targets shifted by one), for every i with i·T + T < N; the loss is the mean
@@ -28,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 import data
 import models
 from models import context
-from train import cli, loop, sample
+from train import cli, gpt, loop, sample
 from train import config as config_lib
 from train import hf as hf_io
 from train.cli import UsageError
@@ -121,6 +123,10 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--mesh", default=None, metavar="SPEC",
                       help="shard the model as train.gpt does, e.g. fs=2,tp=2 (default: one device;"
                            " --batch-size must split over rp x fs x ep x pp)")
+  for name in ("coordinator", "num_processes", "process_id"):
+    parser.add_argument(f"--{name.replace('_', '-')}", type=int if name != "coordinator" else str,
+                        default=None, help=config_lib.HELP[name])
+  parser.add_argument("--distributed", action="store_true", help=config_lib.HELP["distributed"])
   return parser
 
 
@@ -129,6 +135,11 @@ def _start(argv):
   for name in ("tokens", "seq_len", "batch_size"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
       raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+  # The trainer's checks and start of the multi-host runtime (the mesh spans every process).
+  runtime = config_lib.Config(mesh=args.mesh, coordinator=args.coordinator, num_processes=args.num_processes,
+                              process_id=args.process_id, distributed=args.distributed)
+  runtime.check()
+  gpt.start_jax(runtime)
   par = _parallelism(args.mesh, args.batch_size)
   with jax.set_mesh(par.mesh):
     cfg, graphdef, params = load_model(args.model, args.step, par)
@@ -148,6 +159,8 @@ def _report(loaded) -> int:
   graphdef, params, w, par, batch_size = loaded
   with jax.set_mesh(par.mesh):
     loss = evaluate(graphdef, params, w, par, batch_size)
+  if jax.process_index() != 0:
+    return 0
   print(f"validation lm loss: {loss:.6E} | perplexity: {math.exp(min(loss, 700)):.6E} |"
         f" windows: {len(w)} x {w.shape[1] - 1} tokens")
   return 0
