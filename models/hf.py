@@ -346,7 +346,9 @@ def is_stacked(source: LeafSource) -> bool:
 def to_hf_tensors(cfg: GPTConfig, params: Any) -> dict[str, Callable[[], np.ndarray]]:
   """Hugging Face tensors (float32) of host ``params`` whose blocks are in layer order
   ``[num_layers, ...]`` (``models.to_layers``), each made when called: a writer holds one
-  file's tensors at a time beside the parameters, not a second copy of the model."""
+  file's tensors at a time beside the parameters, not a second copy of the model. The
+  tensors come leaf by leaf, and a leaf needs only ``shape`` and indexing: it may be read
+  from disk when first sliced (``train.export``)."""
   flat = flatten(params)
   unknown = set(flat) - set(leaf_sources(cfg))
   if unknown:
@@ -359,7 +361,8 @@ def to_hf_tensors(cfg: GPTConfig, params: Any) -> dict[str, Callable[[], np.ndar
         w = w * _head_signs(slice(0, w.shape[-1]), source.head_dim)
       if source.padded_axis is not None:
         w = np.take(w, np.arange(cfg.vocab_size), axis=source.padded_axis)
-      return np.ascontiguousarray(w.T if source.transpose else w)
+      # A copy, never a view: a view would keep its whole (stacked) leaf alive.
+      return np.array(w.T if source.transpose else w, order="C")
     return make
 
   out = {}

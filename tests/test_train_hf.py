@@ -81,12 +81,23 @@ def test_fine_tune_export_loads_in_transformers(trained, tmp_path):
   assert not np.allclose(np.asarray(initial["embed"]["embedding"]), np.asarray(restored.params["embed"]["embedding"]))
 
 
-def test_import_export_import_is_bit_exact(trained, tmp_path):
+def test_import_export_import_is_bit_exact(trained, tmp_path, monkeypatch):
+  """Also: the export streams, reading each checkpoint leaf once and holding one at a time."""
   _, run = trained
   restored = sample.restore(str(run))
   out = tmp_path / "sharded"
+  reads, read = [], export_lib._Leaves.read
+
+  def counted(self, path):
+    if path != self._path:
+      reads.append(path)
+    return read(self, path)
+
+  monkeypatch.setattr(export_lib._Leaves, "read", counted)
   # a shard limit below the model's size: several files and an index
   assert export_lib.main([str(run), "--output", str(out), "--max-shard-bytes", "100000"]) == 0
+  assert sorted(reads) == sorted(tuple(k.key for k in path) for path, _ in
+                                 jax.tree_util.tree_leaves_with_path(restored.params))
   assert (out / "model.safetensors.index.json").exists()
   assert all(os.stat(out / n).st_mode & 0o044 == 0o044 for n in os.listdir(out))  # not private
   cfg = hf_io.model_config(str(out), seq_len=SEQ)

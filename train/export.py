@@ -7,6 +7,9 @@ from a Hugging Face checkpoint, its tokenizer files. Only Llama-, Qwen3- and Qwe
 models export (``models/hf.py``). Atomic: the files go to a temporary directory beside DIR,
 renamed to DIR only when complete, so a failed export leaves nothing.
 
+Streamed: the checkpoint is read one parameter (a stacked leaf: all layers of one weight)
+at a time, so the host holds that leaf and one output file's tensors, not the model.
+
 Bad input prints one ``error: ...`` line on stderr and exits with code 2.
 """
 from __future__ import annotations
@@ -15,9 +18,11 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 
 from models import hf as hf_map
 from train import cli, sample
@@ -32,18 +37,66 @@ def export(run_dir: str, output: str, step: int | None = None,
   run_dir = os.path.abspath(run_dir)
   if os.path.exists(output):
     raise UsageError(f"{output} already exists; choose a new --output directory")
-  restored = sample.restore(run_dir, step)
-  try:
-    hf_map.to_hf_config(restored.cfg)
-  except hf_map.UnsupportedCheckpoint as e:
-    raise UsageError(str(e)) from None
-  with open(os.path.join(run_dir, "config.json")) as f:
-    record = json.load(f)
-  tokenizer_from = record["train"].get("init_from")
-  tokenizer_from = tokenizer_from[3:] if tokenizer_from else None
-  params = jax.tree.map(np.asarray, restored.params)
-  return hf_io.save(output, restored.cfg, params, record.get("hf_config"), tokenizer_from,
-                    max_shard_bytes)
+  with sample.open_checkpoint(run_dir, step) as (manager, step, cfg):
+    try:
+      hf_map.to_hf_config(cfg)
+    except hf_map.UnsupportedCheckpoint as e:
+      raise UsageError(str(e)) from None
+    with open(os.path.join(run_dir, "config.json")) as f:
+      record = json.load(f)
+    tokenizer_from = record["train"].get("init_from")
+    tokenizer_from = tokenizer_from[3:] if tokenizer_from else None
+    return hf_io.save(output, cfg, _Leaves(manager, step).tree(), record.get("hf_config"),
+                      tokenizer_from, max_shard_bytes)
+
+
+class _Leaves:
+  """A checkpoint's parameters, each leaf read from disk when first sliced and only the
+  last one kept. The export makes its tensors leaf by leaf (``models.hf.to_hf_tensors``),
+  so it holds one leaf and one file's tensors, not the model."""
+
+  def __init__(self, manager, step: int):
+    self._manager, self._step = manager, step
+    self._shapes = manager.item_metadata(step)["state"]["params"]
+    self._path: tuple | None = None
+    self._leaf: np.ndarray | None = None
+
+  def tree(self) -> Any:
+    """The parameters' tree of :class:`_Leaf` s (blocks in layer order, as saved)."""
+    def leaf(path, metadata):
+      return _Leaf(self, tuple(k.key for k in path), tuple(metadata.shape))
+
+    return jax.tree_util.tree_map_with_path(leaf, self._shapes)
+
+  def read(self, path: tuple) -> np.ndarray:
+    if path != self._path:
+      self._path, self._leaf = None, None  # free the last leaf before reading the next
+
+      def only(value):
+        for key in reversed(path):
+          value = {key: value}
+        return value
+
+      metadata = self._shapes
+      for key in path:
+        metadata = metadata[key]
+      state = self._manager.restore(self._step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+          item={"params": only(metadata)}, restore_args={"params": only(ocp.RestoreArgs(restore_type=np.ndarray))},
+          partial_restore=True)))["state"]["params"]
+      for key in path:
+        state = state[key]
+      self._path, self._leaf = path, state
+    return self._leaf
+
+
+class _Leaf:
+  """One parameter of :class:`_Leaves`: its shape, and its slices (read on demand)."""
+
+  def __init__(self, leaves: _Leaves, path: tuple, shape: tuple[int, ...]):
+    self._leaves, self._path, self.shape = leaves, path, shape
+
+  def __getitem__(self, index) -> np.ndarray:
+    return self._leaves.read(self._path)[index]
 
 
 def _parser() -> argparse.ArgumentParser:

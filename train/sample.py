@@ -21,10 +21,11 @@ line on stderr and exits with code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import sys
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,10 +58,14 @@ def checkpoint_path(run_dir: str) -> str:
   return config_lib.Config(**{**saved, "run_dir": run_dir}).ckpt_path
 
 
-def restore(run_dir: str, step: int | None = None, par: models.Parallelism | None = None) -> Restored:
-  """The GPT of checkpoint ``step`` (the latest when None) of ``run_dir``: on one device,
-  or, given ``par``, sharded on its mesh like ``models.init(cfg, par)`` (call it under
-  ``jax.set_mesh(par.mesh)``; each process reads only its devices' slices)."""
+@contextlib.contextmanager
+def open_checkpoint(run_dir: str, step: int | None = None
+                    ) -> Iterator[tuple[ocp.CheckpointManager, int, models.GPTConfig]]:
+  """``(manager, step, cfg)`` of checkpoint ``step`` (the latest when None) of ``run_dir``,
+  closed on exit. The manager reads the state through the PyTree handler, which restores
+  any part of it (``partial_restore``): the parameters without the optimizer state the
+  trainer saved beside them, or one leaf at a time (``train.export``).
+  ``train.checkpoint.Checkpoints`` restores whole states only."""
   if not os.path.isdir(run_dir):
     raise UsageError(f"run directory {run_dir} does not exist; pass the --run-dir of a"
                      " python -m train.gpt run (default runs/PRESET-OPTIMIZER)")
@@ -68,10 +73,7 @@ def restore(run_dir: str, step: int | None = None, par: models.Parallelism | Non
   if not os.path.isdir(where):
     raise UsageError(f"{where} does not exist: the run has no checkpoints yet; train it"
                      " (python -m train.gpt --run-dir RUN_DIR) first")
-  # The state through the PyTree handler: it restores the parameters alone
-  # (partial_restore), without the optimizer state the trainer saved beside them.
-  # train.checkpoint.Checkpoints restores whole states only. "meta" is registered so
-  # that Orbax does not warn about an item it cannot read.
+  # "meta" is registered so that Orbax does not warn about an item it cannot read.
   manager = ocp.CheckpointManager(
       where, options=ocp.CheckpointManagerOptions(create=False),
       item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
@@ -88,7 +90,16 @@ def restore(run_dir: str, step: int | None = None, par: models.Parallelism | Non
                        f" {', '.join(map(str, sorted(steps)))}; pass one of them")
     record = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
     # XLA's attention runs on any device; the run may have trained with cuDNN's on a GPU.
-    cfg = models.GPTConfig(**{**record["model"], "attention": "xla"})
+    yield manager, step, models.GPTConfig(**{**record["model"], "attention": "xla"})
+  finally:
+    manager.close()
+
+
+def restore(run_dir: str, step: int | None = None, par: models.Parallelism | None = None) -> Restored:
+  """The GPT of checkpoint ``step`` (the latest when None) of ``run_dir``: on one device,
+  or, given ``par``, sharded on its mesh like ``models.init(cfg, par)`` (call it under
+  ``jax.set_mesh(par.mesh)``; each process reads only its devices' slices)."""
+  with open_checkpoint(run_dir, step) as (manager, step, cfg):
     shapes = manager.item_metadata(step)["state"]["params"]
     if par is None:
       graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.GPT(cfg, rngs=nnx.Rngs(0))))
@@ -104,8 +115,6 @@ def restore(run_dir: str, step: int | None = None, par: models.Parallelism | Non
                                                                  dtype=s.dtype), target)
     state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
         item={"params": target}, restore_args={"params": restore_args}, partial_restore=True)))["state"]
-  finally:
-    manager.close()
   if par is None:
     return Restored(cfg, graphdef, jax.device_put(state["params"]), step)
   return Restored(cfg, graphdef, ckpt_lib.from_saved(state["params"], like, par.pp, par.virtual_stages), step)
