@@ -59,7 +59,10 @@ def dion2(
     ef_decay: error-feedback decay of the selected slices of M.
     selection_scope: on a mesh that shards the selection axis, ``"local"`` (each shard
       selects its own top slices and sends only them) or ``"global"`` (the exact top-k
-      of the whole matrix, the same on every mesh).
+      of the whole matrix, the same on every mesh). microsoft/dion's third scope,
+      ``"global_capped"`` (each shard sends its share of the global top-k, up to its
+      local count, then its next-best slices), selects exactly ``"local"``'s slices:
+      a shard's share of the global top-k is its own largest slices.
   """
   return orthogonal_optimizer("dion2", locals())
 
