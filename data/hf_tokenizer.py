@@ -58,7 +58,7 @@ class HFTokenizer:
     if self.chat is None:
       raise DataError("the tokenizer has no chat template (chat_template.jinja or chat_template"
                       " in tokenizer_config.json); use prompt/completion lines")
-    text, spans = self.chat.spans(messages, self._tokenizer.id_to_token(self.eod))
+    text, spans = self.chat.spans(messages, self.decode([self.eod]))
     encoding = self._tokenizer.encode(text, add_special_tokens=False)
     starts = np.asarray([start for start, _ in encoding.offsets], np.int64)
     learn = np.zeros(len(starts), bool)

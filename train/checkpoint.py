@@ -59,7 +59,8 @@ def _has_replica_axis(x: jax.Array) -> bool:
   return len(spec) > 0 and spec[0] == REPLICA_AXIS
 
 
-def _nest(pairs) -> dict:
+def nest(pairs) -> dict:
+  """The nested dict of ``(key path, leaf)`` pairs (keys as their names)."""
   out: dict = {}
   for path, leaf in pairs:
     *head, last = _names(path)
@@ -70,7 +71,8 @@ def _nest(pairs) -> dict:
   return out
 
 
-def _lookup(nested: dict, path) -> Any:
+def lookup(nested: dict, path) -> Any:
+  """The value of a nested dict at a key path."""
   for name in _names(path):
     nested = nested[name]
   return nested
@@ -90,7 +92,7 @@ def to_saved(tree: Any, pp: int, virtual_stages: int) -> dict:
 
   @jax.jit
   def convert(leaves):
-    return _nest((p, leaf(p, x, r)) for p, x, r in zip(paths, leaves, replicas))
+    return nest((p, leaf(p, x, r)) for p, x, r in zip(paths, leaves, replicas))
 
   return convert(leaves)
 
@@ -120,12 +122,12 @@ def saved_structs(saved_shapes: Any, like: Any) -> dict:
 
   def struct(path, x):
     try:
-      saved_shape = _lookup(saved_shapes, path).shape
+      saved_shape = lookup(saved_shapes, path).shape
     except (KeyError, TypeError):
       saved_shape = None
     return _saved_struct(path, x, saved_shape)
 
-  return _nest((p, struct(p, x)) for p, x in jax.tree_util.tree_leaves_with_path(like))
+  return nest((p, struct(p, x)) for p, x in jax.tree_util.tree_leaves_with_path(like))
 
 
 def from_saved(saved: dict, like: Any, pp: int, virtual_stages: int) -> Any:
@@ -148,7 +150,7 @@ def from_saved(saved: dict, like: Any, pp: int, virtual_stages: int) -> Any:
     return x.astype(target.dtype)
 
   def convert(saved):
-    leaves = [leaf(p, _lookup(saved, p), t, r) for p, t, r in zip(paths, targets, replicas)]
+    leaves = [leaf(p, lookup(saved, p), t, r) for p, t, r in zip(paths, targets, replicas)]
     return jax.tree.unflatten(jax.tree.structure(like), leaves)
 
   shardings = jax.tree.map(lambda t: t.sharding, like)

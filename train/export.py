@@ -25,6 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from models import hf as hf_map
+from train import checkpoint as ckpt_lib
 from train import cli, sample
 from train import hf as hf_io
 from train.cli import UsageError
@@ -64,28 +65,19 @@ class _Leaves:
   def tree(self) -> Any:
     """The parameters' tree of :class:`_Leaf` s (blocks in layer order, as saved)."""
     def leaf(path, metadata):
-      return _Leaf(self, tuple(k.key for k in path), tuple(metadata.shape))
+      return _Leaf(self, path, tuple(metadata.shape))
 
     return jax.tree_util.tree_map_with_path(leaf, self._shapes)
 
   def read(self, path: tuple) -> np.ndarray:
+    """The leaf at key path ``path``, as a host array."""
     if path != self._path:
       self._path, self._leaf = None, None  # free the last leaf before reading the next
-
-      def only(value):
-        for key in reversed(path):
-          value = {key: value}
-        return value
-
-      metadata = self._shapes
-      for key in path:
-        metadata = metadata[key]
+      item = ckpt_lib.nest([(path, ckpt_lib.lookup(self._shapes, path))])
+      args = ckpt_lib.nest([(path, ocp.RestoreArgs(restore_type=np.ndarray))])
       state = self._manager.restore(self._step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-          item={"params": only(metadata)}, restore_args={"params": only(ocp.RestoreArgs(restore_type=np.ndarray))},
-          partial_restore=True)))["state"]["params"]
-      for key in path:
-        state = state[key]
-      self._path, self._leaf = path, state
+          item={"params": item}, restore_args={"params": args}, partial_restore=True)))["state"]
+      self._path, self._leaf = path, ckpt_lib.lookup(state["params"], path)
     return self._leaf
 
 
