@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import data
 import models
+from data import hf_tokenizer
 from tests.test_data_sft import make_tokenizer
 from tests.test_models_hf import hf_logits, make_hf_model, np_loss
 from tests.test_train_gpt import free_port
@@ -127,6 +129,29 @@ def test_eval_of_run_and_export_agree_with_transformers(trained, tmp_path, capsy
   assert w.shape == (6, SEQ + 1)
   model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
   assert losses[1] == pytest.approx(np_loss(hf_logits(model, w[:, :-1]), w[:, 1:]), rel=1e-5)
+
+
+def test_eval_of_fine_tuning_data_is_transformers_loss_on_the_learned_targets(trained, tmp_path, capsys):
+  """train.eval on the run's own sft: file (prompt/completion lines and conversations) on
+  fs=2: the mean over the learned targets, recomputed from transformers' logits example
+  by example."""
+  source, run = trained
+  sft_file = run.parent / "sft.jsonl"
+  assert eval_lib.main([str(run), "--data", f"sft:{sft_file}", "--seq-len", str(SEQ), "--mesh", "fs=2"]) == 0
+  words = capsys.readouterr().out.split()
+  out = tmp_path / "export"
+  assert export_lib.main([str(run), "--output", str(out)]) == 0
+  model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+  examples = data.load_source(f"sft:{sft_file}", tokenizer=hf_tokenizer.load(str(source))).examples
+  losses = []
+  for tokens, learn in examples:
+    assert len(tokens) <= SEQ + 1  # no example is cut
+    logits = hf_logits(model, tokens[None, :-1])[0]
+    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    nll = lse - logits[np.arange(len(tokens) - 1), tokens[1:]]
+    losses.extend(nll[learn[1:]])
+  assert int(words[words.index("targets:") + 1]) == len(losses)
+  assert float(words[3]) == pytest.approx(np.mean(losses), rel=1e-5)
 
 
 @pytest.mark.slow

@@ -12,6 +12,11 @@ are cut to their first ``--tokens`` N tokens; window i holds tokens [i·T, i·T 
 over every target of every window, in float64 over float32 per-token losses (the
 language-model loss only: a mixture's router losses are left out).
 
+Fine-tuning data (``--data sft:FILE.jsonl``, prompt/completion lines or conversations) is
+read whole, with the model's tokenizer and chat template, and packed into rows as the
+trainer packs it: the loss is then the mean over the learned targets (completions,
+assistant turns) of every example, as the trainer's validation on it.
+
 Bad input prints one ``error: ...`` line on stderr and exits with code 2.
 """
 from __future__ import annotations
@@ -28,6 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import data
+from data import hf_tokenizer
 import models
 from models import context
 from train import cli, gpt, loop, sample
@@ -74,27 +80,38 @@ def windows(spec: str, num_tokens: int, seq_len: int) -> np.ndarray:
   return tokens[starts + np.arange(seq_len + 1)]
 
 
-def evaluate(graphdef, params, windows_WxT1: np.ndarray, par: models.Parallelism,
-             batch_size: int = 8) -> float:
-  """Mean next-token loss over every target of ``windows_WxT1``, ``batch_size`` windows at a
-  time split over ``par``'s mesh (every process holds all windows and places its own rows)."""
+def rows(spec: str, num_tokens: int, seq_len: int, tokenizer) -> dict[str, np.ndarray]:
+  """The rows to evaluate, [R, seq_len] each: the ``inputs`` and ``targets`` of
+  :func:`windows`, or a fine-tuning file's packed rows (with ``segment_ids`` and
+  ``positions``; ``tokenizer`` reads it)."""
+  if spec.startswith("sft:"):
+    return data.load_source(spec, progress=False, tokenizer=tokenizer).rows(seq_len)
+  w = windows(spec, num_tokens, seq_len)
+  return {"inputs": w[:, :-1], "targets": w[:, 1:]}
+
+
+def evaluate(graphdef, params, rows_RxT: dict[str, np.ndarray], par: models.Parallelism,
+             batch_size: int = 8) -> tuple[float, int]:
+  """``(mean next-token loss, targets)`` over the counted targets (>= 0) of ``rows_RxT``,
+  ``batch_size`` rows at a time split over ``par``'s mesh (every process holds all rows
+  and places its own)."""
   @jax.jit
   def loss_sum(params, batch):
     loss, aux = models.loss(graphdef, params, batch, par, denominator=jnp.float32(1), aux=True)
     return loss - aux.router_loss
 
-  rows = NamedSharding(par.mesh, P(models.BATCH_AXES))
+  placement = NamedSharding(par.mesh, P(models.BATCH_AXES))
   total, count = 0.0, 0
-  for i in range(0, len(windows_WxT1), batch_size):
-    w = windows_WxT1[i:i + batch_size]
-    pad = batch_size - len(w)  # one compiled shape; padded rows count no target
-    batch = {"inputs": np.pad(w[:, :-1], ((0, pad), (0, 0))).astype(np.int32),
-             "targets": np.pad(w[:, 1:], ((0, pad), (0, 0)), constant_values=-1).astype(np.int32)}
-    batch = {k: jax.make_array_from_callback(v.shape, rows, lambda index, v=v: v[index])
+  for i in range(0, len(rows_RxT["inputs"]), batch_size):
+    batch = {k: v[i:i + batch_size] for k, v in rows_RxT.items()}
+    pad = batch_size - len(batch["inputs"])  # one compiled shape; padded rows count no target
+    batch = {k: np.pad(v, ((0, pad), (0, 0)), constant_values=-1 if k == "targets" else 0).astype(np.int32)
+             for k, v in batch.items()}
+    count += int(np.sum(batch["targets"] >= 0))
+    batch = {k: jax.make_array_from_callback(v.shape, placement, lambda index, v=v: v[index])
              for k, v in batch.items()}
     total += float(loss_sum(params, batch))
-    count += w[:, 1:].size
-  return total / count
+  return total / max(count, 1), count
 
 
 def _parallelism(spec: str | None, batch_size: int) -> models.Parallelism:
@@ -114,8 +131,10 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("model", metavar="RUN_DIR|hf:DIR",
                       help="a python -m train.gpt run directory, or hf:DIR for a Hugging Face checkpoint")
   parser.add_argument("--data", required=True, metavar="SPEC",
-                      help="data spec as train.gpt's --data (stdlib:val, fineweb:GLOB, megatron:PREFIX)")
-  parser.add_argument("--tokens", type=int, default=16384, help="first N tokens of the data (default 16384)")
+                      help="data spec as train.gpt's --data (stdlib:val, fineweb:GLOB, megatron:PREFIX,"
+                           " or sft:FILE.jsonl, read whole with the model's tokenizer)")
+  parser.add_argument("--tokens", type=int, default=16384,
+                      help="first N tokens of the data (default 16384; sft: files are read whole)")
   parser.add_argument("--seq-len", type=int, default=None,
                       help="tokens per window (default: the run's --seq-len; 1024 for hf:DIR)")
   parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
@@ -148,21 +167,29 @@ def _start(argv):
     context.check_seq_len(seq_len, par.cp)
   except ValueError as e:
     raise UsageError(f"--seq-len / --mesh: {e}") from None
-  w = windows(args.data, args.tokens, seq_len)
-  if w.max() >= cfg.vocab_size:
-    raise UsageError(f"the data holds token {w.max()} but the model's vocabulary has"
+  r = rows(args.data, args.tokens, seq_len, _tokenizer(args.model))
+  if r["inputs"].max() >= cfg.vocab_size:
+    raise UsageError(f"the data holds token {r['inputs'].max()} but the model's vocabulary has"
                      f" {cfg.vocab_size}; evaluate on data made with the model's tokenizer")
-  return graphdef, params, w, par, args.batch_size
+  return graphdef, params, r, par, args.batch_size
+
+
+def _tokenizer(spec: str):
+  """What reads sft: data: the model's own tokenizer.json (and chat template), else bytes."""
+  if not spec.startswith("hf:"):
+    return sample.run_tokenizer(os.path.abspath(spec))
+  directory = os.path.abspath(spec[3:])
+  return hf_tokenizer.load(directory if os.path.isfile(os.path.join(directory, "tokenizer.json")) else None)
 
 
 def _report(loaded) -> int:
-  graphdef, params, w, par, batch_size = loaded
+  graphdef, params, r, par, batch_size = loaded
   with jax.set_mesh(par.mesh):
-    loss = evaluate(graphdef, params, w, par, batch_size)
+    loss, count = evaluate(graphdef, params, r, par, batch_size)
   if jax.process_index() != 0:
     return 0
   print(f"validation lm loss: {loss:.6E} | perplexity: {math.exp(min(loss, 700)):.6E} |"
-        f" windows: {len(w)} x {w.shape[1] - 1} tokens")
+        f" rows: {len(r['inputs'])} x {r['inputs'].shape[1]} tokens | targets: {count}")
   return 0
 
 
