@@ -107,25 +107,30 @@ class ChatTemplate:
       source = {t.get("name"): t.get("template") for t in source}.get("default")
     return cls(source, special) if isinstance(source, str) else None
 
-  def _render(self, messages: list[dict], add_generation_prompt: bool, marked: bool) -> str:
+  def _render(self, messages: list[dict], add_generation_prompt: bool, marked: bool,
+              tools: list[dict] | None = None) -> str:
     import jinja2
 
     try:
-      text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   **self.special_tokens)
+      # tools and documents are always passed, None when absent, as transformers does.
+      text = self._template.render(messages=messages, tools=tools, documents=None,
+                                   add_generation_prompt=add_generation_prompt, **self.special_tokens)
     except jinja2.TemplateError as e:
       raise DataError(f"the chat template fails on the conversation: {e}") from None
     return text if marked else text.replace(_OPEN, "").replace(_CLOSE, "")
 
-  def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    """The conversation's text, as ``apply_chat_template(..., tokenize=False)`` gives it."""
-    return self._render(messages, add_generation_prompt, marked=False)
+  def render(self, messages: list[dict], add_generation_prompt: bool = False,
+             tools: list[dict] | None = None) -> str:
+    """The conversation's text, as ``apply_chat_template(..., tokenize=False)`` gives it;
+    ``tools``: the JSON schemas of the functions the assistant may call."""
+    return self._render(messages, add_generation_prompt, marked=False, tools=tools)
 
-  def spans(self, messages: list[dict], eos: str | None = None) -> tuple[str, list[tuple[int, int]]]:
+  def spans(self, messages: list[dict], eos: str | None = None, tools: list[dict] | None = None
+            ) -> tuple[str, list[tuple[int, int]]]:
     """``(text, spans)``: the conversation's text and the ``[start, end)`` character ranges
     of it that the model learns (module docstring); ``eos`` is the text of the token that
     ends a turn."""
-    marked = self._render(messages, False, marked=True)
+    marked = self._render(messages, False, marked=True, tools=tools)
     if _OPEN in marked:
       return _strip_marks(marked)
     text = marked
@@ -133,7 +138,7 @@ class ChatTemplate:
     for i, message in enumerate(messages):
       if message["role"] != "assistant":
         continue
-      prompt = self.render(messages[:i], add_generation_prompt=True)
+      prompt = self.render(messages[:i], add_generation_prompt=True, tools=tools)
       if not text.startswith(prompt):
         raise DataError(f"the chat template renders the turns before assistant message {i}"
                         " differently from the whole conversation, so its start is unknown;"
@@ -169,6 +174,13 @@ def _strip_marks(marked: str) -> tuple[str, list[tuple[int, int]]]:
     else:
       length += len(piece)
   return "".join(p for p in pieces if p not in (_OPEN, _CLOSE)), spans
+
+
+def check_tools(tools: Any) -> list[dict] | None:
+  """``tools`` if it is absent (None) or a list of JSON schemas (objects), else a DataError."""
+  if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+    raise DataError("\"tools\" must be a list of JSON schema objects")
+  return tools
 
 
 def check_messages(messages: Any) -> list[dict]:

@@ -51,14 +51,16 @@ class HFTokenizer:
   def decode(self, ids) -> str:
     return self._tokenizer.decode([int(i) for i in np.asarray(ids).ravel()], skip_special_tokens=False)
 
-  def encode_chat(self, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-    """``(ids int32 [n], learn bool [n])`` of a conversation rendered by the chat template:
-    ``learn`` marks the tokens that begin inside an assistant turn (``data.chat``). The
-    template writes the special tokens itself, so none are added."""
+  def encode_chat(self, messages: list[dict], tools: list[dict] | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids int32 [n], learn bool [n])`` of a conversation (and the ``tools`` it may
+    call) rendered by the chat template: ``learn`` marks the tokens that begin inside an
+    assistant turn (``data.chat``). The template writes the special tokens itself, so
+    none are added."""
     if self.chat is None:
       raise DataError("the tokenizer has no chat template (chat_template.jinja or chat_template"
                       " in tokenizer_config.json); use prompt/completion lines")
-    text, spans = self.chat.spans(messages, self.decode([self.eod]))
+    text, spans = self.chat.spans(messages, self.decode([self.eod]), tools)
     encoding = self._tokenizer.encode(text, add_special_tokens=False)
     starts = np.asarray([start for start, _ in encoding.offsets], np.int64)
     learn = np.zeros(len(starts), bool)
@@ -81,8 +83,9 @@ class ByteTokenizer:
   def decode(self, ids) -> str:
     return byte_tokenizer.decode(ids)
 
-  def encode_chat(self, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-    del messages
+  def encode_chat(self, messages: list[dict], tools: list[dict] | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    del messages, tools
     raise DataError("conversations need a Hugging Face tokenizer with a chat template"
                     " (--init-from hf:DIR); the byte tokenizer has none")
 

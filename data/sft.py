@@ -4,7 +4,8 @@
   model learns the completion and the EOD;
 - ``{"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}, ...]}``: a
   conversation, rendered by the tokenizer's chat template (``data.chat``; a Hugging Face
-  tokenizer is needed); the model learns its assistant turns.
+  tokenizer is needed) with the line's ``"tools"`` (JSON schemas) if it has them; the
+  model learns its assistant turns.
 
 An example is its tokens and which of them are learned; its inputs are all tokens but
 the last, its targets all but the first, and a target that is not learned is -1 (not
@@ -84,7 +85,7 @@ def _record(line: bytes) -> dict:
 def _example(record: dict, tokenizer) -> tuple[np.ndarray, np.ndarray]:
   """(tokens, learn) of one line's record."""
   if "messages" in record:
-    return tokenizer.encode_chat(chat.check_messages(record["messages"]))
+    return tokenizer.encode_chat(chat.check_messages(record["messages"]), chat.check_tools(record.get("tools")))
   prompt, completion = record["prompt"], record["completion"]
   if not isinstance(prompt, str) or not isinstance(completion, str):
     raise DataError("\"prompt\" and \"completion\" must be strings")

@@ -83,6 +83,29 @@ def test_conversation_tokens_are_transformers_and_assistant_turns_are_learned(tm
   assert _learned_runs(ours, ids, learn) == turns
 
 
+# Qwen-style: the tools' schemas in a system block, only when there are tools.
+TOOLS_TEMPLATE = ("{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n"
+                  "{% endif %}" + CHATML)
+TOOLS = [{"type": "function", "function": {"name": "answer", "description": "the answer, é",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_tools_reach_the_template_as_in_transformers(tmp_path):
+  make_chat_tokenizer(tmp_path, TOOLS_TEMPLATE)
+  ours, theirs = hf_tokenizer.load(str(tmp_path)), _hf(tmp_path)
+  for tools in (TOOLS, None):
+    assert ours.chat.render(CONVERSATION, tools=tools) == theirs.apply_chat_template(
+        CONVERSATION, tools=tools, tokenize=False)
+  path = tmp_path / "tools.jsonl"
+  path.write_text(json.dumps({"messages": CONVERSATION, "tools": TOOLS}) + "\n")
+  (tokens, learn), = data.load_source(f"sft:{path}", tokenizer=ours).examples
+  assert ours.decode(tokens).startswith("<|im_start|>system\n{\"type\": \"function\"")
+  assert _learned_runs(ours, tokens, learn) == ["hello, how are you?<|im_end|>", "The answer is 42.<|im_end|>"]
+  path.write_text(json.dumps({"messages": CONVERSATION, "tools": "answer"}) + "\n")
+  with pytest.raises(data.DataError, match="tools.jsonl:1: \"tools\" must be a list"):
+    data.load_source(f"sft:{path}", tokenizer=ours)
+
+
 def test_generation_blocks_give_transformers_assistant_mask(tmp_path):
   make_chat_tokenizer(tmp_path, MARKED)
   ids, learn = hf_tokenizer.load(str(tmp_path)).encode_chat(CONVERSATION)
