@@ -14,11 +14,13 @@ What the model learns of a conversation are its assistant turns (:meth:`ChatTemp
   for transformers' ``return_assistant_tokens_mask``), exactly the marked text;
 - otherwise, for assistant message i, the text from the end of the generation prompt
   (the conversation up to message i rendered with ``add_generation_prompt=True``, which
-  must begin the whole conversation's text) through the end of the message's content
-  and the end-of-sequence token that closes it (``<|im_end|>``, ``<|eot_id|>``...), if
-  the template writes one right after the content. Where the template does not write
-  the content verbatim (Qwen3 keeps only the answer of a turn before the last user
-  message), through the first end-of-sequence token of the turn.
+  must begin the whole conversation's text) through the end-of-sequence token that
+  closes the turn (``<|im_end|>``, ``<|eot_id|>``...): the first one after the message's
+  content (and after any tool calls the template writes there), before the next
+  assistant turn; without one, through the end of the content. Where the template
+  does not write the content verbatim (Qwen3 keeps only the answer of a turn before the
+  last user message), or there is none (a turn of tool calls only), the eos is looked
+  for from the turn's start.
 
 So a turn's targets are what the model must generate at inference: any text the
 template opens the turn with (Qwen3's empty ``<think>`` block), the content, and the token
@@ -134,30 +136,33 @@ class ChatTemplate:
     if _OPEN in marked:
       return _strip_marks(marked)
     text = marked
-    spans = []
-    for i, message in enumerate(messages):
-      if message["role"] != "assistant":
-        continue
+    turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+    starts = []
+    for i in turns:
       prompt = self.render(messages[:i], add_generation_prompt=True, tools=tools)
       if not text.startswith(prompt):
         raise DataError(f"the chat template renders the turns before assistant message {i}"
                         " differently from the whole conversation, so its start is unknown;"
                         " use prompt/completion lines")
-      spans.append((len(prompt), _turn_end(text, len(prompt), message["content"].strip(), eos, i)))
-    return text, spans
+      starts.append(len(prompt))
+    ends = [_turn_end(text, start, (messages[i].get("content") or "").strip(), limit, eos, i)
+            for i, start, limit in zip(turns, starts, starts[1:] + [len(text)])]
+    return text, list(zip(starts, ends))
 
 
-def _turn_end(text: str, start: int, content: str, eos: str | None, index: int) -> int:
-  """Where the assistant turn that starts at ``start`` ends: after its content and the
-  eos right after it; or, where the template rewrites the content (Qwen3 drops earlier
-  turns' reasoning), after the first eos."""
-  found = text.find(content, start)
+def _turn_end(text: str, start: int, content: str, limit: int, eos: str | None, index: int) -> int:
+  """Where the assistant turn that starts at ``start`` ends: at the end of the first eos
+  after its content (after its tool calls too) and before ``limit``, the next assistant
+  turn's start; without one, at the end of its content. A content the template does not
+  write verbatim (Qwen3 drops earlier turns' reasoning), or none (a turn of tool calls),
+  counts from the turn's start."""
+  found = text.find(content, start) if content else -1
+  after = found + len(content) if found >= 0 else start
+  close = text.find(eos, after, limit) if eos else -1
+  if close >= 0:
+    return close + len(eos)
   if found >= 0:
-    end = found + len(content)
-    closing = re.match(r"\s*" + re.escape(eos), text[end:]) if eos else None
-    return end + (closing.end() if closing else 0)
-  if eos and eos in text[start:]:
-    return text.index(eos, start) + len(eos)
+    return after
   raise DataError(f"the chat template does not write assistant message {index}'s content"
                   " verbatim, nor an end-of-sequence token after it; use prompt/completion lines")
 
@@ -188,8 +193,10 @@ def check_messages(messages: Any) -> list[dict]:
   if not isinstance(messages, list) or not messages:
     raise DataError("\"messages\" must be a non-empty list of {\"role\", \"content\"} objects")
   for k, m in enumerate(messages):
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-      raise DataError(f"message {k} must be an object with \"role\" and \"content\" strings")
+    calls = isinstance(m, dict) and m.get("tool_calls") and m.get("content") is None  # calls alone
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not (isinstance(m.get("content"), str) or calls):
+      raise DataError(f"message {k} must be an object with \"role\" and \"content\" strings"
+                      " (\"content\" may be null beside \"tool_calls\")")
   if not any(m["role"] == "assistant" for m in messages):
     raise DataError("the conversation has no \"assistant\" message, so nothing to learn")
   return messages

@@ -106,6 +106,30 @@ def test_tools_reach_the_template_as_in_transformers(tmp_path):
     data.load_source(f"sft:{path}", tokenizer=ours)
 
 
+# Tool calls written after the content, as Qwen's template writes them.
+CALLS_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] %}{{ m['content'] }}{% endif %}"
+                  "{% for c in m['tool_calls'] or [] %}<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}"
+                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_tool_calls_are_learned_with_their_turn(tmp_path):
+  make_chat_tokenizer(tmp_path, CALLS_TEMPLATE)
+  call = {"type": "function", "function": {"name": "answer", "arguments": {}}}
+  conversation = [
+      {"role": "user", "content": "What is the answer?"},
+      {"role": "assistant", "content": None, "tool_calls": [call]},
+      {"role": "tool", "content": "42"},
+      {"role": "assistant", "content": "hello, how are you?", "tool_calls": [call]},
+      {"role": "tool", "content": "fine"},
+      {"role": "assistant", "content": "The answer is 42."},
+  ]
+  ours = hf_tokenizer.load(str(tmp_path))
+  ids, learn = ours.encode_chat(conversation)
+  assert list(ids) == list(_hf(tmp_path).apply_chat_template(conversation, tokenize=True)["input_ids"])
+  written = '<tool_call>{"name": "answer", "arguments": {}}</tool_call><|im_end|>'
+  assert _learned_runs(ours, ids, learn) == [written, "hello, how are you?" + written, "The answer is 42.<|im_end|>"]
+
+
 def test_generation_blocks_give_transformers_assistant_mask(tmp_path):
   make_chat_tokenizer(tmp_path, MARKED)
   ids, learn = hf_tokenizer.load(str(tmp_path)).encode_chat(CONVERSATION)
