@@ -68,7 +68,7 @@ def _check_rcqr(m: int, r: int, dtype) -> list[dict]:
 
 def _polar64(G: np.ndarray, method: str) -> np.ndarray:
   """The same odd quintic iteration as ``dion_jax.polar`` in float64, G (b, m, n) wide or tall."""
-  coefficients, safety = polar.METHODS[method]
+  coefficients, safety = polar.METHODS[method].coefficients, polar.METHODS[method].safety
   tall = G.shape[-2] > G.shape[-1]
   X = np.swapaxes(G, -1, -2) if tall else G
   X = X / (np.sqrt(np.sum(X * X, axis=(-2, -1), keepdims=True)) * safety + 1e-8)

@@ -1,13 +1,13 @@
 """Orthogonalization of whole matrices: the polar factor by odd quintic iterations.
 
 Muon, NorMuon and Dion2 replace a matrix G (m x n, SVD ``G = U Σ Vᵀ``) by an
-approximation of its polar factor ``U Vᵀ``. Both methods here normalize
-``X₀ = G / (c·‖G‖_F + eps)`` (so every singular value is at most 1) and apply odd
-quintic polynomials to the singular values:
+approximation of its polar factor ``U Vᵀ``. Every method here normalizes
+``X₀ = G / (c·‖G‖_F + eps)`` (so every singular value is at most 1), makes X wide
+(s x l, s = min(m, n)) and applies odd quintic polynomials to the singular values:
 
-    A = X Xᵀ                          (s x s, s = min(m, n); X is made wide first)
-    B = b·A + c·A²                    symmetric, as is A
-    X ← a·X + B X
+    A = X Xᵀ                          (s x s)
+    P = a·I + b·A + c·A²              symmetric, as is A
+    X ← P X
 
 - ``"polar_express"`` (Amsel, Persson, Musco, Gower, arXiv 2505.16932): five steps,
   each with its own (a, b, c), chosen as the minimax-optimal polynomials for the
@@ -15,17 +15,39 @@ quintic polynomials to the singular values:
   baked into the coefficients. The reference's (microsoft/dion) default.
 - ``"newton_schulz"``: Keller Jordan's quintic Newton–Schulz, five steps of
   (3.4445, −4.7750, 2.0315), c = 1 (optax.contrib.muon's default).
+- ``"rescaled_newton_schulz"``: four steps after an AOL rescaling (Prach & Lampert,
+  arXiv 2208.03160; microsoft/dion's ``newton_schulz_triton_fast``): with
+  ``dᵢ = (Σⱼ |Aᵢⱼ|)^(-1/2)``, ``X ← diag(d) X`` has spectral norm at most 1 and is
+  closer to orthogonal than the Frobenius-normalized X, so four tuned steps (the
+  reference's genetic-search coefficients) reach Newton–Schulz's range; the first
+  step reuses ``diag(d) A diag(d)``. It orthogonalizes ``diag(d) G``, not G: an
+  approximation of a different kind (docs/design.md §4 has its measured errors).
+
+Gram evaluation (``gram=True``; Zhang, Amsel, Chen, Dao, "Gram Newton-Schulz",
+microsoft/dion's ``use_gram_newton_schulz``). Every iterate is ``X_t = Q_t X₀`` with
+Q_t a polynomial in ``R = X₀X₀ᵀ``, so the steps can run on the s x s matrices alone:
+
+    Q ← Q P,   R ← P R P,   X = Q X₀ at the end
+
+with restarts (``X ← Q X``, ``R ← X Xᵀ``, ``Q ← I``) that keep rounding in R from
+drifting away from Q X₀: before steps 2 and 4 of the five-step methods, before step 2
+of the rescaled four (``Method.gram_restarts``). The same polynomials, so the same
+result up to rounding; five steps take 12s²l + 22s³ flops against the standard
+20s²l + 10s³ (rescaled four: 8s²l + 20s³ against 14s²l + 8s³). Used where the matrix is
+at least twice as long as it is short (l ≥ 2s: MLP matrices, fused qkv kernels), where
+it never takes more flops; the standard steps elsewhere. It runs XLA matmuls on every backend
+(the Pallas kernels fuse the standard step's products).
 
 Precision: with ``dtype=jnp.bfloat16`` (the default, as the reference) the input
 is rounded to bfloat16 and every product runs in bfloat16; ``jnp.float32`` keeps
 float32 throughout at the highest matmul precision. The result is float32.
 
-The two symmetric products A = X Xᵀ and A² are where a kernel can halve the work
-(``dion_jax.kernels.newton_schulz``); ``backend`` chooses it or the XLA composition
-(``dion_jax.kernels.newton_schulz_xla``).
+The two symmetric products A = X Xᵀ and A² of the standard step are where a kernel can
+halve the work (``dion_jax.kernels.newton_schulz``); ``backend`` chooses it or the XLA
+composition (``dion_jax.kernels.newton_schulz_xla``).
 """
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,13 +65,89 @@ POLAR_EXPRESS = (
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
 NEWTON_SCHULZ = ((3.4445, -4.7750, 2.0315),) * 5
-METHODS = {"polar_express": (POLAR_EXPRESS, 1.02), "newton_schulz": (NEWTON_SCHULZ, 1.0)}
+# The four steps that follow the AOL rescaling, as microsoft/dion's newton_schulz_triton_fast.
+RESCALED_NEWTON_SCHULZ = (
+    (4.6051, -9.6552, 5.6769),
+    (4.7505, -6.0861, 2.1790),
+    (2.7763, -2.3190, 0.5523),
+    (2.4231, -2.2861, 0.8193),
+)
+
+
+class Method(NamedTuple):
+  """One orthogonalization: its (a, b, c) per step, the safety factor c of the
+  Frobenius normalization, whether the AOL rescaling precedes the steps, and the
+  steps before which the Gram evaluation restarts from ``X = Q X₀``."""
+
+  coefficients: tuple[tuple[float, float, float], ...]
+  safety: float
+  rescaled: bool
+  gram_restarts: tuple[int, ...]
+
+
+# Restarts measured in bf16 against a float64 SVD (docs/design.md §4): before steps 2
+# and 4 the five-step methods are as accurate as their standard steps (one restart
+# before step 2, the reference's, lets Polar Express's large first coefficients
+# amplify rounding in R on ill-conditioned inputs); the rescaled four steps need one.
+METHODS = {
+    "polar_express": Method(POLAR_EXPRESS, 1.02, False, (2, 4)),
+    "newton_schulz": Method(NEWTON_SCHULZ, 1.0, False, (2, 4)),
+    "rescaled_newton_schulz": Method(RESCALED_NEWTON_SCHULZ, 1.0, True, (2,)),
+}
 DTYPES = (jnp.bfloat16, jnp.float32)
 
 
 def check_dtype(ortho_dtype: Any) -> None:
   if jnp.dtype(ortho_dtype) not in [jnp.dtype(d) for d in DTYPES]:
     raise ValueError(f"ortho_dtype={ortho_dtype!r} is not supported; use jnp.bfloat16 or jnp.float32")
+
+
+def uses_gram(s: int, l: int) -> bool:
+  """Whether ``gram=True`` takes the Gram steps for a wide s x l matrix (module docstring)."""
+  return l >= 2 * s
+
+
+def _aol(X, A):
+  """``diag(d) X`` and ``diag(d) A diag(d)``, ``dᵢ = (Σⱼ |Aᵢⱼ|)^(-1/2)``: spectral norm ≤ 1.
+  A zero row keeps d finite (the clamp) and stays zero."""
+  row_sums = jnp.sum(jnp.abs(A.astype(jnp.float32)), axis=-1, keepdims=True)
+  d = jax.lax.rsqrt(jnp.maximum(row_sums, jnp.finfo(jnp.float32).tiny)).astype(X.dtype)
+  return d * X, d * A * jnp.swapaxes(d, -1, -2)
+
+
+def _standard(X, method: Method, precision, products):
+  """The steps on X itself: ``X ← a·X + (b·A + c·A²) X``."""
+  mm = lambda x, y: jnp.einsum("bst,btl->bsl", x, y, precision=precision)
+  for i, (a, b, c) in enumerate(method.coefficients):
+    if i == 0 and method.rescaled:
+      A = mm(X, jnp.swapaxes(X, 1, 2))
+      X, A = _aol(X, A)
+      B = b * A + c * mm(A, A)
+    else:
+      B = products(X, b, c, precision)
+    X = a * X + mm(B, X)
+  return X
+
+
+def _gram(X, method: Method, precision):
+  """The steps on the s x s matrices: ``Q ← Q P``, ``R ← P R P``; ``Q X₀`` at the end."""
+  mm = lambda x, y: jnp.einsum("bst,btl->bsl", x, y, precision=precision)
+  gram = lambda x: mm(x, jnp.swapaxes(x, 1, 2))
+  R = gram(X)
+  if method.rescaled:
+    X, R = _aol(X, R)
+  identity = jnp.eye(X.shape[1], dtype=X.dtype)
+  steps = len(method.coefficients)
+  Q = None
+  for i, (a, b, c) in enumerate(method.coefficients):
+    if i in method.gram_restarts:
+      X = mm(Q, X)
+      R, Q = gram(X), None
+    P = a * identity + b * R + c * mm(R, R)
+    Q = P if Q is None else mm(Q, P)
+    if i + 1 < steps and i + 1 not in method.gram_restarts:
+      R = mm(P, mm(R, P))
+  return mm(Q, X)
 
 
 def polar_factor(
@@ -59,32 +157,36 @@ def polar_factor(
     dtype: Any = jnp.bfloat16,
     epsilon: float = 1e-8,
     backend: str = "auto",
+    gram: bool = False,
 ) -> jax.Array:
   """The approximate polar factor of every matrix of ``G`` (..., m, n); float32, same shape.
 
   Args:
     G: a matrix or a batch of them (leading axes).
-    method: ``"polar_express"`` or ``"newton_schulz"`` (module docstring).
+    method: ``"polar_express"``, ``"newton_schulz"`` or ``"rescaled_newton_schulz"``
+      (module docstring).
     dtype: ``jnp.bfloat16`` (round the input, compute in bf16) or ``jnp.float32``.
     epsilon: added to the scaled Frobenius norm that normalizes the input.
     backend: ``"auto"`` (Pallas on GPU, else XLA), ``"xla"`` or ``"pallas"``.
+    gram: iterate on the s x s Gram matrix where the matrix is at least twice as long
+      as it is short (module docstring).
   """
   validation.check_choice("ortho_method", method, tuple(METHODS))
   check_dtype(dtype)
   validation.check_choice("backend", backend, backend_lib.BACKENDS)
-  coefficients, safety = METHODS[method]
+  spec = METHODS[method]
   precision = jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
-  products = backend_lib.symmetric_products(backend)
   *batch, m, n = G.shape
   X = G.reshape((-1, m, n)).astype(dtype)
   tall = m > n
   if tall:  # Work on the wide side: A is (min x min).
     X = jnp.swapaxes(X, 1, 2)
   norm = jnp.sqrt(jnp.sum(jnp.square(X.astype(jnp.float32)), axis=(1, 2), keepdims=True))
-  X = (X / (norm * safety + epsilon).astype(dtype)).astype(dtype)
-  for a, b, c in coefficients:
-    B = products(X, b, c, precision)
-    X = a * X + jnp.einsum("bst,btl->bsl", B, X, precision=precision)
+  X = (X / (norm * spec.safety + epsilon).astype(dtype)).astype(dtype)
+  if gram and uses_gram(*X.shape[1:]):
+    X = _gram(X, spec, precision)
+  else:
+    X = _standard(X, spec, precision, backend_lib.symmetric_products(backend))
   if tall:
     X = jnp.swapaxes(X, 1, 2)
   return X.astype(jnp.float32).reshape(G.shape)

@@ -36,13 +36,13 @@ from dion_jax.parallel.mesh import axis_names
 # Structural arguments shared by muon, normuon, dion2 and nordion2, for optax.inject_hyperparams
 # (as dion_jax.STATIC_ARGS); each adds its own.
 STATIC_ARGS = ("labels", "scale_rule", "dimension_numbers", "momentum_dtype", "ortho_dtype", "ortho_method",
-               "lm_head_lr_scale", "cautious_wd")  # fmt: skip
+               "gram_newton_schulz", "lm_head_lr_scale", "cautious_wd")  # fmt: skip
 # The arguments the four share, for their docstrings.
 COMMON_DOC = """
     weight_decay, scalar_weight_decay, cautious_wd, scalar_optimizer, scalar_learning_rate, b1, b2,
       scalar_epsilon, lm_head_lr_scale, labels: as for :func:`dion_jax.dion`.
-    epsilon, ortho_method, ortho_dtype, scale_rule, momentum_dtype, dimension_numbers,
-      partition_specs, mesh, replicate_sync, backend: see
+    epsilon, ortho_method, ortho_dtype, gram_newton_schulz, scale_rule, momentum_dtype,
+      dimension_numbers, partition_specs, mesh, replicate_sync, backend: see
       :func:`dion_jax.scale_by_orthogonal`.
 """
 
@@ -103,6 +103,7 @@ def scale_by_orthogonal(
     epsilon: float = 1e-8,
     ortho_method: str = "polar_express",
     ortho_dtype: Any = jnp.bfloat16,
+    gram_newton_schulz: bool = False,
     scale_rule: str | Callable[[int, int], float] | None = "fan_ratio",
     momentum_dtype: Any = None,
     num_heads=None,
@@ -125,8 +126,12 @@ def scale_by_orthogonal(
       the shorter side (NorDion2: of the output neurons), Dion2's decay of the selected
       slices of M, and ``"local"`` / ``"global"``.
     epsilon: added to the scaled Frobenius norm before the polar iterations.
-    ortho_method: ``"polar_express"`` or ``"newton_schulz"`` (``dion_jax.linalg.polar``).
+    ortho_method: ``"polar_express"`` (five steps, the default), ``"newton_schulz"`` or
+      ``"rescaled_newton_schulz"`` (four steps after an AOL rescaling; ``dion_jax.linalg.polar``).
     ortho_dtype: ``jnp.bfloat16`` (inputs rounded to bf16) or ``jnp.float32``.
+    gram_newton_schulz: run the same steps on the short side's Gram matrix for
+      matrices at least twice as long as they are short (fewer flops, the same
+      polynomials; the reference's ``use_gram_newton_schulz``).
     scale_rule: the update scale from (fan_out, fan_in), as for Dion (aliases
       ``"spectral_norm"``, ``"rms_norm"``, None accepted).
     momentum_dtype: dtype of M (default: the parameter's).
@@ -148,7 +153,7 @@ def scale_by_orthogonal(
     ef_decay = mu
   hp = math_lib.FamilyHyperParams(
       algorithm, mu, nesterov, muon_beta2, fraction, ef_decay, selection_scope, epsilon,
-      ortho_method, ortho_dtype, backend,
+      ortho_method, ortho_dtype, backend, bool(gram_newton_schulz),
   )  # fmt: skip
   normuon = algorithm in ("normuon", "nordion2")
 

@@ -72,11 +72,13 @@ class FamilyHyperParams(NamedTuple):
   ortho_method: str = "polar_express"
   ortho_dtype: Any = jnp.bfloat16
   backend: str = "auto"
+  gram_newton_schulz: bool = False
 
 
 def _polar(X: jax.Array, hp: FamilyHyperParams) -> jax.Array:
   """Polar factors of whole matrices, returned in ``ortho_dtype`` for the trip back."""
-  out = polar_factor(X, method=hp.ortho_method, dtype=hp.ortho_dtype, epsilon=hp.epsilon, backend=hp.backend)
+  out = polar_factor(X, method=hp.ortho_method, dtype=hp.ortho_dtype, epsilon=hp.epsilon, backend=hp.backend,
+                     gram=hp.gram_newton_schulz)
   return out.astype(hp.ortho_dtype)
 
 
