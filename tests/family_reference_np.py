@@ -14,12 +14,21 @@ POLAR_EXPRESS = [
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 ]
 NEWTON_SCHULZ = [(3.4445, -4.7750, 2.0315)] * 5
+# microsoft/dion's newton_schulz_triton_fast: four steps after the AOL rescaling.
+RESCALED_NEWTON_SCHULZ = [(4.6051, -9.6552, 5.6769), (4.7505, -6.0861, 2.1790), (2.7763, -2.3190, 0.5523),
+                          (2.4231, -2.2861, 0.8193)]  # fmt: skip
 
 
-def polar(G, coefficients=POLAR_EXPRESS, safety=1.02, eps=1e-8):
-  """X ← a X + (b XᵀX + c (XᵀX)²) applied on the right of a tall X (left of a wide one)."""
+def polar(G, coefficients=POLAR_EXPRESS, safety=1.02, eps=1e-8, rescaled=False):
+  """X ← a X + (b XᵀX + c (XᵀX)²) applied on the right of a tall X (left of a wide one);
+  ``rescaled``: first scale each row (column) of the wide (tall) X by the inverse square
+  root of the row's absolute sum in X Xᵀ (AOL, arXiv 2208.03160)."""
   X = np.asarray(G, np.float64)
   X = X / (np.linalg.norm(X) * safety + eps)
+  if rescaled:
+    wide = X if X.shape[0] <= X.shape[1] else X.T
+    d = 1 / np.sqrt(np.abs(wide @ wide.T).sum(axis=1))
+    X = d[:, None] * X if X.shape[0] <= X.shape[1] else X * d[None, :]
   for a, b, c in coefficients:
     if X.shape[0] > X.shape[1]:
       A = X.T @ X
