@@ -226,6 +226,20 @@ class MatrixView:
       spec = spec[: self.out_axis + 1] + spec[self.out_axis + 2 :]
     return PartitionSpec(*spec)
 
+  def unnamed(self) -> "MatrixView":
+    """This view without the parameter's name: equal for parameters of one geometry."""
+    return dataclasses.replace(self, frame=dataclasses.replace(self.frame, name=""))
+
+  def stacked(self, n: int, name: str) -> "MatrixView":
+    """The view of ``n`` parameters like this one stacked along a new leading (batch) axis."""
+    fr = self.frame
+    frame = dataclasses.replace(
+        fr, shape=(n,) + fr.shape, row_axis=fr.row_axis + 1, col_axis=fr.col_axis + 1,
+        batch_axes=(0,) + tuple(a + 1 for a in fr.batch_axes),
+        spec=None if fr.spec is None else PartitionSpec(None, *fr.spec), name=name,
+    )  # fmt: skip
+    return dataclasses.replace(self, frame=frame, out_axis=self.out_axis + 1, in_axis=self.in_axis + 1)
+
 
 def matrix_view(
     shape: tuple[int, ...],

@@ -193,7 +193,7 @@ def scale_by_orthogonal(
     return step
 
   fields = ("momentum", "variance") if normuon else ("momentum",)
-  rule = MatrixRule(ScaleByOrthogonalState, fields, views, init_leaf, _placement(normuon), local_step)
+  rule = MatrixRule(ScaleByOrthogonalState, fields, views, init_leaf, _placement(normuon), local_step, megabatch=True)
   return scale_by_matrix_rule(rule, scale_rule, mesh, replicate_sync)
 
 

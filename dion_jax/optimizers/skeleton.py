@@ -10,6 +10,16 @@ and the learning rate are chained after it (``dion_jax.optimizers.routing``).
 
 A rule's per-step arguments (Dion's sketch seed) come from the step count, which the
 state keeps when its type has a ``count`` field.
+
+Megabatches (microsoft/dion's megabatching). A rule whose step treats every matrix of a
+batch on its own (``MatrixRule.megabatch``: Muon, NorMuon, Dion2, NorDion2) runs once per
+group of parameters of one geometry instead of once per parameter: leaves with equal
+views but for their names (shape, dimension numbers, heads, PartitionSpec) and equal
+dtypes are stacked along a new leading axis, stepped as one parameter, and unstacked. A
+GPT's query, key, value and out kernels of all layers are then one batch of
+orthogonalizations on one device (out apart where tensor parallelism shards it the
+other way), its up and gate kernels another, its down kernels a third; on a mesh the
+batch is split over the devices of each group (``dion_jax.parallel.megabatch``).
 """
 from __future__ import annotations
 
@@ -43,6 +53,8 @@ class MatrixRule(NamedTuple):
       placement are None on one device.
     step_args: ``count -> tuple`` of per-step arguments shared by every parameter
       (replicated on a mesh); ``count`` is None without a ``count`` field.
+    megabatch: the step treats each matrix of a batch on its own, so parameters of one
+      geometry may run as one stacked parameter (module docstring).
   """
 
   state_type: type
@@ -52,6 +64,7 @@ class MatrixRule(NamedTuple):
   placement: Callable[[MatrixView, Layout], Placement]
   local_step: Callable[[MatrixView, float, Layout | None, Placement | None], LocalStep]
   step_args: Callable[[jax.Array | None], tuple] = lambda count: ()
+  megabatch: bool = False
 
 
 def _state(rule: MatrixRule, treedef, per_field: list[list[jax.Array]], count) -> Any:
@@ -59,6 +72,17 @@ def _state(rule: MatrixRule, treedef, per_field: list[list[jax.Array]], count) -
   if count is not None:
     trees["count"] = count
   return rule.state_type(**{name: trees.get(name, ()) for name in rule.state_type._fields})
+
+
+def _groups(rule: MatrixRule, views: list[MatrixView], leaves: list, states: list[list]) -> list[list[int]]:
+  """Leaf indices in flatten order, one list per megabatch (singletons unless ``rule.megabatch``)."""
+  if not rule.megabatch:
+    return [[i] for i in range(len(leaves))]
+  groups: dict[Any, list[int]] = {}
+  for i, (view, g) in enumerate(zip(views, leaves)):
+    key = (view.unnamed(), g.shape, g.dtype, tuple((x.shape, x.dtype) for x in (field[i] for field in states)))
+    groups.setdefault(key, []).append(i)
+  return list(groups.values())
 
 
 def scale_by_matrix_rule(
@@ -96,16 +120,34 @@ def scale_by_matrix_rule(
     views = rule.views(jax.tree.unflatten(treedef, structs))
     count = optax.safe_increment(state.count) if counted else None
     args = rule.step_args(count)
-    out, new = [], [[] for _ in rule.state_fields]
-    for i, (g, view) in enumerate(zip(leaves, views)):
+
+    def step(view, g, leaf_state):
       scale = scale_of(view.frame.fan_out, view.frame.fan_in)
-      leaf_state = [field[i] for field in old]
       if layout is None:
-        update, *leaf_new = rule.local_step(view, scale, None, None)(g, *leaf_state, *args)
-      else:
-        placement = rule.placement(view, layout)
-        local = rule.local_step(view, scale, layout, placement)
-        update, *leaf_new = layout.run(local, placement, g, leaf_state, args)
+        return rule.local_step(view, scale, None, None)(g, *leaf_state, *args)
+      placement = rule.placement(view, layout)
+      return layout.run(rule.local_step(view, scale, layout, placement), placement, g, leaf_state, args)
+
+    per_leaf = [None] * len(leaves)
+    for group in _groups(rule, views, leaves, old):
+      if len(group) == 1:
+        i = group[0]
+        per_leaf[i] = step(views[i], leaves[i], [field[i] for field in old])
+        continue
+      # A replica axis of the gradient or state, where there is one, stays in front of the
+      # stacking axis; the update has none.
+      g_axis = int(layout is not None and layout.per_replica)
+      state_axes = [0] * len(old)
+      if layout is not None:
+        state_axes = [int(r) for r in rule.placement(views[group[0]], layout).state_per_replica]
+      view = views[group[0]].stacked(len(group), ", ".join(views[i].frame.name for i in group))
+      g = jnp.stack([leaves[i] for i in group], g_axis)
+      stacked = [jnp.stack([field[i] for i in group], a) for field, a in zip(old, state_axes)]
+      update, *stacked_new = step(view, g, stacked)
+      for k, i in enumerate(group):
+        per_leaf[i] = (update[k], *(jnp.take(x, k, a) for x, a in zip(stacked_new, state_axes)))
+    out, new = [], [[] for _ in rule.state_fields]
+    for g, (update, *leaf_new), *leaf_state in zip(leaves, per_leaf, *old):
       out.append(update.astype(g.dtype))
       for field, x, x0 in zip(new, leaf_new, leaf_state):
         field.append(x.astype(x0.dtype))
