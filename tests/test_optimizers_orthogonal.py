@@ -259,3 +259,16 @@ def test_nnx_optimizer_with_lion_and_lm_head_scale():
     u, state = lion.update(g["lm_head"]["kernel"], state, head)
     head = optax.apply_updates(head, u)
   np.testing.assert_allclose(params["lm_head"]["kernel"], head, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("make", [dion_jax.muon, dion_jax.normuon, dion_jax.dion2, dion_jax.nordion2])
+def test_step_has_no_conditional_or_loop(make):
+  """No lax.cond/switch (an XLA:GPU conditional copies its predicate to the host) and no
+  while loop over matrices, with every orthogonalization option, scalars routed to AdamW."""
+  params = {"w": jnp.zeros((2, 24, 64)), "v": jnp.zeros((64, 24)), "b": jnp.zeros((64,))}
+  for options in (dict(), dict(gram_newton_schulz=True, ortho_method="rescaled_newton_schulz")):
+    tx = make(0.01, **options)
+    text = jax.jit(tx.update).lower(params, tx.init(params), params).as_text()
+    assert "stablehlo.dot_general" in text
+    for op in ("stablehlo.case", "stablehlo.if", "stablehlo.while"):
+      assert op not in text, f"{op} with {options}"
