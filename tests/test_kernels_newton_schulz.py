@@ -33,7 +33,8 @@ def test_bf16_products_match_xla():
   np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("method", list(polar.METHODS))
+# The rescaled method's later steps are these products too (tests/test_linalg_polar.py).
+@pytest.mark.parametrize("method", ["polar_express", "newton_schulz"])
 def test_polar_with_kernels_equals_xla(method):
   G = _x((3, 48, 80), jnp.float32, seed=2)
   pallas = polar.polar_factor(G, method=method, dtype=jnp.float32, backend="pallas")

@@ -74,10 +74,14 @@ def test_replays_reference_trajectories(case):
 # long as it is short) replay the five-step Polar Express trajectories as closely as
 # the standard steps (achieved: X within 2.3e-5 of a step's size after six steps); the
 # rescaled four steps orthogonalize diag(d)·M instead of M: X is 0.11-0.12 of a step away
-# after the first step, 0.27-0.31 after the sixth.
-@pytest.mark.parametrize("case", ["dion2_tall_f025", "dion2_wide_f05", "muon_wide"])
-@pytest.mark.parametrize("options, rel", [(dict(gram_newton_schulz=True), 2e-4),
-                                          (dict(ortho_method="rescaled_newton_schulz"), 0.4)])  # fmt: skip
+# after the first step, 0.27-0.31 after the sixth (0.31 on muon_wide; 0.27 and 0.28 on
+# the Dion2 cases).
+@pytest.mark.parametrize("case, options, rel", [
+    ("dion2_tall_f025", dict(gram_newton_schulz=True), 2e-4),
+    ("dion2_wide_f05", dict(gram_newton_schulz=True), 2e-4),
+    ("muon_wide", dict(gram_newton_schulz=True), 2e-4),
+    ("muon_wide", dict(ortho_method="rescaled_newton_schulz"), 0.4),
+])  # fmt: skip
 def test_options_replay_reference_trajectories(case, options, rel):
   data = np.load(GOLDEN)
   meta = json.loads(str(data["meta_json"]))[case]

@@ -21,7 +21,7 @@ approximation of its polar factor ``U Vᵀ``. Every method here normalizes
   closer to orthogonal than the Frobenius-normalized X, so four tuned steps (the
   reference's genetic-search coefficients) reach Newton–Schulz's range; the first
   step reuses ``diag(d) A diag(d)``. It orthogonalizes ``diag(d) G``, not G: an
-  approximation of a different kind (docs/design.md §4 has its measured errors).
+  approximation of a different kind (docs/design.md §10 has its measured errors).
 
 Gram evaluation (``gram=True``; Zhang, Amsel, Chen, Dao, "Gram Newton-Schulz",
 microsoft/dion's ``use_gram_newton_schulz``). Every iterate is ``X_t = Q_t X₀`` with
@@ -85,7 +85,7 @@ class Method(NamedTuple):
   gram_restarts: tuple[int, ...]
 
 
-# Restarts measured in bf16 against a float64 SVD (docs/design.md §4): before steps 2
+# Restarts measured in bf16 against a float64 SVD (docs/design.md §10): before steps 2
 # and 4 the five-step methods are as accurate as their standard steps (one restart
 # before step 2, the reference's, lets Polar Express's large first coefficients
 # amplify rounding in R on ill-conditioned inputs); the rescaled four steps need one.

@@ -9,6 +9,10 @@ fan_out axes (other axes are batches of independent matrices), ``partition_specs
 the whole averaged gradient, so per-replica gradients are averaged over ``rp``
 first), and ``scale_rule`` names the update scale.
 
+Megabatches: parameters of one geometry (shape, dimension numbers, heads, PartitionSpec,
+dtypes) are stepped as one stacked parameter, one batched orthogonalization per group
+(``dion_jax.optimizers.skeleton``); the result is that of each parameter alone.
+
 Per-head orthogonalization (``num_heads``, Muon and NorMuon): the fan_out axis of size
 H·d is split into (H, d) and each head is its own (d x fan_in) matrix, for its
 orthogonalization, its scale and NorMuon's norms, as the reference's ``num_heads``.
