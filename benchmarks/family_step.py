@@ -59,7 +59,8 @@ def main():
   times = harness.interleaved_times(cases, args.rounds, args.repeats)
   base = times["optax.contrib.muon"]
   qkv = "query, key, value apart" if args.split_qkv else "fused qkv"
-  print(f"{args.layers} layers, d_model {args.d_model}, {qkv}, one CPU device; median of {args.rounds} interleaved rounds")
+  print(f"{args.layers} layers, d_model {args.d_model}, {qkv}, one CPU device; "
+        f"median of {args.rounds} interleaved rounds")
   print("| optimizer | step ms | / optax.contrib.muon |")
   print("| --- | --- | --- |")
   for name, t in times.items():
