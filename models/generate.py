@@ -39,7 +39,7 @@ from flax import nnx
 
 from models.config import GPTConfig
 from models.gpt import KVCache, rotary_tables
-from models.sharding import Parallelism
+from models.sharding import Parallelism, param_specs, to_layers
 
 
 class Sampling(NamedTuple):
@@ -102,6 +102,25 @@ def forward(graphdef: Any, params: Any, tokens_BxT: jax.Array, pad_B: jax.Array,
   x_BxTxD = model.embed_tokens(tokens_BxT, par)
   (x_BxTxD, k_all, v_all), _ = jax.lax.scan(unit, (x_BxTxD, *cache), jnp.arange(cache[0].shape[0]))
   return model.logits(x_BxTxD[:, -1:], par)[:, 0], (k_all, v_all)
+
+
+def rollout_params(params: Any, par: Parallelism) -> Any:
+  """Parameters laid out like ``models.init(cfg, par)``'s (blocks in stages, sharded on
+  ``par.mesh``) as :func:`generate` takes them: blocks in layer order, every leaf gathered
+  over the mesh's other axes and still split over tp (query and key/value heads, the MLP's
+  hidden units, the vocabulary). One all-gather per rollout, not one per token; XLA
+  partitions the sampler over tp from these shardings."""
+  keep_tp = lambda entry: entry if entry == "tp" or (isinstance(entry, tuple) and "tp" in entry) else None  # noqa: E731
+
+  def sharding(path, spec):
+    entries = tuple(spec)[1:] if str(getattr(path[0], "key", path[0])) == "blocks" else tuple(spec)
+    return jax.sharding.NamedSharding(par.mesh, jax.sharding.PartitionSpec(*map(keep_tp, entries)))
+
+  blocks = _to_layers(params["blocks"], par.pp, par.virtual_stages)
+  return jax.device_put(dict(params, blocks=blocks), jax.tree_util.tree_map_with_path(sharding, param_specs(params)))
+
+
+_to_layers = jax.jit(to_layers, static_argnums=(1, 2))
 
 
 def warp(logits_BxV: jax.Array, sampling: Sampling, vocab_size: int) -> jax.Array:

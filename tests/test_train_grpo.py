@@ -87,11 +87,13 @@ def test_builtin_rewards():
 
 
 def test_run_writes_metrics_and_a_checkpoint_train_sample_reads(base_run, prompts_file, tmp_path):
+  """Two steps with Dion on fs=2,tp=2: finite metrics, a policy that moved, a checkpoint
+  train.sample restores on one device."""
   run_dir = str(tmp_path / "grpo")
   args = ["--init-from", base_run, "--prompts", prompts_file, "--run-dir", run_dir, "--steps", "2",
           "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6", "--beta", "0.04",
           "--updates-per-rollout", "2", "--lr", "1e-2", "--reward", "tests.test_train_grpo:digits_reward",
-          "--reward", "format=0.5"]
+          "--reward", "format=0.5", "--optimizer", "dion", "--mesh", "fs=2,tp=2"]
   assert grpo.main(args) == 0
   with open(os.path.join(run_dir, "metrics.jsonl")) as f:
     records = [json.loads(line) for line in f]
@@ -122,7 +124,8 @@ def test_bad_input(base_run, prompts_file, tmp_path, capsys, extra, message):
   empty.write_text("\n")
   run_dir = str(tmp_path / "run")
   args = ["--init-from", base_run, "--prompts", prompts_file, "--run-dir", run_dir, "--steps", "1",
-          "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6", "--reward", "format"]
+          "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6", "--reward", "format",
+          "--mesh", "fs=2,tp=2"]  # the run test's mesh and shapes: its compiled rollout serves
   assert grpo.main(args + [a.format(empty=str(empty)) for a in extra]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err

@@ -26,7 +26,9 @@ The run directory holds ``config.json`` (the starting run's, so ``train.sample``
 ``train.export`` read the result as a run), ``metrics.jsonl`` (one record per step: reward
 mean/std overall and per function, advantage std, KL, clip fractions, completion lengths,
 the share cut at ``--max-new-tokens``, rollout and training tokens/s) and Orbax checkpoints
-of the policy. One device: the parameters as ``train.sample`` restores them; no resume yet.
+of the policy. On ``--mesh`` (train.gpt's axes but pp and cp; one device by default) the
+policy is sharded as in training and takes any optimizer of train.gpt; the rollout gathers
+it once (``models.generate.rollout_params``). No resume yet.
 
 Bad input prints one ``error: ...`` line and exits with code 2: a missing run, prompts
 file or reward module, an empty prompts file, G < 2, a prompt that leaves less than
@@ -55,8 +57,9 @@ import models
 from models import generate
 from models.gpt import apply_layers, rotary_tables
 from train import checkpoint as ckpt_lib
-from train import cli, grpo_objective, optim, sample
+from train import cli, grpo_objective, loop, optim, sample
 from train import config as config_lib
+from train import gpt as gpt_entry
 from train.cli import UsageError
 
 MARKER = "####"
@@ -155,6 +158,14 @@ def token_logps(graphdef: Any, params: Any, tokens_BxT: jax.Array, pad_B: jax.Ar
   return jnp.take_along_axis(logps_BxMxV, tokens_BxT[:, T - completion:, None], -1)[..., 0]
 
 
+def layered_logps(graphdef: Any, params: Any, tokens_BxT: jax.Array, pad_B: jax.Array, completion: int,
+                  temperature: float) -> jax.Array:
+  """:func:`token_logps` of parameters laid out as on the training mesh (blocks in one
+  pipeline stage, ``[1, L, ...]``); XLA partitions it from their shardings."""
+  return token_logps(graphdef, dict(params, blocks=models.to_layers(params["blocks"], 1)), tokens_BxT, pad_B,
+                     completion, temperature)
+
+
 def _parser() -> argparse.ArgumentParser:
   p = cli.Parser(prog="python -m train.grpo", description="GRPO fine-tuning of a train.gpt run.")
   p.add_argument("--init-from", required=True, metavar="RUN_DIR", help="the python -m train.gpt run to start from")
@@ -175,7 +186,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--epsilon-high", type=float, default=0.28)
   p.add_argument("--beta", type=float, default=0.0, help="weight of the KL to the starting policy")
   p.add_argument("--no-scale-rewards", action="store_true", help="center advantages without dividing by the std")
-  p.add_argument("--optimizer", choices=("adamw", "lion"), default="adamw")
+  p.add_argument("--optimizer", choices=config_lib.OPTIMIZERS, default="adamw")
+  p.add_argument("--mesh", default="fs=1", help="mesh axes as for train.gpt, without pp and cp (default fs=1)")
   p.add_argument("--lr", type=float, default=1e-5)
   p.add_argument("--clip-grad", type=float, default=1.0)
   p.add_argument("--save-every", type=int, default=50)
@@ -222,8 +234,8 @@ def _score(rewards, rows: list[dict], prompts: list[str], completions: list[str]
 def _make_update(graphdef: Any, tx: optax.GradientTransformation, objective: grpo_objective.Objective,
                  temperature: float, clip_grad: float) -> Callable:
   def loss_fn(params, batch):
-    logps_BxM = token_logps(graphdef, params, batch["tokens"], batch["pad"], objective.max_completion_length,
-                            temperature)
+    logps_BxM = layered_logps(graphdef, params, batch["tokens"], batch["pad"], objective.max_completion_length,
+                              temperature)
     return grpo_objective.policy_loss(logps_BxM, batch["old"], batch["advantages"], batch["mask"], objective,
                                       batch.get("ref"), batch["num_items"])
 
@@ -242,7 +254,14 @@ def _setup(argv: list[str] | None) -> tuple:
   """Flags, the starting model, tokenizer, rewards and prompts; bad input raises here."""
   args = _parser().parse_args(argv)
   _check(args)
-  restored = sample.restore(os.path.abspath(args.init_from))
+  gpt_entry.start_jax(config_lib.Config(mesh=args.mesh))  # host devices for the mesh, before JAX starts
+  mesh = loop.make_mesh(args.mesh)
+  if dict(mesh.shape)["pp"] > 1 or dict(mesh.shape)["cp"] > 1:
+    raise UsageError(f"--mesh {args.mesh}: GRPO runs on fs, tp, ep and rp; pipeline and context"
+                     " parallelism (pp, cp) are not supported yet")
+  par = models.Parallelism(mesh)
+  with jax.set_mesh(mesh):
+    restored = sample.restore(os.path.abspath(args.init_from), par=par)
   tokenizer = sample.run_tokenizer(os.path.abspath(args.init_from))
   rewards = reward_functions(args.reward)
   M, G = args.max_new_tokens, args.group_size
@@ -254,7 +273,7 @@ def _setup(argv: list[str] | None) -> tuple:
   train_cfg = config_lib.Config(**{**saved, "optimizer": args.optimizer, "lr": args.lr, "lr_warmup_steps": 0,
                                    "lr_decay_style": "constant", "steps": args.steps,
                                    "run_dir": os.path.abspath(args.run_dir), "ckpt_dir": None, "resume": False})
-  return args, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg
+  return args, par, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg
 
 
 def train(setup: tuple) -> int:
@@ -266,14 +285,19 @@ def train(setup: tuple) -> int:
     return cli.EXIT_USAGE
 
 
-def _steps(args, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg) -> int:
+def _steps(args, par, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg) -> int:
+  with jax.set_mesh(par.mesh):
+    return _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg)
+
+
+def _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg) -> int:
   M, G = args.max_new_tokens, args.group_size
   graphdef, params = restored.graphdef, restored.params
-  tx = optim.optimizer(train_cfg, params, None, None)
+  tx = optim.optimizer(train_cfg, params, par.mesh, models.param_specs(params))
   opt_state = tx.init(params)
   objective = grpo_objective.Objective(args.epsilon_low, args.epsilon_high, args.beta, args.loss_type, M)
   update = _make_update(graphdef, tx, objective, args.temperature, args.clip_grad)
-  logps = jax.jit(token_logps, static_argnums=(0, 4, 5))
+  logps = jax.jit(layered_logps, static_argnums=(0, 4, 5))
   reference = params if args.beta > 0 else None
   sampling = generate.Sampling(args.temperature, args.top_k, args.top_p)
   weights_R = jnp.asarray([w for _, _, w in rewards], jnp.float32)
@@ -285,7 +309,8 @@ def _steps(args, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg) -
     for step in range(1, args.steps + 1):
       picks = [order[((step - 1) * args.prompts_per_step + j) % len(rows)] for j in range(args.prompts_per_step)]
       t0 = time.perf_counter()
-      out = generate.complete(graphdef, params, [prompt_tokens[i] for i in picks], M, sampling,
+      out = generate.complete(graphdef, generate.rollout_params(params, par), [prompt_tokens[i] for i in picks], M,
+                              sampling,
                               seed=args.seed * 1_000_003 + step, eos_id=tokenizer.eod, group_size=G)
       completions_BxM, lengths_B = np.asarray(out.tokens_BxM), np.asarray(out.lengths_B)
       rollout_s = time.perf_counter() - t0
@@ -335,7 +360,7 @@ def _steps(args, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg) -
             f" kl {entry['kl']:.3e} | clip {entry['clip_low'] + entry['clip_high']:.3f} | length"
             f" {entry['completion_length_mean']:.1f} | rollout {rollout_s:.2f}s, train {train_s:.2f}s", flush=True)
       if step % args.save_every == 0 or step == args.steps:
-        checkpoints.save(step, {"params": params}, {"step": step}, record)
+        checkpoints.save(step, ckpt_lib.to_saved({"params": params}, 1, 1), {"step": step}, record)
   finally:
     if metrics is not None:
       metrics.close()
