@@ -302,7 +302,10 @@ def _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens,
   sampling = generate.Sampling(args.temperature, args.top_k, args.top_p)
   weights_R = jnp.asarray([w for _, _, w in rewards], jnp.float32)
 
-  record = {"train": train_cfg.to_json(), "model": dataclasses.asdict(restored.cfg), "grpo": vars(args)}
+  with open(os.path.join(os.path.abspath(args.init_from), "config.json")) as f:
+    hf_config = json.load(f).get("hf_config")  # what train.export writes back
+  record = {"train": train_cfg.to_json(), "model": dataclasses.asdict(restored.cfg), "grpo": vars(args),
+            **({"hf_config": hf_config} if hf_config else {})}
   order = np.random.default_rng(args.seed).permutation(len(rows))
   metrics = checkpoints = None  # the run directory is written once a first step has passed
   try:
