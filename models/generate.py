@@ -5,7 +5,9 @@
                             eos_id=tok.eod, group_size=8)   # out.tokens_BxM, out.lengths_B
 
 ``params`` is the GPT's pure dict with its blocks in layer order (``models.to_layers``), on
-one device. The batch is every prompt repeated ``group_size`` times (GRPO's groups).
+one device, or on a mesh as :func:`rollout_params` lays out the training mesh's parameters
+(gathered once, split over tp; XLA partitions the program from those shardings). The batch
+is every prompt repeated ``group_size`` times (GRPO's groups).
 
 Layout. Prompts are left-padded to one length P (a shape bucket), so that every sequence's
 next token goes to the same cache slot: slot P + t at step t. The cache holds S = P + M
@@ -14,9 +16,10 @@ key/value heads (grouped-query attention keeps K < N). A sequence with ``pad`` p
 slots has its token at slot s at rotary position s − pad (so positions start at 0, as
 transformers' ``generate`` numbers left-padded prompts) and attends to the slots
 ``pad <= j <= s``; a padding slot attends to itself only (its output is never read, and
-an empty softmax would give NaN).
+an empty softmax would give NaN). The rotary embedding is relative, so the offset changes
+no logit; it keeps the numbers those of transformers.
 
-One compiled program per (B, P, M, sampling): the prefill, then a ``lax.while_loop`` that
+One compiled program per (B, P, M, sampling) (eos is an argument): the prefill, then a ``lax.while_loop`` that
 samples a token from the last logits, stores it, and runs the model on it (T = 1) with
 :meth:`models.gpt.Attention.cached`, until every sequence has written ``eos_id`` or M
 tokens. A finished sequence writes ``pad_id`` from then on.

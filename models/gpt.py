@@ -112,7 +112,6 @@ class Attention(nnx.Module):
       return out, None
     return out, context.logit_max(q_BxTxNxH, k_BxTxKxH, cp=par.cp, segment_ids_BxT=segment_ids_BxT)
 
-
   def cached(self, x_BxTxD: jax.Array, rope, par: Parallelism, cache: KVCache
              ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Attention of T new tokens to the cache (``models/generate.py``): their keys and
