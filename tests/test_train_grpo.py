@@ -130,3 +130,28 @@ def test_bad_input(base_run, prompts_file, tmp_path, capsys, extra, message):
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
   assert not os.path.exists(run_dir)  # nothing half-written
+
+
+def test_resume_continues_as_if_never_stopped(base_run, prompts_file, tmp_path):
+  """One step, then --resume to step 2: the second step's rollout, rewards, loss and the
+  final policy are those of a run of two steps straight (one device, KL on, so the
+  reference is restored too)."""
+  args = ["--init-from", base_run, "--prompts", prompts_file, "--prompts-per-step", "2", "--group-size", "4",
+          "--max-new-tokens", "6", "--beta", "0.04", "--lr", "1e-2", "--save-every", "1",
+          "--reward", "tests.test_train_grpo:digits_reward"]
+  straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
+  assert grpo.main([*args, "--run-dir", straight, "--steps", "2"]) == 0
+  assert grpo.main([*args, "--run-dir", stopped, "--steps", "1"]) == 0
+  assert grpo.main([*args, "--run-dir", stopped, "--steps", "2", "--resume"]) == 0
+  records = []
+  for run_dir in (straight, stopped):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+      records.append([json.loads(line) for line in f])
+  assert [r["step"] for r in records[1]] == [1, 2]
+  timing = ("rollout_s", "train_s", "rollout_tokens_per_s", "train_tokens_per_s")
+  for a, b in zip(*records):
+    assert {k: v for k, v in a.items() if k not in timing} == pytest.approx(
+        {k: v for k, v in b.items() if k not in timing}, abs=1e-6)
+  np.testing.assert_allclose(sample.restore(stopped).params["lm_head"]["kernel"],
+                             sample.restore(straight).params["lm_head"]["kernel"], atol=1e-6)
+  assert grpo.main([*args, "--run-dir", stopped, "--steps", "2", "--resume"]) == 2  # nothing left to do

@@ -28,7 +28,9 @@ mean/std overall and per function, advantage std, KL, clip fractions, completion
 the share cut at ``--max-new-tokens``, rollout and training tokens/s) and Orbax checkpoints
 of the policy. On ``--mesh`` (train.gpt's axes but pp and cp; one device by default) the
 policy is sharded as in training and takes any optimizer of train.gpt; the rollout gathers
-it once (``models.generate.rollout_params``). No resume yet.
+it once (``models.generate.rollout_params``). ``--resume`` continues from the latest
+checkpoint (policy, optimizer state, reference) with the same rollouts as a run that never
+stopped: the prompts' order and the sampler's seed follow from ``--seed`` and the step.
 
 Bad input prints one ``error: ...`` line and exits with code 2: a missing run, prompts
 file or reward module, an empty prompts file, G < 2, a prompt that leaves less than
@@ -51,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from flax import nnx
 
 import models
@@ -192,6 +195,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--clip-grad", type=float, default=1.0)
   p.add_argument("--save-every", type=int, default=50)
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--resume", action="store_true",
+                 help="continue the run in --run-dir from its latest checkpoint (pass the same flags)")
   return p
 
 
@@ -209,8 +214,14 @@ def _check(args: argparse.Namespace) -> None:
     raise UsageError(f"--top-k must be positive, got {args.top_k}")
   if not (args.beta >= 0 and args.epsilon_low >= 0 and args.epsilon_high >= 0 and args.lr > 0):
     raise UsageError("--beta, --epsilon-low and --epsilon-high must be >= 0 and --lr > 0")
-  if os.path.exists(os.path.join(args.run_dir, "config.json")):
-    raise UsageError(f"--run-dir {args.run_dir} already holds a run; choose a new directory")
+  saved = ckpt_lib.existing_steps(os.path.join(os.path.abspath(args.run_dir), "checkpoints"))
+  if args.resume and not saved:
+    raise UsageError(f"--resume: {args.run_dir} holds no GRPO checkpoint; start it without --resume")
+  if args.resume and max(saved) >= args.steps:
+    raise UsageError(f"--resume: the checkpoint is at step {max(saved)}, which already reaches --steps"
+                     f" {args.steps}; pass a larger --steps")
+  if not args.resume and os.path.exists(os.path.join(args.run_dir, "config.json")):
+    raise UsageError(f"--run-dir {args.run_dir} already holds a run; choose a new directory or pass --resume")
 
 
 def _score(rewards, rows: list[dict], prompts: list[str], completions: list[str], group: int) -> np.ndarray:
@@ -285,6 +296,20 @@ def train(setup: tuple) -> int:
     return cli.EXIT_USAGE
 
 
+def _state(params: Any, opt_state: Any, reference: Any | None) -> dict:
+  """What a checkpoint holds: the policy, its optimizer state, the reference (with KL).
+  The prompts' order and the sampler's seeds follow from --seed and the step."""
+  return {"params": params, "opt_state": opt_state, **({"reference": reference} if reference is not None else {})}
+
+
+def _restore(checkpoints: ckpt_lib.Checkpoints, step: int, like: dict) -> dict:
+  """Checkpoint ``step``'s state laid out like the live ``like`` (``train.checkpoint``)."""
+  shapes = checkpoints.manager.item_metadata(step)["state"]
+  saved = checkpoints.manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(ckpt_lib.saved_structs(shapes, like))))
+  return ckpt_lib.from_saved(saved["state"], like, 1, 1)
+
+
 def _steps(args, par, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg) -> int:
   with jax.set_mesh(par.mesh):
     return _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg)
@@ -308,8 +333,15 @@ def _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens,
             **({"hf_config": hf_config} if hf_config else {})}
   order = np.random.default_rng(args.seed).permutation(len(rows))
   metrics = checkpoints = None  # the run directory is written once a first step has passed
+  start = 0
+  if args.resume:
+    checkpoints = ckpt_lib.Checkpoints(train_cfg.ckpt_path, keep=2, create=False)
+    start = checkpoints.latest_step()
+    state = _restore(checkpoints, start, _state(params, opt_state, reference))
+    params, opt_state, reference = state["params"], state["opt_state"], state.get("reference")
+    metrics = open(os.path.join(args.run_dir, "metrics.jsonl"), "a")
   try:
-    for step in range(1, args.steps + 1):
+    for step in range(start + 1, args.steps + 1):
       picks = [order[((step - 1) * args.prompts_per_step + j) % len(rows)] for j in range(args.prompts_per_step)]
       t0 = time.perf_counter()
       out = generate.complete(graphdef, generate.rollout_params(params, par), [prompt_tokens[i] for i in picks], M,
@@ -363,7 +395,8 @@ def _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens,
             f" kl {entry['kl']:.3e} | clip {entry['clip_low'] + entry['clip_high']:.3f} | length"
             f" {entry['completion_length_mean']:.1f} | rollout {rollout_s:.2f}s, train {train_s:.2f}s", flush=True)
       if step % args.save_every == 0 or step == args.steps:
-        checkpoints.save(step, ckpt_lib.to_saved({"params": params}, 1, 1), {"step": step}, record)
+        checkpoints.save(step, ckpt_lib.to_saved(_state(params, opt_state, reference), 1, 1), {"step": step},
+                         record)
   finally:
     if metrics is not None:
       metrics.close()
