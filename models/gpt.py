@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from dion_jax import parallel
 import jax
@@ -80,11 +80,8 @@ class Attention(nnx.Module):
       z_BxTxNxH = getattr(self, norm)(z_BxTxNxH).astype(z_BxTxNxH.dtype)
     return _rotary(z_BxTxNxH, *rope)
 
-  def __call__(self, x_BxTxD: jax.Array, rope: tuple[jax.Array, jax.Array], par: Parallelism,
-               segment_ids_BxT: jax.Array | None = None, logit_max: bool = False
-               ) -> tuple[jax.Array, jax.Array | None]:
-    """The attention's output [B, T, D], and with ``logit_max`` each query head's largest
-    pre-softmax logit [N] (else None)."""
+  def _heads(self, x_BxTxD: jax.Array, rope, par: Parallelism) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queries [B, T, N, H] and keys [B, T, K, H], normed and rotated, and values [B, T, K, H]."""
     B, T, _ = x_BxTxD.shape
     H = self.cfg.head_dim
 
@@ -92,9 +89,16 @@ class Attention(nnx.Module):
       z = dense(x_BxTxD, par)
       return par.constrain(z.reshape(B, T, z.shape[-1] // H, H), "batch", None, "heads", None)
 
-    q_BxTxNxH = self._qk(heads(self.query), "query_norm", rope)
-    k_BxTxKxH = self._qk(heads(self.key), "key_norm", rope)
-    v_BxTxKxH = heads(self.value)
+    return (self._qk(heads(self.query), "query_norm", rope), self._qk(heads(self.key), "key_norm", rope),
+            heads(self.value))
+
+  def __call__(self, x_BxTxD: jax.Array, rope: tuple[jax.Array, jax.Array], par: Parallelism,
+               segment_ids_BxT: jax.Array | None = None, logit_max: bool = False
+               ) -> tuple[jax.Array, jax.Array | None]:
+    """The attention's output [B, T, D], and with ``logit_max`` each query head's largest
+    pre-softmax logit [N] (else None)."""
+    B, T, _ = x_BxTxD.shape
+    q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = self._heads(x_BxTxD, rope, par)
     dtype = v_BxTxKxH.dtype
     if self.cfg.attention == "xla" and dtype == jnp.float16:
       # XLA's attention asks float16 dots for float32 results (F16_F16_F32), which the
@@ -107,6 +111,41 @@ class Attention(nnx.Module):
     if not logit_max:
       return out, None
     return out, context.logit_max(q_BxTxNxH, k_BxTxKxH, cp=par.cp, segment_ids_BxT=segment_ids_BxT)
+
+  def cached(self, x_BxTxD: jax.Array, rope, par: Parallelism, cache: KVCache
+             ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Attention of T new tokens to the cache (``models/generate.py``): their keys and
+    values written at slots ``[cache.start, cache.start + T)`` of the layer's cache, each
+    query attending to the slots ``cache.visible`` marks. Returns the output [B, T, D] and
+    the new keys and values [B, T, K, H], which the caller stores in its cache."""
+    B, T, _ = x_BxTxD.shape
+    q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = self._heads(x_BxTxD, rope, par)
+    dtype = v_BxTxKxH.dtype
+    k_BxSxKxH = jax.lax.dynamic_update_slice_in_dim(cache.k_BxSxKxH, k_BxTxKxH.astype(cache.k_BxSxKxH.dtype),
+                                                    cache.start, axis=1)
+    v_BxSxKxH = jax.lax.dynamic_update_slice_in_dim(cache.v_BxSxKxH, v_BxTxKxH.astype(cache.v_BxSxKxH.dtype),
+                                                    cache.start, axis=1)
+    if dtype == jnp.float16:  # as in __call__: the CPU's dot refuses float16 -> float32
+      q_BxTxNxH, k_BxSxKxH, v_BxSxKxH = (t.astype(jnp.float32) for t in (q_BxTxNxH, k_BxSxKxH, v_BxSxKxH))
+    o_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxSxKxH.astype(q_BxTxNxH.dtype),
+                                             v_BxSxKxH.astype(q_BxTxNxH.dtype),
+                                             mask=cache.visible_BxTxS[:, None], implementation="xla")
+    out = self.out(o_BxTxNxH.astype(dtype).reshape(B, T, -1), par)
+    return out, (k_BxTxKxH, v_BxTxKxH)
+
+
+class KVCache(NamedTuple):
+  """One layer's cache as :meth:`Attention.cached` reads it.
+
+  Attributes:
+    k_BxSxKxH, v_BxSxKxH: keys and values of the S slots (those not yet written are ignored).
+    start: int scalar, the slot of the first of this call's T tokens.
+    visible_BxTxS: bool, which slots each of the T new tokens attends to (itself included).
+  """
+  k_BxSxKxH: jax.Array
+  v_BxSxKxH: jax.Array
+  start: jax.Array
+  visible_BxTxS: jax.Array
 
 
 def _rotary(x_BxTxNxH: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -151,16 +190,20 @@ class Block(nnx.Module):
     self.dtype = jnp.dtype(cfg.dtype)
 
   def __call__(self, x_BxTxD: jax.Array, rope, par: Parallelism,
-               segment_ids_BxT: jax.Array | None = None, logit_max: bool = False
-               ) -> tuple[jax.Array, dict[str, Any]]:
+               segment_ids_BxT: jax.Array | None = None, logit_max: bool = False,
+               cache: KVCache | None = None) -> tuple[jax.Array, dict[str, Any]]:
     """The layer's output and its aux: ``"logit_max"``, the attention's logit maxima [N]
-    (with ``logit_max``), and ``"router"``, the MoE's :class:`models.moe.RouterStats`."""
+    (with ``logit_max``), ``"router"``, the MoE's :class:`models.moe.RouterStats`, and with
+    a ``cache`` (:meth:`Attention.cached`) ``"kv"``, the new tokens' keys and values."""
     # With SP the norms run on sequence shards; the constraint to a full sequence before
     # each column-parallel product is the all-gather, the one after each row-parallel
     # product the reduce-scatter.
     aux = {}
     h = par.constrain(self.attn_norm(x_BxTxD).astype(self.dtype), "batch", None, None)
-    attn, logits_N = self.attn(h, rope, par, segment_ids_BxT, logit_max)
+    if cache is None:
+      attn, logits_N = self.attn(h, rope, par, segment_ids_BxT, logit_max)
+    else:
+      attn, aux["kv"] = self.attn.cached(h, rope, par, cache)
     if logit_max:
       aux["logit_max"] = logits_N
     x_BxTxD += par.constrain(attn.astype(jnp.float32), "batch", "seq", None)
@@ -186,19 +229,28 @@ class Group(nnx.Module):
     self.moe = Block(cfg, experts=True, rngs=rngs)
 
   def __call__(self, x_BxTxD: jax.Array, rope, par: Parallelism,
-               segment_ids_BxT: jax.Array | None = None, logit_max: bool = False
-               ) -> tuple[jax.Array, dict[str, Any]]:
+               segment_ids_BxT: jax.Array | None = None, logit_max: bool = False,
+               cache: KVCache | None = None) -> tuple[jax.Array, dict[str, Any]]:
     """The layers in order; aux as :class:`Block`'s, its ``"logit_max"`` [moe_every, N] in
-    layer order, its ``"router"`` the mixture's."""
+    layer order, its ``"router"`` the mixture's. A ``cache`` holds the group's layers'
+    keys and values [moe_every, B, S, K, H]; ``"kv"`` is then [moe_every, B, T, K, H]."""
+
+    def layer_cache(j):
+      return None if cache is None else cache._replace(k_BxSxKxH=cache.k_BxSxKxH[j], v_BxSxKxH=cache.v_BxSxKxH[j])
+
     graphdef, dense = nnx.split(self.dense)
-    maxima = []
-    for j in range(jax.tree.leaves(dense)[0].shape[0]):  # a few layers: traced one by one
+    maxima, kvs = [], []
+    n = jax.tree.leaves(dense)[0].shape[0]
+    for j in range(n):  # a few layers: traced one by one
       block = nnx.merge(graphdef, jax.tree.map(lambda stack, j=j: stack[j], dense))
-      x_BxTxD, aux = block(x_BxTxD, rope, par, segment_ids_BxT, logit_max)
+      x_BxTxD, aux = block(x_BxTxD, rope, par, segment_ids_BxT, logit_max, layer_cache(j))
       maxima.append(aux.get("logit_max"))
-    x_BxTxD, aux = self.moe(x_BxTxD, rope, par, segment_ids_BxT, logit_max)
+      kvs.append(aux.get("kv"))
+    x_BxTxD, aux = self.moe(x_BxTxD, rope, par, segment_ids_BxT, logit_max, layer_cache(n))
     if logit_max:
       aux["logit_max"] = jnp.stack([*maxima, aux["logit_max"]])
+    if cache is not None:
+      aux["kv"] = jax.tree.map(lambda *layers: jnp.stack(layers), *kvs, aux["kv"])
     return x_BxTxD, aux
 
 

@@ -90,3 +90,28 @@ def test_bad_input(runs, tmp_path, capsys, case, message):
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
   assert not os.path.exists(output)
+
+
+def _grpo_run(directory, rewards):
+  os.makedirs(directory)
+  with open(os.path.join(directory, "config.json"), "w") as f:
+    json.dump({"train": {"optimizer": "adamw"}}, f)
+  with open(os.path.join(directory, "metrics.jsonl"), "w") as f:
+    for step, reward in enumerate(rewards, 1):
+      f.write(json.dumps({"step": step, "loss": 0.1, "reward_mean": reward}) + "\n")
+  return str(directory)
+
+
+def test_grpo_runs_plot_their_rewards(runs, tmp_path):
+  """Two train.grpo runs (metrics.jsonl with reward_mean): their rewards against steps in
+  C0 and C1; a GRPO run beside a train.gpt run is refused (one line, exit 2)."""
+  rising = _grpo_run(tmp_path / "rising", np.linspace(0, 1, 20))
+  flat = _grpo_run(tmp_path / "flat", np.full(20, 0.3))
+  assert plot.read_rewards(rising) == pytest.approx(dict(enumerate(np.linspace(0, 1, 20), 1)))
+  assert plot.read_rewards(runs[0]) is None
+  output = str(tmp_path / "rewards.png")
+  assert plot.main([rising, flat, "--output", output]) == 0
+  image_HxWx4 = matplotlib.image.imread(output)
+  assert _pixels_near(image_HxWx4, "C0") > 200 and _pixels_near(image_HxWx4, "C1") > 200
+  assert plot.main([rising, runs[0], "--output", str(tmp_path / "mixed.png")]) == 2
+  assert not os.path.exists(tmp_path / "mixed.png")

@@ -97,17 +97,18 @@ def test_logits_match_the_reference(restored):
                              atol=1e-4, rtol=1e-4)
 
 
-def test_greedy_takes_the_argmax_of_the_cropped_context(restored):
-  """Each greedy token is the argmax of the reference's logits over the last seq_len
-  tokens (unpadded): 24 new tokens after 4 run past seq_len 16, so the crop is exercised."""
-  prompt_P = data.encode("def ")
+def test_greedy_takes_the_argmax_of_the_whole_context(restored):
+  """Each greedy token is the argmax of the reference's logits over the prompt's last
+  seq_len tokens and every token written since (the key/value cache keeps them all): 24
+  new tokens after 20 run past seq_len 16, so the prompt's crop and positions beyond the
+  training length are exercised."""
+  prompt_P = data.encode("def f(x):\n  return x")
   new = sample.generate(restored, prompt_P, 24)
   assert new.shape == (24,)
-  tokens = list(prompt_P) + list(new)
-  for n in range(len(prompt_P), len(tokens)):
-    context_1xT = np.asarray(tokens[max(0, n - SEQ_LEN):n])[None]
-    logits_V = reference_logits(restored.params, restored.cfg, context_1xT)[0, -1, :data.VOCAB_SIZE]
-    assert logits_V[tokens[n]] >= logits_V.max() - 1e-5, n
+  tokens = list(prompt_P[-SEQ_LEN:]) + list(new)
+  logits_TxV = reference_logits(restored.params, restored.cfg, np.asarray(tokens)[None])[0, :, :data.VOCAB_SIZE]
+  for n in range(SEQ_LEN, len(tokens)):
+    assert logits_TxV[n - 1, tokens[n]] >= logits_TxV[n - 1].max() - 1e-5, n
 
 
 def test_sampling_is_reproducible_and_top_k_1_is_greedy(restored):
@@ -141,7 +142,11 @@ def test_step_flag_restores_that_checkpoint(run_dir, restored):
     (["{missing}"], "does not exist"),
     (["{empty}"], "has no checkpoints"),
     (["{run}", "--step", "3"], "has checkpoints at steps 2, 4"),
-    (["{run}", "--temperature", "-1"], "--temperature must be >= 0"),
+    (["{run}", "--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    (["{run}", "--temperature", "nan"], "--temperature must be a finite number >= 0"),
+    (["{run}", "--temperature", "inf"], "--temperature must be a finite number >= 0"),
+    (["{run}", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["{run}", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
     (["{run}", "--top-k", "0"], "--top-k must be positive"),
     (["{run}", "--max-new-tokens", "x"], "invalid int value"),
     (["{run}", "--chat"], "--chat needs a chat template"),

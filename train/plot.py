@@ -3,7 +3,8 @@
 Reads each run's ``metrics.jsonl`` (``train/log.py``: a record with ``loss`` per log
 interval, one with ``val_loss`` per evaluation, both with the consumed ``tokens``) and
 draws training loss (solid) and validation loss (dashed, dots) against tokens, one
-colour per run, into a PNG.
+colour per run, into a PNG. Runs of ``python -m train.grpo`` get their mean reward
+against steps instead.
 
 A missing run directory or a missing or empty ``metrics.jsonl`` prints one
 ``error: ...`` line on stderr and exits with code 2.
@@ -32,6 +33,15 @@ def read_curves(run_dir: str) -> tuple[dict[int, tuple[int, float]], dict[int, t
           {step: (r["tokens"], r["val_loss"]) for step, r in valid.items()})
 
 
+def read_rewards(run_dir: str) -> dict[int, float] | None:
+  """A ``python -m train.grpo`` run's mean reward per step, ``{step: reward}``; None for a
+  run of ``python -m train.gpt``."""
+  train, _ = log.read_metrics(run_dir)
+  if not any("reward_mean" in r for r in train.values()):
+    return None
+  return {step: r["reward_mean"] for step, r in train.items()}
+
+
 def label(run_dir: str) -> str:
   """The run directory's name, with its optimizer when the name does not say it."""
   name = os.path.basename(os.path.normpath(run_dir))
@@ -44,7 +54,20 @@ def label(run_dir: str) -> str:
 
 
 def plot(run_dirs: list[str], output: str) -> None:
-  """Draws the curves of ``run_dirs`` into the PNG ``output``."""
+  """Draws the curves of ``run_dirs`` into the PNG ``output``: loss against tokens, or for
+  GRPO runs the mean reward against steps."""
+  rewards = [read_rewards(d) for d in run_dirs]
+  if any(r is not None for r in rewards):
+    if not all(r is not None for r in rewards):
+      raise UsageError("GRPO runs (python -m train.grpo) plot rewards, train.gpt runs losses: plot them separately")
+    fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
+    for i, (run_dir, reward) in enumerate(zip(run_dirs, rewards)):
+      ax.plot(sorted(reward), [reward[s] for s in sorted(reward)], color=f"C{i % 10}", lw=1.5, label=label(run_dir))
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward (mean over the step's completions)")
+    ax.set_title("GRPO rewards")
+    _save(fig, ax, output)
+    return
   curves = [(label(d), *read_curves(d)) for d in run_dirs]
   fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
   for i, (name, train, valid) in enumerate(curves):
@@ -58,6 +81,10 @@ def plot(run_dirs: list[str], output: str) -> None:
   ax.set_xlabel("tokens")
   ax.set_ylabel("lm loss (nats per token)")
   ax.set_title("loss curves")
+  _save(fig, ax, output)
+
+
+def _save(fig, ax, output: str) -> None:
   ax.grid(alpha=0.3)
   ax.legend()
   fig.tight_layout()

@@ -1,19 +1,18 @@
 """What a trained GPT writes: ``python -m train.sample RUN_DIR --prompt "def " [...]``.
 
 Restores the parameters of the run's latest (or ``--step``) checkpoint onto one device,
-rebuilds the GPT from that checkpoint's config record, and extends the prompt one token
-at a time (byte tokens, or the ``tokenizer.json`` of the checkpoint a ``--init-from hf:DIR``
-run started from): greedy with ``--temperature 0`` (the default), else drawn from
-softmax(logits / temperature), optionally among the ``--top-k`` likeliest tokens only.
+rebuilds the GPT from that checkpoint's config record, and continues the prompt (byte
+tokens, or the ``tokenizer.json`` of the checkpoint a ``--init-from hf:DIR`` run started
+from) with ``models.generate``'s key/value cache: the prompt's last ``seq_len`` tokens (the
+length the model was trained on) are run once, then one token per step. Greedy with
+``--temperature 0`` (the default), else drawn from softmax(logits / temperature), optionally
+among the ``--top-k`` likeliest tokens and the likeliest ones whose probability reaches
+``--top-p``. An empty prompt starts a document: its context is the end-of-document token.
 
 With ``--chat`` the prompt is a user message: the conversation ``[{"role": "user",
 "content": PROMPT}]`` rendered by the tokenizer's chat template with the generation prompt
-(``data.chat``), and only the reply is printed, up to its end-of-sequence token.
-
-The context is the last ``seq_len`` tokens (the length the model was trained on),
-padded on the right to that fixed length so that one compiled forward serves every
-step; causal attention keeps the padding from reaching the positions before it. An
-empty prompt starts a document: its context is the end-of-document token.
+(``data.chat``), and only the reply is printed, up to its end-of-sequence token, where
+the generation stops.
 
 Bad input (a missing run, checkpoint or step, a bad flag) prints one ``error: ...``
 line on stderr and exits with code 2.
@@ -22,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
+import math
 import os
 import sys
 from typing import Any, Iterator, NamedTuple
@@ -36,6 +35,7 @@ from flax import nnx
 import data
 from data import hf_tokenizer
 import models
+from models import generate as model_generate
 from models import gpt
 from train import checkpoint as ckpt_lib
 from train import cli
@@ -134,35 +134,19 @@ def logits(graphdef: Any, params: Any, tokens_BxT: jax.Array) -> jax.Array:
   return model.logits(x_BxTxD, par)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _next_token(graphdef: Any, vocab_size: int, temperature: float, top_k: int | None, params: Any,
-                window_1xT: jax.Array, length: jax.Array, key: jax.Array) -> jax.Array:
-  logits_V = logits(graphdef, params, window_1xT)[0, length - 1]
-  # The padded rows of the LM head are no token: never emit them.
-  logits_V = jnp.where(jnp.arange(logits_V.shape[0]) < vocab_size, logits_V, -jnp.inf)
-  if temperature == 0:
-    return jnp.argmax(logits_V)
-  if top_k is not None:
-    kth_largest = jax.lax.top_k(logits_V, min(top_k, vocab_size))[0][-1]
-    logits_V = jnp.where(logits_V >= kth_largest, logits_V, -jnp.inf)
-  return jax.random.categorical(key, logits_V / temperature)
-
-
 def generate(model: Restored, prompt_P: np.ndarray, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int | None = None, seed: int = 0, eod: int = data.EOD) -> np.ndarray:
-  """The ``max_new_tokens`` tokens that follow ``prompt_P`` (int [P]), int32 [max_new_tokens];
-  an empty prompt starts from the end-of-document token ``eod``."""
-  T = model.cfg.seq_len
-  tokens = [int(t) for t in prompt_P] or [eod]
-  key = jax.random.key(seed)
-  for i in range(max_new_tokens):
-    context = tokens[-T:]
-    window_1xT = np.zeros((1, T), np.int32)
-    window_1xT[0, :len(context)] = context
-    token = _next_token(model.graphdef, model.cfg.vocab_size, float(temperature), top_k, model.params,
-                        window_1xT, np.int32(len(context)), jax.random.fold_in(key, i))
-    tokens.append(int(token))
-  return np.asarray(tokens[len(tokens) - max_new_tokens:], np.int32)
+             top_k: int | None = None, seed: int = 0, eod: int = data.EOD, top_p: float = 1.0,
+             eos_id: int | None = None) -> np.ndarray:
+  """The ``max_new_tokens`` tokens that follow ``prompt_P`` (int [P]; its last ``seq_len``
+  tokens), int32 [max_new_tokens], written by ``models.generate`` with its key/value cache;
+  an empty prompt starts from the end-of-document token ``eod``. With ``eos_id`` the
+  tokens after the first ``eos_id`` are 0."""
+  prompt_P = np.asarray(prompt_P, np.int32)[-model.cfg.seq_len:]
+  if not len(prompt_P):
+    prompt_P = np.asarray([eod], np.int32)
+  sampling = model_generate.Sampling(float(temperature), top_k, float(top_p))
+  out = model_generate.complete(model.graphdef, model.params, [prompt_P], max_new_tokens, sampling, seed, eos_id)
+  return np.asarray(out.tokens_BxM[0])
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -179,6 +163,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="0 for greedy decoding (default), > 0 to sample from softmax(logits / T)")
   parser.add_argument("--top-k", type=int, default=None,
                       help="sample among the K likeliest tokens only (with --temperature > 0)")
+  parser.add_argument("--top-p", type=float, default=1.0,
+                      help="sample among the likeliest tokens whose probability reaches P only, in"
+                           " (0, 1] (with --temperature > 0; default 1: all)")
   parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
   return parser
@@ -189,8 +176,10 @@ def _restore(argv: list[str] | None) -> tuple[argparse.Namespace, Restored, Any]
   args = _parser().parse_args(argv)
   if args.max_new_tokens < 0:
     raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-  if args.temperature < 0:
-    raise UsageError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
+  if not (math.isfinite(args.temperature) and args.temperature >= 0):
+    raise UsageError(f"--temperature must be a finite number >= 0 (0 is greedy), got {args.temperature}")
+  if not 0 < args.top_p <= 1:
+    raise UsageError(f"--top-p must be in (0, 1] (1 keeps every token), got {args.top_p}")
   if args.top_k is not None and args.top_k < 1:
     raise UsageError(f"--top-k must be positive, got {args.top_k}")
   run_dir = os.path.abspath(args.run_dir)
@@ -223,7 +212,7 @@ def _write(args: argparse.Namespace, model: Restored, tokenizer) -> int:
   else:
     prompt_P = tokenizer.encode(args.prompt) if args.prompt else np.zeros(0, np.int32)
   new = generate(model, prompt_P, args.max_new_tokens, args.temperature, args.top_k, args.seed,
-                 tokenizer.eod)
+                 tokenizer.eod, args.top_p, eos_id=tokenizer.eod if args.chat else None)
   if args.chat:
     ends = np.flatnonzero(new == tokenizer.eod)
     print(tokenizer.decode(new[:ends[0] if len(ends) else len(new)]))

@@ -1,0 +1,157 @@
+"""python -m train.grpo: the policy's log-probabilities under left padding, the built-in
+rewards, a short run that train.sample reads back, and bad input."""
+import dataclasses
+import json
+import math
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from train import checkpoint as ckpt_lib
+from train import config as config_lib
+from train import grpo, sample
+
+SEQ_LEN = 32
+
+
+def digits_reward(prompts, completions, **_):
+  """The share of a completion's characters that are digits (varies within a group)."""
+  return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def raising_reward(prompts, completions, **_):
+  raise RuntimeError("no score today")
+
+
+def nan_reward(prompts, completions, **_):
+  return [math.nan] * len(completions)
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory):
+  """A byte-level GPT saved as a train.gpt run (config.json and an Orbax checkpoint of its
+  parameters), without training it."""
+  run_dir = str(tmp_path_factory.mktemp("grpo") / "base")
+  cfg = models.preset("tiny", num_layers=2, d_model=32, num_heads=2, seq_len=SEQ_LEN)
+  _, params = models.init(cfg, seed=0)
+  params = dict(params, blocks=models.to_layers(params["blocks"], 1))
+  train_cfg = config_lib.Config(num_layers=2, hidden_size=32, num_attention_heads=2, seq_len=SEQ_LEN,
+                                optimizer="adamw", run_dir=run_dir)
+  record = {"train": train_cfg.to_json(), "model": dataclasses.asdict(cfg)}
+  os.makedirs(run_dir)
+  with open(os.path.join(run_dir, "config.json"), "w") as f:
+    json.dump(record, f)
+  checkpoints = ckpt_lib.Checkpoints(train_cfg.ckpt_path, keep=1, create=True)
+  checkpoints.save(1, {"params": params}, {"step": 1}, record)
+  checkpoints.close()
+  return run_dir
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+  path = tmp_path / "prompts.jsonl"
+  path.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n"
+                          for p, a in [("1+2=", "3"), ("40+4=", "44"), ("12+7=", "19")]))
+  return str(path)
+
+
+def test_token_logps_are_the_full_forwards(base_run):
+  """Left-padded prompt + completion through the training forward: each completion
+  token's log softmax(logits / T) equals the unpadded sequence's (sample.logits)."""
+  restored = sample.restore(base_run)
+  rng = np.random.default_rng(0)
+  sequences = [rng.integers(0, 256, n).astype(np.int32) for n in (9, 14)]
+  completion, temperature = 5, 0.7
+  T = 16
+  tokens_BxT = np.stack([np.concatenate([np.zeros(T - len(s), np.int32), s]) for s in sequences])
+  pad_B = jnp.asarray([T - len(s) for s in sequences])
+  got = np.asarray(grpo.token_logps(restored.graphdef, restored.params, jnp.asarray(tokens_BxT), pad_B,
+                                    completion, temperature))
+  for b, s in enumerate(sequences):
+    logits_TxV = np.asarray(sample.logits(restored.graphdef, restored.params, s[None]), np.float64)[0, :, :restored.cfg.vocab_size]
+    z = logits_TxV / temperature
+    logsoftmax = z - z.max(-1, keepdims=True) - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    n = len(s)
+    expected = logsoftmax[np.arange(n - completion - 1, n - 1), s[n - completion:]]
+    np.testing.assert_allclose(got[b], expected, atol=2e-5)
+
+
+def test_builtin_rewards():
+  completions = ["so 3 #### 3", "#### 4", "3", "#### 3\n", "####", "the answer #### 19 "]
+  answers = ["3", "3", "3", "3", "3", "19"]
+  assert grpo.answer_reward([""] * 6, completions, answer=answers) == [1, 0, 0, 1, 0, 1]
+  assert grpo.format_reward([""] * 6, completions) == [1, 1, 0, 1, 0, 1]
+
+
+def test_run_writes_metrics_and_a_checkpoint_train_sample_reads(base_run, prompts_file, tmp_path):
+  """Two steps with Dion on fs=2,tp=2: finite metrics, a policy that moved, a checkpoint
+  train.sample restores on one device."""
+  run_dir = str(tmp_path / "grpo")
+  args = ["--init-from", base_run, "--prompts", prompts_file, "--run-dir", run_dir, "--steps", "2",
+          "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6", "--beta", "0.04",
+          "--updates-per-rollout", "2", "--lr", "1e-2", "--reward", "tests.test_train_grpo:digits_reward",
+          "--reward", "format=0.5", "--optimizer", "dion", "--mesh", "fs=2,tp=2"]
+  assert grpo.main(args) == 0
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f]
+  assert [r["step"] for r in records] == [1, 2]
+  for r in records:
+    assert all(math.isfinite(v) for v in r.values()), r
+    assert 1 <= r["completion_length_mean"] <= r["completion_length_max"] <= 6
+    assert r["reward/tests.test_train_grpo:digits_reward/std"] >= 0
+  assert records[1]["kl"] > 0  # the policy moved away from the reference after step 1's updates
+  trained = sample.restore(run_dir)
+  start = sample.restore(base_run)
+  assert trained.step == 2
+  assert not np.allclose(trained.params["lm_head"]["kernel"], start.params["lm_head"]["kernel"])
+  assert sample.main([run_dir, "--prompt", "1+2=", "--max-new-tokens", "4"]) == 0
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--group-size", "1"], "--group-size must be >= 2"),
+    (["--reward", "no_such_module_xyz:f"], "cannot load no_such_module_xyz:f"),
+    (["--prompts", "{empty}"], "holds no prompts"),
+    (["--max-new-tokens", "30"], "the prompt has 4 tokens; it must have 1 to 2"),
+    (["--temperature", "0"], "--temperature must be a finite number > 0"),
+    (["--reward", "tests.test_train_grpo:raising_reward"], "raised RuntimeError: no score today"),
+    (["--reward", "tests.test_train_grpo:nan_reward"], "must return one finite number per completion"),
+])
+def test_bad_input(base_run, prompts_file, tmp_path, capsys, extra, message):
+  empty = tmp_path / "empty.jsonl"
+  empty.write_text("\n")
+  run_dir = str(tmp_path / "run")
+  args = ["--init-from", base_run, "--prompts", prompts_file, "--run-dir", run_dir, "--steps", "1",
+          "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6", "--reward", "format",
+          "--mesh", "fs=2,tp=2"]  # the run test's mesh and shapes: its compiled rollout serves
+  assert grpo.main(args + [a.format(empty=str(empty)) for a in extra]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+  assert not os.path.exists(run_dir)  # nothing half-written
+
+
+def test_resume_continues_as_if_never_stopped(base_run, prompts_file, tmp_path):
+  """One step, then --resume to step 2: the second step's rollout, rewards, loss and the
+  final policy are those of a run of two steps straight (one device, KL on, so the
+  reference is restored too)."""
+  args = ["--init-from", base_run, "--prompts", prompts_file, "--prompts-per-step", "2", "--group-size", "4",
+          "--max-new-tokens", "6", "--beta", "0.04", "--lr", "1e-2", "--save-every", "1",
+          "--reward", "tests.test_train_grpo:digits_reward"]
+  straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
+  assert grpo.main([*args, "--run-dir", straight, "--steps", "2"]) == 0
+  assert grpo.main([*args, "--run-dir", stopped, "--steps", "1"]) == 0
+  assert grpo.main([*args, "--run-dir", stopped, "--steps", "2", "--resume"]) == 0
+  records = []
+  for run_dir in (straight, stopped):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+      records.append([json.loads(line) for line in f])
+  assert [r["step"] for r in records[1]] == [1, 2]
+  timing = ("rollout_s", "train_s", "rollout_tokens_per_s", "train_tokens_per_s")
+  for a, b in zip(*records):
+    assert {k: v for k, v in a.items() if k not in timing} == pytest.approx(
+        {k: v for k, v in b.items() if k not in timing}, abs=1e-6)
+  np.testing.assert_allclose(sample.restore(stopped).params["lm_head"]["kernel"],
+                             sample.restore(straight).params["lm_head"]["kernel"], atol=1e-6)
+  assert grpo.main([*args, "--run-dir", stopped, "--steps", "2", "--resume"]) == 2  # nothing left to do

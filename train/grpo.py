@@ -1,0 +1,412 @@
+"""GRPO fine-tuning of a trained GPT with verifiable rewards:
+``python -m train.grpo --init-from RUN_DIR --prompts FILE.jsonl --reward answer --reward format=0.2``.
+
+Each step takes ``--prompts-per-step`` rows of the prompts file (in a seeded order, epoch
+after epoch), writes ``--group-size`` G completions of each with ``models.generate``'s
+key/value cache from the current policy (on-policy), scores them with the reward functions,
+and takes ``--updates-per-rollout`` optimizer steps on the rollout
+(``train/grpo_objective.py``: group-normalized advantages, the clipped ratio to the
+rollout's policy, k3 KL to the frozen starting policy with ``--beta`` > 0, the
+``--loss-type`` aggregation).
+
+Prompts: one JSON object a line, ``"prompt"`` (text, tokenized as ``train.sample`` does)
+or chat ``"messages"`` (rendered by the tokenizer's chat template with the generation
+prompt), plus any columns the rewards read.
+
+Rewards: ``NAME[=WEIGHT]`` (weight 1 by default), NAME a built-in or ``module:function``,
+called as ``function(prompts=[...], completions=[...], **columns)`` with one list entry
+per completion (TRL's convention) and returning one float per completion. Built in, for
+answers written after the marker ``####`` (GSM8K's):
+
+- ``answer``: 1 if the text after the completion's last ``####`` is the row's ``"answer"``
+  column (stripped), else 0;
+- ``format``: 1 if the completion ends with ``####`` and a non-empty answer, else 0.
+
+The run directory holds ``config.json`` (the starting run's, so ``train.sample`` and
+``train.export`` read the result as a run), ``metrics.jsonl`` (one record per step: reward
+mean/std overall and per function, advantage std, KL, clip fractions, completion lengths,
+the share cut at ``--max-new-tokens``, rollout and training tokens/s) and Orbax checkpoints
+of the policy. On ``--mesh`` (train.gpt's axes but pp and cp; one device by default) the
+policy is sharded as in training and takes any optimizer of train.gpt; the rollout gathers
+it once (``models.generate.rollout_params``). ``--resume`` continues from the latest
+checkpoint (policy, optimizer state, reference) with the same rollouts as a run that never
+stopped: the prompts' order and the sampler's seed follow from ``--seed`` and the step.
+
+Bad input prints one ``error: ...`` line and exits with code 2: a missing run, prompts
+file or reward module, an empty prompts file, G < 2, a prompt that leaves less than
+``--max-new-tokens`` of the model's ``seq_len``, a reward that raises or is not finite.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import math
+import os
+import re
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+import models
+from models import generate
+from models.gpt import apply_layers, rotary_tables
+from train import checkpoint as ckpt_lib
+from train import cli, grpo_objective, loop, optim, sample
+from train import config as config_lib
+from train import gpt as gpt_entry
+from train.cli import UsageError
+
+MARKER = "####"
+
+
+def answer_reward(prompts: list[str], completions: list[str], answer: list[Any], **_) -> list[float]:
+  """1 where the text after the completion's last ``####`` is the row's answer, else 0."""
+  del prompts
+  return [float(MARKER in c and c.rsplit(MARKER, 1)[1].strip() == str(a).strip())
+          for c, a in zip(completions, answer)]
+
+
+def format_reward(prompts: list[str], completions: list[str], **_) -> list[float]:
+  """1 where the completion ends with ``####`` and a non-empty answer, else 0."""
+  del prompts
+  return [float(re.search(re.escape(MARKER) + r"[ \t]*\S[^\n]*\s*$", c) is not None) for c in completions]
+
+
+BUILTIN_REWARDS = {"answer": answer_reward, "format": format_reward}
+
+
+def reward_functions(specs: list[str]) -> list[tuple[str, Callable, float]]:
+  """``(name, function, weight)`` of each ``NAME[=WEIGHT]``."""
+  out = []
+  for spec in specs:
+    name, _, weight = spec.partition("=")
+    try:
+      weight = float(weight) if weight else 1.0
+    except ValueError:
+      raise UsageError(f"--reward {spec}: the weight after '=' must be a number") from None
+    if name in BUILTIN_REWARDS:
+      out.append((name, BUILTIN_REWARDS[name], weight))
+      continue
+    module, _, function = name.partition(":")
+    if not module or not function:
+      raise UsageError(f"--reward {spec}: name a built-in ({', '.join(BUILTIN_REWARDS)}) or"
+                       " module:function")
+    try:
+      fn = getattr(importlib.import_module(module), function)
+    except (ImportError, AttributeError) as e:
+      raise UsageError(f"--reward {spec}: cannot load {name} ({e}); pass an importable module:function") from None
+    out.append((name, fn, weight))
+  return out
+
+
+def read_prompts(path: str, tokenizer, limit: int) -> tuple[list[dict], list[np.ndarray]]:
+  """The prompts file's rows and their tokens; each prompt at most ``limit`` tokens."""
+  if not os.path.isfile(path):
+    raise UsageError(f"--prompts {path} does not exist; pass a JSONL file of prompts")
+  rows, tokens = [], []
+  with open(path) as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise UsageError(f"--prompts {path}:{number}: not JSON ({e.msg})") from None
+      if "messages" in row:
+        if tokenizer.chat is None:
+          raise UsageError(f"--prompts {path}:{number}: chat messages need a tokenizer with a chat"
+                           " template (a run started from --init-from hf:DIR)")
+        text = tokenizer.chat.render(row["messages"], add_generation_prompt=True)
+        ids = tokenizer.encode(text, special=False)
+        row = {**row, "prompt": text}
+      elif isinstance(row.get("prompt"), str):
+        ids = tokenizer.encode(row["prompt"])
+      else:
+        raise UsageError(f"--prompts {path}:{number}: a line needs a \"prompt\" string or chat \"messages\"")
+      if not 1 <= len(ids) <= limit:
+        raise UsageError(f"--prompts {path}:{number}: the prompt has {len(ids)} tokens; it must have"
+                         f" 1 to {limit} (the model's seq_len less --max-new-tokens)")
+      rows.append(row)
+      tokens.append(np.asarray(ids, np.int32))
+  if not rows:
+    raise UsageError(f"--prompts {path} holds no prompts")
+  return rows, tokens
+
+
+def token_logps(graphdef: Any, params: Any, tokens_BxT: jax.Array, pad_B: jax.Array, completion: int,
+                temperature: float) -> jax.Array:
+  """log softmax(logits / temperature) of the last ``completion`` tokens of left-padded
+  sequences, float32 [B, completion], with the training forward (``apply_layers``): the
+  padding is a segment of its own, the tokens' rotary positions start at 0."""
+  par = models.Parallelism()
+  model = nnx.merge(graphdef, params)
+  B, T = tokens_BxT.shape
+  slots_BxT = jnp.arange(T)[None, :] - pad_B[:, None]
+  rope = rotary_tables(model.cfg, jnp.maximum(slots_BxT, 0))
+  x_BxTxD = model.embed_tokens(tokens_BxT, par)
+  x_BxTxD, _ = apply_layers(nnx.graphdef(model.blocks), params["blocks"], x_BxTxD, rope, par, model.cfg,
+                            segment_ids_BxT=(slots_BxT >= 0).astype(jnp.int32))
+  logits_BxMxV = model.logits(x_BxTxD[:, T - completion - 1:T - 1], par)
+  real_V = jnp.arange(logits_BxMxV.shape[-1]) < model.cfg.vocab_size
+  logps_BxMxV = jax.nn.log_softmax(jnp.where(real_V, logits_BxMxV, -jnp.inf) / temperature, -1)
+  return jnp.take_along_axis(logps_BxMxV, tokens_BxT[:, T - completion:, None], -1)[..., 0]
+
+
+def layered_logps(graphdef: Any, params: Any, tokens_BxT: jax.Array, pad_B: jax.Array, completion: int,
+                  temperature: float) -> jax.Array:
+  """:func:`token_logps` of parameters laid out as on the training mesh (blocks in one
+  pipeline stage, ``[1, L, ...]``); XLA partitions it from their shardings."""
+  return token_logps(graphdef, dict(params, blocks=models.to_layers(params["blocks"], 1)), tokens_BxT, pad_B,
+                     completion, temperature)
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = cli.Parser(prog="python -m train.grpo", description="GRPO fine-tuning of a train.gpt run.")
+  p.add_argument("--init-from", required=True, metavar="RUN_DIR", help="the python -m train.gpt run to start from")
+  p.add_argument("--prompts", required=True, help="JSONL file of prompts (\"prompt\" or \"messages\")")
+  p.add_argument("--reward", action="append", required=True,
+                 help="NAME[=WEIGHT]: a built-in (answer, format) or module:function; repeatable")
+  p.add_argument("--run-dir", required=True, help="directory for config.json, metrics.jsonl and checkpoints")
+  p.add_argument("--steps", type=int, default=100)
+  p.add_argument("--prompts-per-step", type=int, default=8)
+  p.add_argument("--group-size", type=int, default=8, help="completions per prompt, G >= 2")
+  p.add_argument("--max-new-tokens", type=int, default=64)
+  p.add_argument("--temperature", type=float, default=1.0)
+  p.add_argument("--top-k", type=int, default=None)
+  p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--updates-per-rollout", type=int, default=1)
+  p.add_argument("--loss-type", choices=grpo_objective.AGGREGATIONS, default="dapo")
+  p.add_argument("--epsilon-low", type=float, default=0.2)
+  p.add_argument("--epsilon-high", type=float, default=0.28)
+  p.add_argument("--beta", type=float, default=0.0, help="weight of the KL to the starting policy")
+  p.add_argument("--no-scale-rewards", action="store_true", help="center advantages without dividing by the std")
+  p.add_argument("--optimizer", choices=config_lib.OPTIMIZERS, default="adamw")
+  p.add_argument("--mesh", default="fs=1", help="mesh axes as for train.gpt, without pp and cp (default fs=1)")
+  p.add_argument("--lr", type=float, default=1e-5)
+  p.add_argument("--clip-grad", type=float, default=1.0)
+  p.add_argument("--save-every", type=int, default=50)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--resume", action="store_true",
+                 help="continue the run in --run-dir from its latest checkpoint (pass the same flags)")
+  return p
+
+
+def _check(args: argparse.Namespace) -> None:
+  if args.group_size < 2:
+    raise UsageError(f"--group-size must be >= 2 (advantages compare completions of one prompt), got {args.group_size}")
+  for name in ("steps", "prompts_per_step", "max_new_tokens", "updates_per_rollout", "save_every"):
+    if getattr(args, name) < 1:
+      raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+  if not (math.isfinite(args.temperature) and args.temperature > 0):
+    raise UsageError(f"--temperature must be a finite number > 0 (GRPO samples), got {args.temperature}")
+  if not 0 < args.top_p <= 1:
+    raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+  if args.top_k is not None and args.top_k < 1:
+    raise UsageError(f"--top-k must be positive, got {args.top_k}")
+  if not (args.beta >= 0 and args.epsilon_low >= 0 and args.epsilon_high >= 0 and args.lr > 0):
+    raise UsageError("--beta, --epsilon-low and --epsilon-high must be >= 0 and --lr > 0")
+  saved = ckpt_lib.existing_steps(os.path.join(os.path.abspath(args.run_dir), "checkpoints"))
+  if args.resume and not saved:
+    raise UsageError(f"--resume: {args.run_dir} holds no GRPO checkpoint; start it without --resume")
+  if args.resume and max(saved) >= args.steps:
+    raise UsageError(f"--resume: the checkpoint is at step {max(saved)}, which already reaches --steps"
+                     f" {args.steps}; pass a larger --steps")
+  if not args.resume and os.path.exists(os.path.join(args.run_dir, "config.json")):
+    raise UsageError(f"--run-dir {args.run_dir} already holds a run; choose a new directory or pass --resume")
+
+
+def _score(rewards, rows: list[dict], prompts: list[str], completions: list[str], group: int) -> np.ndarray:
+  """Rewards [B, R] of the completions (rows repeated ``group`` times)."""
+  columns = {key: [row.get(key) for row in rows for _ in range(group)] for key in {k for r in rows for k in r}}
+  columns.pop("prompt", None)
+  out = []
+  for name, fn, _ in rewards:
+    try:
+      values = np.asarray(fn(prompts=prompts, completions=completions, **columns), np.float64)
+    except Exception as e:  # a user's function: whatever it raises is its bad input
+      raise UsageError(f"--reward {name} raised {type(e).__name__}: {e}") from None
+    if values.shape != (len(completions),) or not np.all(np.isfinite(values)):
+      raise UsageError(f"--reward {name} must return one finite number per completion; got"
+                       f" {values.shape[0] if values.ndim else values} values with"
+                       f" {int(np.sum(~np.isfinite(values)))} not finite")
+    out.append(values)
+  return np.stack(out, 1)
+
+
+def _make_update(graphdef: Any, tx: optax.GradientTransformation, objective: grpo_objective.Objective,
+                 temperature: float, clip_grad: float) -> Callable:
+  def loss_fn(params, batch):
+    logps_BxM = layered_logps(graphdef, params, batch["tokens"], batch["pad"], objective.max_completion_length,
+                              temperature)
+    return grpo_objective.policy_loss(logps_BxM, batch["old"], batch["advantages"], batch["mask"], objective,
+                                      batch.get("ref"), batch["num_items"])
+
+  @jax.jit
+  def update(params, opt_state, batch):
+    (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    grad_norm = optax.tree.norm(grads)
+    grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, clip_grad / (grad_norm + 1e-6)), grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss, stats, grad_norm
+
+  return update
+
+
+def _setup(argv: list[str] | None) -> tuple:
+  """Flags, the starting model, tokenizer, rewards and prompts; bad input raises here."""
+  args = _parser().parse_args(argv)
+  _check(args)
+  gpt_entry.start_jax(config_lib.Config(mesh=args.mesh))  # host devices for the mesh, before JAX starts
+  mesh = loop.make_mesh(args.mesh)
+  if dict(mesh.shape)["pp"] > 1 or dict(mesh.shape)["cp"] > 1:
+    raise UsageError(f"--mesh {args.mesh}: GRPO runs on fs, tp, ep and rp; pipeline and context"
+                     " parallelism (pp, cp) are not supported yet")
+  par = models.Parallelism(mesh)
+  with jax.set_mesh(mesh):
+    restored = sample.restore(os.path.abspath(args.init_from), par=par)
+  tokenizer = sample.run_tokenizer(os.path.abspath(args.init_from))
+  rewards = reward_functions(args.reward)
+  M, G = args.max_new_tokens, args.group_size
+  limit = restored.cfg.seq_len - M
+  if limit < 1:
+    raise UsageError(f"--max-new-tokens {M} leaves no room for a prompt in seq_len {restored.cfg.seq_len}")
+  rows, prompt_tokens = read_prompts(args.prompts, tokenizer, limit)
+  saved = config_lib.saved_config(os.path.abspath(args.init_from))
+  train_cfg = config_lib.Config(**{**saved, "optimizer": args.optimizer, "lr": args.lr, "lr_warmup_steps": 0,
+                                   "lr_decay_style": "constant", "steps": args.steps,
+                                   "run_dir": os.path.abspath(args.run_dir), "ckpt_dir": None, "resume": False})
+  return args, par, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg
+
+
+def train(setup: tuple) -> int:
+  """The GRPO steps (module docstring); a reward's bad output prints ``error: ...``, exit 2."""
+  try:
+    return _steps(*setup)
+  except UsageError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return cli.EXIT_USAGE
+
+
+def _state(params: Any, opt_state: Any, reference: Any | None) -> dict:
+  """What a checkpoint holds: the policy, its optimizer state, the reference (with KL).
+  The prompts' order and the sampler's seeds follow from --seed and the step."""
+  return {"params": params, "opt_state": opt_state, **({"reference": reference} if reference is not None else {})}
+
+
+def _restore(checkpoints: ckpt_lib.Checkpoints, step: int, like: dict) -> dict:
+  """Checkpoint ``step``'s state laid out like the live ``like`` (``train.checkpoint``)."""
+  shapes = checkpoints.manager.item_metadata(step)["state"]
+  saved = checkpoints.manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(ckpt_lib.saved_structs(shapes, like))))
+  return ckpt_lib.from_saved(saved["state"], like, 1, 1)
+
+
+def _steps(args, par, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg) -> int:
+  with jax.set_mesh(par.mesh):
+    return _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg)
+
+
+def _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg) -> int:
+  M, G = args.max_new_tokens, args.group_size
+  graphdef, params = restored.graphdef, restored.params
+  tx = optim.optimizer(train_cfg, params, par.mesh, models.param_specs(params))
+  opt_state = tx.init(params)
+  objective = grpo_objective.Objective(args.epsilon_low, args.epsilon_high, args.beta, args.loss_type, M)
+  update = _make_update(graphdef, tx, objective, args.temperature, args.clip_grad)
+  logps = jax.jit(layered_logps, static_argnums=(0, 4, 5))
+  reference = params if args.beta > 0 else None
+  sampling = generate.Sampling(args.temperature, args.top_k, args.top_p)
+  weights_R = jnp.asarray([w for _, _, w in rewards], jnp.float32)
+
+  with open(os.path.join(os.path.abspath(args.init_from), "config.json")) as f:
+    hf_config = json.load(f).get("hf_config")  # what train.export writes back
+  record = {"train": train_cfg.to_json(), "model": dataclasses.asdict(restored.cfg), "grpo": vars(args),
+            **({"hf_config": hf_config} if hf_config else {})}
+  order = np.random.default_rng(args.seed).permutation(len(rows))
+  metrics = checkpoints = None  # the run directory is written once a first step has passed
+  start = 0
+  if args.resume:
+    checkpoints = ckpt_lib.Checkpoints(train_cfg.ckpt_path, keep=2, create=False)
+    start = checkpoints.latest_step()
+    state = _restore(checkpoints, start, _state(params, opt_state, reference))
+    params, opt_state, reference = state["params"], state["opt_state"], state.get("reference")
+    metrics = open(os.path.join(args.run_dir, "metrics.jsonl"), "a")
+  try:
+    for step in range(start + 1, args.steps + 1):
+      picks = [order[((step - 1) * args.prompts_per_step + j) % len(rows)] for j in range(args.prompts_per_step)]
+      t0 = time.perf_counter()
+      out = generate.complete(graphdef, generate.rollout_params(params, par), [prompt_tokens[i] for i in picks], M,
+                              sampling,
+                              seed=args.seed * 1_000_003 + step, eos_id=tokenizer.eod, group_size=G)
+      completions_BxM, lengths_B = np.asarray(out.tokens_BxM), np.asarray(out.lengths_B)
+      rollout_s = time.perf_counter() - t0
+      ended_B = np.asarray([length > 0 and row[length - 1] == tokenizer.eod
+                            for row, length in zip(completions_BxM, lengths_B)])
+      texts = [tokenizer.decode(row[:length - int(end)]) for row, length, end in zip(completions_BxM, lengths_B, ended_B)]
+      prompts_text = [rows[i].get("prompt", "") for i in picks for _ in range(G)]
+      rewards_BxR = _score(rewards, [rows[i] for i in picks], prompts_text, texts, G)
+      advantages_B = grpo_objective.advantages(jnp.asarray(rewards_BxR, jnp.float32), weights_R, G,
+                                               not args.no_scale_rewards)
+      prompts_BxP, prompt_lengths = generate.left_pad([prompt_tokens[i] for i in picks],
+                                                      generate.bucket(max(len(prompt_tokens[i]) for i in picks)))
+      prompts_BxP, prompt_lengths = np.repeat(prompts_BxP, G, 0), np.repeat(prompt_lengths, G)
+      tokens_BxT = np.concatenate([prompts_BxP, completions_BxM], 1)
+      pad_B = jnp.asarray(prompts_BxP.shape[1] - prompt_lengths)
+      mask_BxM = (np.arange(M)[None] < lengths_B[:, None]).astype(np.float32)
+      batch = {"tokens": jnp.asarray(tokens_BxT), "pad": pad_B, "mask": jnp.asarray(mask_BxM),
+               "advantages": advantages_B, "num_items": jnp.float32(mask_BxM.sum()),
+               "old": logps(graphdef, params, tokens_BxT, pad_B, M, args.temperature)}
+      if reference is not None:
+        batch["ref"] = logps(graphdef, reference, tokens_BxT, pad_B, M, args.temperature)
+      t1 = time.perf_counter()
+      for _ in range(args.updates_per_rollout):
+        params, opt_state, loss, stats, grad_norm = update(params, opt_state, batch)
+      jax.block_until_ready(params)
+      train_s = time.perf_counter() - t1
+      total_B = rewards_BxR @ np.asarray(weights_R, np.float64)
+      entry = {"step": step, "reward_mean": float(total_B.mean()), "reward_std": float(total_B.std()),
+               **{f"reward/{name}/mean": float(rewards_BxR[:, j].mean()) for j, (name, _, _) in enumerate(rewards)},
+               **{f"reward/{name}/std": float(rewards_BxR[:, j].std()) for j, (name, _, _) in enumerate(rewards)},
+               "advantage_std": float(jnp.std(advantages_B)), "loss": float(loss), "kl": float(stats.kl),
+               "clip_low": float(stats.clip_low), "clip_high": float(stats.clip_high),
+               "grad_norm": float(grad_norm), "completion_length_mean": float(lengths_B.mean()),
+               "completion_length_max": int(lengths_B.max()), "truncated": float(np.mean(~ended_B)),
+               "rollout_tokens_per_s": float(lengths_B.sum() / rollout_s),
+               "train_tokens_per_s": float(args.updates_per_rollout * mask_BxM.sum() / train_s),
+               "rollout_s": rollout_s, "train_s": train_s}
+      if metrics is None:
+        os.makedirs(args.run_dir, exist_ok=True)
+        with open(os.path.join(args.run_dir, "config.json"), "w") as f:
+          json.dump(record, f, indent=2)
+        metrics = open(os.path.join(args.run_dir, "metrics.jsonl"), "w")
+        checkpoints = ckpt_lib.Checkpoints(train_cfg.ckpt_path, keep=2, create=True)
+      metrics.write(json.dumps(entry) + "\n")
+      metrics.flush()
+      print(f"step {step:5d}/{args.steps} | reward {entry['reward_mean']:.4f} ± {entry['reward_std']:.4f} |"
+            f" kl {entry['kl']:.3e} | clip {entry['clip_low'] + entry['clip_high']:.3f} | length"
+            f" {entry['completion_length_mean']:.1f} | rollout {rollout_s:.2f}s, train {train_s:.2f}s", flush=True)
+      if step % args.save_every == 0 or step == args.steps:
+        checkpoints.save(step, ckpt_lib.to_saved(_state(params, opt_state, reference), 1, 1), {"step": step},
+                         record)
+  finally:
+    if metrics is not None:
+      metrics.close()
+      checkpoints.close()
+  return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+  return cli.run(lambda: _setup(argv), train)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
