@@ -23,8 +23,11 @@ partitioner (``models/sharding.py``, ``train/step.py``), not an idealized one:
     backward), each carrying this rank's room for the assignments of its tokens;
   * cp exchange: K and V all-gathered over cp four times per layer, dK and dV
     reduce-scattered twice;
-  * pipeline activations: one (b, T/cp, d) send per stage boundary and micro-batch,
-    each way.
+  * pipeline (M micro-batches, pp stages, M + pp - 1 iterations of the loop, each
+    running its stage's layers and gathering their kernels): each iteration's output
+    sent on, forward and backward, and the last stage's outputs scattered to the
+    stages that take their loss; the embedding's gradient is reduced over pp once per
+    iteration (each iteration's lookup on its own).
 - the optimizer update (``dion_jax``'s sharded steps, ``benchmarks.plan_optimizer``).
 
 Bytes are payloads as ``dion_jax.accounting`` counts them: operand bytes, output bytes
@@ -196,9 +199,11 @@ def model_collectives(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, 
     if axes and nbytes:
       out.append(Collective(purpose, op, axes, int(nbytes * times), int(count * times)))
 
-  add("tp activations", "all-reduce", ["tp"], (6 * L + 2) * A + 3 * b * T * 4, 6 * L + 5)
-  dense = ("cp", "fs", "ep")
-  gathers = 0
+  dense, pp = ("cp", "fs", "ep"), sizes["pp"]
+  iterations = step.accum + pp - 1 if pp > 1 else step.accum
+  add("tp activations", "all-reduce", ["tp"], (6 * L // pp + 1) * A, 6 * L // pp + 1, times=iterations)
+  add("tp activations", "all-reduce", ["tp"], A + 3 * b * T * 4, 4, times=step.accum // pp)
+  tables = 0
   for leaf in params:
     if "scale" in leaf.name:
       continue
@@ -206,21 +211,24 @@ def model_collectives(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, 
       over = ("cp", "fs") if "experts" in leaf.name else dense
       # the kernels of this stage's layers, as used: sharded over tp (and experts over ep)
       used = local_bytes(leaf, {**sizes, "rp": 1, **{a: 1 for a in over}})
-      add("fs gathers", "all-gather", over, 2 * used, 2 * leaf.shape[1])
+      add("fs gathers", "all-gather", over, 2 * used, 2 * leaf.shape[1], times=iterations)
     else:
-      gathers += local_bytes(leaf, {a: (sizes[a] if a == "tp" else 1) for a in AXES})
-  add("fs gathers", "all-gather", dense + ("pp",), gathers, 2, times=1 if sizes["pp"] > 1 else step.accum)
+      tables += local_bytes(leaf, {a: (sizes[a] if a == "tp" else 1) for a in AXES})
+  add("fs gathers", "all-gather", dense + ("pp",), tables, 2, times=1 if pp > 1 else step.accum)
   grad = {}
   for leaf in params:
-    experts = "experts" in leaf.name
-    axes = ("rp", "cp", "fs") if experts else ("rp", "cp", "fs", "ep")
+    blocks = leaf.name.startswith("['blocks']")
+    axes = ("rp", "cp", "fs") if "experts" in leaf.name else ("rp", "cp", "fs", "ep")
+    axes += () if blocks else ("pp",)  # the embedding, the LM head and the final norm serve every stage
     if per_replica and leaf.label == "dion":
       axes = axes[1:]
     nbytes = local_bytes(leaf, {**sizes, **{a: 1 for a in axes}})
+    if "embed" in leaf.name and pp > 1:
+      nbytes *= iterations  # each iteration's lookup gradient is reduced on its own
     grad[live(sizes, axes)] = grad.get(live(sizes, axes), 0) + nbytes
   for axes, nbytes in grad.items():
     add("gradient reductions", "reduce-scatter", axes, nbytes, 1, times=1)
-  add("gradient reductions", "all-reduce", ("rp", "cp", "fs", "ep"), 8, 1)
+  add("gradient reductions", "all-reduce", ("rp", "cp", "fs", "ep", "pp"), 8, 1)
   if cfg.num_experts:
     tokens_k = b * T * cfg.moe_top_k
     if cfg.moe_capacity_factor is None:
@@ -233,8 +241,13 @@ def model_collectives(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, 
   kv = b * cfg.seq_len * cfg.kv_heads * cfg.head_dim * act_bytes // sizes["tp"]
   add("cp exchange", "all-gather", ["cp"], L * 4 * kv, 4 * L)
   add("cp exchange", "reduce-scatter", ["cp"], L * 2 * kv, 2 * L)
-  if sizes["pp"] > 1:
-    add("pipeline activations", "collective-permute", ["pp"], 2 * A, 2, times=step.accum + sizes["pp"] - 1)
+  if pp > 1:
+    # Each iteration sends its stage's output on, forward and backward (the last of
+    # them unused and dropped); the last stage then scatters the M/pp micro-batches of
+    # outputs to the stages that take their loss, and their gradients back.
+    sends = 2 * (step.accum + pp - 1) - 1
+    add("pipeline activations", "collective-permute", ["pp"], (sends + 2 * (pp - 1) * step.accum // pp) * A,
+        sends + 2 * (pp - 1), times=1)
   return out
 
 

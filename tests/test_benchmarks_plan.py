@@ -38,25 +38,27 @@ def _assert_match(planned, compiled):
     assert abs(planned[axes] - got) <= RTOL * got, (axes, planned[axes], got)
 
 
-@pytest.mark.parametrize("name,spec", [
-    ("tiny", "rp=2,fs=2,tp=2"),  # tp activations, fs gathers, gradients over rp·fs
-    ("tiny-moe", "fs=2,ep=2"),  # expert all-to-all, experts gathered over fs only
-    ("small", "fs=4,tp=2"),
+@pytest.mark.parametrize("name,spec,microbatches", [
+    ("tiny", "rp=2,fs=2,tp=2", 1),  # tp activations, fs gathers, gradients over rp·fs
+    ("tiny-moe", "fs=2,ep=2", 1),  # expert all-to-all, experts gathered over fs only
+    ("tiny", "pp=2,tp=2", 2),  # pipeline sends, the embedding's gradient per iteration
+    ("tiny", "cp=2", 1),  # K and V gathered over cp, weights sharded over it
+    ("small", "fs=4,tp=2", 1),
 ])
-def test_forward_backward_bytes_equal_the_compiled_steps(name, spec):
+def test_forward_backward_bytes_equal_the_compiled_steps(name, spec, microbatches):
   # Unrolled: the HLO accounting counts a loop body once, the planner every layer.
   cfg = models.preset(name, unroll=True)
   mesh = model_meshes.mesh(spec)
   sizes = dict(mesh.shape)
-  par = models.Parallelism(mesh)
+  par = models.Parallelism(mesh, microbatches=microbatches)
   graphdef, params = models.abstract(cfg, par)
   batch = {k: jax.ShapeDtypeStruct((BATCH, cfg.seq_len), jnp.int32) for k in ("inputs", "targets")}
   with jax.set_mesh(mesh):
     compiled = jax.jit(jax.value_and_grad(lambda p, b: models.loss(graphdef, p, b, par))).lower(
         params, batch).compile()
   dp = sizes["rp"] * sizes["fs"] * sizes["ep"]
-  planned = plan_model.model_collectives(cfg, sizes, plan_model.Step(BATCH, BATCH // dp, 1),
-                                         plan_model.leaves(cfg))
+  step = plan_model.Step(BATCH, BATCH // dp // microbatches, microbatches)
+  planned = plan_model.model_collectives(cfg, sizes, step, plan_model.leaves(cfg, sizes["pp"]))
   _assert_match(_by_axes(planned), _by_axes(dion_jax.collective_stats(compiled, mesh)))
 
 
