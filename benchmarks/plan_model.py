@@ -18,7 +18,9 @@ partitioner (``models/sharding.py``, ``train/step.py``), not an idealized one:
     and the LM head once, over those axes and pp;
   * gradient reductions: every tp-local gradient (float32) reduced over its
     data-parallel axes (rp, cp, fs, ep; experts without ep; Dion's per-replica matrices
-    without rp), a reduce-scatter on GPUs; two float32 scalars (the loss and its count);
+    without rp): a reduce-scatter on GPUs, an all-reduce where the group includes rp
+    (each replica keeps the whole shard; XLA's CPU backend all-reduces both, with the
+    same payload); two float32 scalars (the loss and its count);
   * expert all-to-all: six per MoE layer (out and back, forward, recomputation,
     backward), each carrying this rank's room for the assignments of its tokens;
   * cp exchange: K and V all-gathered over cp four times per layer, dK and dV
@@ -227,7 +229,8 @@ def model_collectives(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, 
       nbytes *= iterations  # each iteration's lookup gradient is reduced on its own
     grad[live(sizes, axes)] = grad.get(live(sizes, axes), 0) + nbytes
   for axes, nbytes in grad.items():
-    add("gradient reductions", "reduce-scatter", axes, nbytes, 1, times=1)
+    # A gradient stays whole on every replica: over rp it is all-reduced (on GPUs too).
+    add("gradient reductions", "all-reduce" if "rp" in axes else "reduce-scatter", axes, nbytes, 1, times=1)
   add("gradient reductions", "all-reduce", ("rp", "cp", "fs", "ep", "pp"), 8, 1)
   if cfg.num_experts:
     tokens_k = b * T * cfg.moe_top_k
