@@ -150,10 +150,29 @@ def plan(model: str = "small", mesh: str | dict = "", optimizer: str = "dion", r
       "needs_remat": not fits["activations"] and fits["activations_remat"],
       "bound": "communication" if comm > compute else "compute",
   }
+  out["caveats"] = caveats(cfg, sizes, optimizer)
   if compare:
     out["versus"] = {o: _summary(plan(model, sizes, o, rank_fraction, fraction, global_batch, micro, seq_len, gpu,
                                       per_node, links, mfu, dtype, compare=False))
                      for o in ("adamw", "muon") if o != optimizer}
+  return out
+
+
+def caveats(cfg, sizes: dict[str, int], optimizer: str) -> list[str]:
+  """Where the plan is not the compiler's (tests/test_benchmarks_plan.py checks the rest)."""
+  batch = [a for a in ("rp", "fs", "ep") if sizes[a] > 1]
+  out = ["activations are an estimate (not checked against the compiler)"]
+  if sizes["cp"] > 1 and (batch or sizes["tp"] > 1 or sizes["pp"] > 1):
+    out.append("cp beside other axes is planned as designed; compiled on CPU, the cp region also gathers"
+               " weights over tp and activations over the batch axes (much more traffic)")
+  if sizes["pp"] > 1 and batch:
+    out.append("pp beside batch axes: compiled on CPU, the pipeline also reshards the batch and the"
+               " embedding's gradient over them (tiny, pp=2,fs=2: 32% more over fs than planned)")
+  if cfg.num_experts and sizes["tp"] > 1:
+    out.append("experts with tp > 1: compiled on CPU, expert kernels are gathered over tp where used"
+               " (4.4x the planned tp bytes on tiny-moe, ep=2,tp=2)")
+  if optimizer in ("dion2", "nordion2"):
+    out.append(f"{optimizer}: its selection's traffic is estimated as the fraction of Muon's")
   return out
 
 
@@ -222,7 +241,7 @@ def format_plan(p: dict) -> str:
             f" {_gib(m['optimizer_state'])}, activations {_gib(m['activations'])} ({_gib(m['activations_remat'])}"
             f" with remat); HBM {_gib(p['hbm'])}",
             f"verdict: {'fits' if p['fits'] else 'does not fit'}{' with remat' if p['needs_remat'] else ''},"
-            f" {p['bound']}-bound"]
+            f" {p['bound']}-bound"] + [f"caveat: {c}" for c in p["caveats"]]
   for o, v in p.get("versus", {}).items():
     lines.append(f"  vs {o}: {v['bytes_total'] / 2**30:.2f} GiB/device/step, step {v['step_seconds'] * 1e3:.1f} ms,"
                  f" optimizer state {_gib(v['optimizer_state'])}{'' if v['fits'] else ', does not fit'}")

@@ -40,7 +40,7 @@ def table_405b(mesh: str) -> str:
   for label, optimizer, rank in rows:
     p = plan.plan("405b", mesh, optimizer, rank, **COMMON)
     over_rp = sum(c["bytes"] for c in p["collectives"] if "rp" in c["axes"])
-    update = sum(c["bytes"] for c in p["collectives"] if c["purpose"].startswith(("dion", "orthogonal", "replica")))
+    update = sum(c["bytes"] for c in p["collectives"] if c["purpose"].startswith(("dion", "orthogonal", "normuon", "replica")))
     lines.append(f"| {label} | {over_rp / 2**30:,.2f} | {p['bytes_total'] / 2**30:,.1f} | {update / 2**30:,.2f}"
                  f" | {p['time']['communication']:.1f} | {p['time']['step']:.1f}"
                  f" | {p['memory']['optimizer_state'] / 2**30:.1f} |")

@@ -62,7 +62,7 @@ LLAMA3 = {
 LLAMA3_COMMON = dict(vocab_size=128256, mlp="swiglu", qk_norm="none", rope_base=500000.0)
 PURPOSES = ("tp activations", "fs gathers", "gradient reductions", "expert all-to-all", "cp exchange",
             "pipeline activations", "dion P", "dion R", "dion orthonormalization", "dion column norms",
-            "orthogonal all-to-all", "replica gradient mean")
+            "orthogonal all-to-all", "normuon norms", "replica gradient mean")
 
 
 class Collective(NamedTuple):

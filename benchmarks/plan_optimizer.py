@@ -17,7 +17,7 @@ Without compression on rp > 1 the matrix's gradient is averaged over rp first.
 Muon and NorMuon (``dion_jax.parallel.megabatch``): each stack, padded to a multiple of
 the N devices sharing a matrix and cast to bfloat16, goes whole to one device by an
 all-to-all over each sharded matrix axis, and back: four all-to-alls of the block.
-NorMuon adds its per-neuron sums. Dion2/NorDion2 move only their selected fraction of
+NorMuon adds its per-neuron sums over fan_in and two Frobenius norms. Dion2/NorDion2 move only their selected fraction of
 the block (an estimate: their selection's norms and ownership are not modelled).
 AdamW (and the scalar optimizer of the others) is elementwise on shards: no collective.
 
@@ -82,8 +82,12 @@ def _orthogonal(leaf: Leaf, sizes: dict[str, int], optimizer: str, fraction: flo
   block = int(math.ceil(b / n) * n * shape[-2] * shape[-1] * 2 * selected)  # bfloat16
   out = [Collective("orthogonal all-to-all", "all-to-all", axes, 2 * block, 2)
          for axes in (fan_in_ax, fan_out_ax) if axes]
-  if optimizer in ("normuon", "nordion2") and fan_in_ax:
-    out.append(Collective("orthogonal all-to-all", "all-reduce", fan_in_ax, b * shape[-1] * 4, 1))
+  if optimizer in ("normuon", "nordion2"):
+    # per-neuron sums of squares over fan_in; the Frobenius norms of U before and after
+    if fan_in_ax:
+      out.append(Collective("normuon norms", "all-reduce", fan_in_ax, b * shape[-1] * 4, 1))
+    if fan_in_ax + fan_out_ax:
+      out.append(Collective("normuon norms", "all-reduce", live(sizes, fan_in_ax + fan_out_ax), 2 * b * 4, 2))
   state = local_bytes(leaf, sizes)
   if optimizer in ("normuon", "nordion2"):
     state += local_bytes(leaf, sizes) // shape[-2]

@@ -65,7 +65,7 @@ def test_forward_backward_bytes_equal_the_compiled_steps(name, spec, microbatche
 @pytest.mark.parametrize("name,spec,optimizer", [
     ("tiny", "rp=2,fs=2,tp=2", "dion"),  # compressed sync: P and R over rp
     ("tiny-moe", "fs=2,ep=2", "dion"),  # experts: a batch of E/ep matrices per layer
-    ("tiny", "fs=4,tp=2", "muon"),
+    ("tiny", "fs=4,tp=2", "normuon"),  # Muon's all-to-alls, and NorMuon's norms
     ("tiny", "fs=8", "adamw"),
 ])
 def test_update_bytes_and_state_memory_equal_the_compiled_update(name, spec, optimizer):
@@ -77,8 +77,8 @@ def test_update_bytes_and_state_memory_equal_the_compiled_update(name, spec, opt
   specs = models.param_specs(params)
   if optimizer == "dion":
     tx = dion_jax.dion(0.01, rank_fraction=0.25, mesh=mesh, partition_specs=specs)
-  elif optimizer == "muon":
-    tx = dion_jax.muon(0.01, mesh=mesh, partition_specs=specs, replicate_sync=False)
+  elif optimizer == "normuon":
+    tx = dion_jax.normuon(0.01, mesh=mesh, partition_specs=specs, replicate_sync=False)
   else:
     tx = optax.adamw(0.01)
   abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)  # noqa: E731
