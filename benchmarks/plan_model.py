@@ -51,6 +51,7 @@ from jax.sharding import PartitionSpec as P
 import dion_jax
 import models
 from dion_jax.parallel.mesh import AXES
+from models import hf
 
 # Llama 3 shapes (Meta's model cards / config.json), beside the repository's presets.
 LLAMA3 = {
@@ -104,11 +105,14 @@ def load_config(model: str, seq_len: int | None = None, dtype: str = "bfloat16")
   if not path.endswith(".json") or not os.path.isfile(path):
     raise ValueError(f"--model {model}: expected one of {', '.join([*models.PRESETS, *LLAMA3])},"
                      " hf:DIR (with a config.json) or a GPTConfig .json file")
-  with open(path) as f:
-    record = json.load(f)
-  if model.startswith("hf:") or "architectures" in record:
-    return models.hf.from_hf_config(record, seq_len=seq_len or 4096, dtype=dtype)
-  return models.GPTConfig(**{**record, **over})
+  try:
+    with open(path) as f:
+      record = json.load(f)
+    if model.startswith("hf:") or "architectures" in record:
+      return hf.from_hf_config(record, seq_len=seq_len or 4096, dtype=dtype)
+    return models.GPTConfig(**{**record, **over})
+  except (json.JSONDecodeError, KeyError, TypeError) as e:
+    raise ValueError(f"--model {model}: {path} is no Hugging Face config.json or GPTConfig record ({e})") from e
 
 
 def sizes_of(mesh: str | dict[str, int]) -> dict[str, int]:

@@ -109,6 +109,22 @@ def test_llama3_shapes_have_their_published_sizes():
     assert cfg.num_params() / 1e9 == pytest.approx(billions, rel=0.005), name
 
 
+def test_hf_directory_and_config_file(tmp_path):
+  # Llama 3.1 8B's config.json (the fields the mapping reads), Meta's 8.03B parameters.
+  hf = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+        "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+  cfg = plan_model.load_config(f"hf:{tmp_path}", seq_len=8192)
+  assert cfg.num_params() / 1e9 == pytest.approx(8.03, rel=0.005) and cfg.seq_len == 8192
+  record = tmp_path / "gpt.json"
+  record.write_text(json.dumps({"num_layers": 2, "d_model": 64, "num_heads": 4, "seq_len": 32}))
+  assert plan_model.load_config(str(record)).d_model == 64
+  record.write_text(json.dumps({"width": 64}))
+  with pytest.raises(ValueError, match="no Hugging Face config.json or GPTConfig"):
+    plan_model.load_config(str(record))
+
+
 def test_ring_and_tree_times():
   sizes = plan_model.sizes_of("fs=8,tp=8")
   links = plan.axis_links(sizes, 8, {})
