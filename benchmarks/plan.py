@@ -15,7 +15,8 @@ step as XLA partitions it, checked against compiled steps on CPU meshes by
   (g−1)/g in g−1 steps (a collective-permute its payload in one), each step paying the
   link's latency α, the bytes at its bandwidth β. An axis whose groups fit in one node
   (``--gpus-per-node``, axes later in rp,fs,ep,cp,tp,pp are closer) runs on NVLink, else
-  on InfiniBand; ``--links tp=nvlink,fs=ib`` overrides. An all-reduce takes a binary
+  on InfiniBand (``--nvlink``, ``--ib``: bandwidth and latency); ``--links tp=nvlink,fs=ib``
+  overrides. An all-reduce takes a binary
   tree (2·log2 g steps, twice its payload on the wire) when that is faster. Nothing is overlapped (an upper
   bound); the overlapped bound max(compute, communication) is printed beside it;
 - the pipeline bubble: (pp−1)/(M+pp−1) of the step with M micro-batches.
@@ -77,12 +78,12 @@ def axis_links(sizes: dict[str, int], per_node: int, overrides: dict[str, str]) 
   return out
 
 
-def collective_time(c: plan_model.Collective, sizes, links) -> float:
+def collective_time(c: plan_model.Collective, sizes, links, network: dict[str, Link] = LINKS) -> float:
   """Seconds of ``c`` on the slowest link of its axes: ring, or for an all-reduce a
   (double binary) tree when that is faster (small payloads on many devices)."""
   g = plan_model.group(sizes, c.axes)
   wire, steps = wire_bytes_and_steps(c.op, c.bytes, g)
-  link = min((LINKS[links[a]] for a in c.axes), key=lambda l: l.bandwidth)
+  link = min((network[links[a]] for a in c.axes), key=lambda l: l.bandwidth)
   ring = c.count * steps * link.latency + wire / link.bandwidth
   if c.op != "all-reduce":
     return ring
@@ -102,8 +103,9 @@ def merged(collectives: list[plan_model.Collective]) -> list[plan_model.Collecti
 def plan(model: str = "small", mesh: str | dict = "", optimizer: str = "dion", rank_fraction: float = 0.25,
          fraction: float = 0.25, global_batch: int = 0, micro: int | None = None, seq_len: int | None = None,
          gpu: str = "h100", per_node: int = 8, links: dict[str, str] | None = None, mfu: float = 0.5,
-         dtype: str = "bfloat16", compare: bool = True) -> dict[str, Any]:
-  """The plan of one step as a JSON-ready dict (see the module docstring)."""
+         dtype: str = "bfloat16", compare: bool = True, network: dict[str, Link] = LINKS) -> dict[str, Any]:
+  """The plan of one step as a JSON-ready dict (see the module docstring); ``links``
+  overrides the link kind of some axes, ``network`` the kinds' bandwidth and latency."""
   cfg = plan_model.load_config(model, seq_len, dtype)
   sizes = plan_model.sizes_of(mesh)
   devices = math.prod(sizes.values())
@@ -123,10 +125,10 @@ def plan(model: str = "small", mesh: str | dict = "", optimizer: str = "dion", r
   hw = GPUS[gpu]
   tokens = global_batch * cfg.seq_len
   model_flops = cfg.flops_per_token() * tokens / devices
-  opt_flops = plan_optimizer.flops(params, sizes, optimizer, rank_fraction)
+  opt_flops = plan_optimizer.flops(params, sizes, optimizer, rank_fraction, fraction)
   compute = (model_flops + opt_flops) / (hw.peak_flops * mfu)
   bubble = compute * (sizes["pp"] - 1) / step.accum if sizes["pp"] > 1 else 0.0
-  rows = [dict(c._asdict(), axes=list(c.axes), seconds=collective_time(c, sizes, link_of)) for c in collectives]
+  rows = [dict(c._asdict(), axes=list(c.axes), seconds=collective_time(c, sizes, link_of, network)) for c in collectives]
   comm = sum(r["seconds"] for r in rows)
   p_bytes = plan_model.param_bytes(params, sizes)
   memory = {
@@ -153,7 +155,7 @@ def plan(model: str = "small", mesh: str | dict = "", optimizer: str = "dion", r
   out["caveats"] = caveats(cfg, sizes, optimizer)
   if compare:
     out["versus"] = {o: _summary(plan(model, sizes, o, rank_fraction, fraction, global_batch, micro, seq_len, gpu,
-                                      per_node, links, mfu, dtype, compare=False))
+                                      per_node, links, mfu, dtype, compare=False, network=network))
                      for o in ("adamw", "muon") if o != optimizer}
   return out
 
@@ -258,6 +260,16 @@ def _links(text: str) -> dict[str, str]:
   return out
 
 
+def _link(flag: str, text: str) -> Link:
+  try:
+    gbps, us = (float(x) for x in text.split(":"))
+  except ValueError:
+    gbps = us = -1.0
+  if not (gbps > 0 and us >= 0):
+    raise ValueError(f"{flag} {text}: expected GBPS:MICROSECONDS, e.g. {flag} 400:8")
+  return Link(gbps * 1e9, us * 1e-6)
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m benchmarks.plan", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -272,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--gpu", default="h100", choices=tuple(GPUS))
   parser.add_argument("--gpus-per-node", type=int, default=8)
   parser.add_argument("--links", default="", help="per-axis link overrides, e.g. tp=nvlink,fs=ib")
+  parser.add_argument("--nvlink", default="450:5", help="NVLink GB/s per device and direction : µs per step")
+  parser.add_argument("--ib", default="50:10", help="InfiniBand/RoCE GB/s per device and direction : µs per step")
   parser.add_argument("--mfu", type=float, default=0.5, help="fraction of peak flops the compute reaches (default 0.5)")
   parser.add_argument("--json", action="store_true", help="print one JSON object")
   parser.add_argument("--sweep", action="store_true", help="rank the meshes of --devices that fit")
@@ -282,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                 gpu=args.gpu, per_node=args.gpus_per_node, mfu=args.mfu)
   try:
     kwargs["links"] = _links(args.links)
+    kwargs["network"] = {"nvlink": _link("--nvlink", args.nvlink), "ib": _link("--ib", args.ib)}
     if args.sweep:
       if args.devices < 1:
         raise ValueError("--sweep needs --devices N (the device count to split)")

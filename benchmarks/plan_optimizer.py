@@ -117,7 +117,8 @@ def update(params: list[Leaf], sizes: dict[str, int], optimizer: str, rank_fract
   return collectives, state
 
 
-def flops(params: list[Leaf], sizes: dict[str, int], optimizer: str, rank_fraction: float = 0.25) -> float:
+def flops(params: list[Leaf], sizes: dict[str, int], optimizer: str, rank_fraction: float = 0.25,
+          fraction: float = 0.25) -> float:
   """Matrix-multiply flops of one update on one device (elementwise work left out).
 
   Dion: B Q, Bᵀ P, the error feedback P Rᵀ and the update P Qᵀ, 2·m·n·r each on the local
@@ -134,8 +135,9 @@ def flops(params: list[Leaf], sizes: dict[str, int], optimizer: str, rank_fracti
       fr = matrix_frame(leaf.shape, DionDimensionNumbers(), rank_fraction, 1, leaf.spec, leaf.name)
       total += 8 * math.prod(shape) * fr.rank
       continue
-    b, m, n = math.prod(leaf.shape[:-2]), leaf.shape[-2], leaf.shape[-1]
-    s, l = sorted((m, n))
-    devices = group(sizes, live(sizes, [leaf.spec[-2], leaf.spec[-1], leaf.spec[0]]))
-    total += b * 5 * (4 * s * s * l + 2 * s**3) / devices
+    s, l = sorted(leaf.shape[-2:])
+    group_ = group(sizes, live(sizes, [leaf.spec[-2], leaf.spec[-1]]))
+    matrices = math.ceil(math.prod(shape[:-2]) / group_)  # whole matrices on this device
+    selected = fraction if optimizer in ("dion2", "nordion2") else 1.0
+    total += selected * matrices * 5 * (4 * s * s * l + 2 * s**3)
   return total

@@ -165,6 +165,7 @@ def test_sweep_ranks_meshes_that_fit(capsys):
     (["--model", "nope"], "--model nope"),
     (["--links", "tp=copper"], "--links"),
     (["--sweep"], "--devices"),
+    (["--ib", "25"], "GBPS:MICROSECONDS"),
 ])
 def test_bad_input_is_one_error_line(capsys, argv, message):
   assert plan.main(["--model", "tiny", *argv]) == 2
