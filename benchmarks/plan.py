@@ -35,7 +35,6 @@ from typing import Any, NamedTuple
 
 import jax
 
-import dion_jax
 from benchmarks import plan_model, plan_optimizer
 from dion_jax.parallel.mesh import AXES, format_mesh_spec
 
@@ -311,12 +310,12 @@ def main(argv: list[str] | None = None) -> int:
   if args.json:
     print(json.dumps(result))
   elif args.sweep:
-    print("| mesh | step ms | compute | communication | bubble | GiB/device/step | bound |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| mesh | step ms | compute | communication | bubble | GiB/device/step | bound | caveats |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for p in result:
       t = p["time"]
       print(f"| {p['mesh']} | {t['step'] * 1e3:.1f} | {t['compute'] * 1e3:.1f} | {t['communication'] * 1e3:.1f}"
-            f" | {t['bubble'] * 1e3:.1f} | {p['bytes_total'] / 2**30:.2f} | {p['bound']} |")
+            f" | {t['bubble'] * 1e3:.1f} | {p['bytes_total'] / 2**30:.2f} | {p['bound']} | {len(p['caveats'])} |")
   else:
     print(format_plan(result))
   return 0

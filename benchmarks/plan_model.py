@@ -38,11 +38,12 @@ checks these numbers against the HLO.
 """
 from __future__ import annotations
 
-import dataclasses
+import functools
 import json
 import math
 import os
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -137,9 +138,10 @@ class Leaf(NamedTuple):
   label: str
 
 
-def leaves(cfg: models.GPTConfig, pp: int = 1) -> list[Leaf]:
+@functools.lru_cache(maxsize=16)
+def leaves(cfg: models.GPTConfig, pp: int = 1) -> tuple[Leaf, ...]:
   """The model's parameters (abstract: nothing is allocated), with their PartitionSpecs
-  and Dion labels."""
+  and Dion labels (cached: a sweep asks for the same model on many meshes)."""
   params = models.abstract(cfg)[1]
   specs = models.param_specs(params)
   labels = dion_jax.default_labels(params)
@@ -153,7 +155,7 @@ def leaves(cfg: models.GPTConfig, pp: int = 1) -> list[Leaf]:
         raise ValueError(f"{shape[1]} layer units do not split into pp={pp} stages; choose a pp that divides")
       shape = (pp, shape[1] // pp) + shape[2:]
     out.append(Leaf(jax.tree_util.keystr(path), shape, dion_jax.parallel.padded_spec(spec, len(shape)), label))
-  return out
+  return tuple(out)
 
 
 def local_shape(leaf: Leaf, sizes: dict[str, int]) -> tuple[int, ...]:
@@ -192,7 +194,7 @@ def _moe_layers(cfg) -> int:
   return cfg.num_layers // cfg.moe_every if cfg.num_experts else 0
 
 
-def model_collectives(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, params: list[Leaf],
+def model_collectives(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, params: Sequence[Leaf],
                       per_replica: bool = False) -> list[Collective]:
   """The forward and backward passes' collectives (module docstring), per step."""
   act_bytes = jnp.dtype(cfg.dtype).itemsize
@@ -258,7 +260,7 @@ def model_collectives(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, 
   return out
 
 
-def param_bytes(params: list[Leaf], sizes: dict[str, int]) -> int:
+def param_bytes(params: Sequence[Leaf], sizes: dict[str, int]) -> int:
   return sum(local_bytes(leaf, sizes) for leaf in params)
 
 

@@ -28,6 +28,7 @@ per output neuron.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from benchmarks.plan_model import Collective, Leaf, group, live, local_bytes, local_shape
 from dion_jax.kernels.sketch import sketch_size
@@ -94,7 +95,7 @@ def _orthogonal(leaf: Leaf, sizes: dict[str, int], optimizer: str, fraction: flo
   return out, state
 
 
-def update(params: list[Leaf], sizes: dict[str, int], optimizer: str, rank_fraction: float = 0.25,
+def update(params: Sequence[Leaf], sizes: dict[str, int], optimizer: str, rank_fraction: float = 0.25,
            fraction: float = 0.25, per_replica: bool = True) -> tuple[list[Collective], int]:
   """``(collectives, optimizer-state bytes)`` of one update, per device.
 
@@ -117,7 +118,7 @@ def update(params: list[Leaf], sizes: dict[str, int], optimizer: str, rank_fract
   return collectives, state
 
 
-def flops(params: list[Leaf], sizes: dict[str, int], optimizer: str, rank_fraction: float = 0.25,
+def flops(params: Sequence[Leaf], sizes: dict[str, int], optimizer: str, rank_fraction: float = 0.25,
           fraction: float = 0.25) -> float:
   """Matrix-multiply flops of one update on one device (elementwise work left out).
 
