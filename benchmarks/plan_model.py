@@ -20,7 +20,9 @@ partitioner (``models/sharding.py``, ``train/step.py``), not an idealized one:
     data-parallel axes (rp, cp, fs, ep; experts without ep; Dion's per-replica matrices
     without rp): a reduce-scatter on GPUs, an all-reduce where the group includes rp
     (each replica keeps the whole shard; XLA's CPU backend all-reduces both, with the
-    same payload); two float32 scalars (the loss and its count);
+    same payload), once per micro-batch (gradient accumulation sums reduced gradients:
+    the reductions sit inside the micro-batch scan); two float32 scalars (the loss and its
+    count);
   * expert all-to-all: six per MoE layer (out and back, forward, recomputation,
     backward), each carrying this rank's room for the assignments of its tokens;
   * cp exchange: K and V all-gathered over cp four times per layer, dK and dV
@@ -236,7 +238,9 @@ def model_collectives(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, 
     grad[live(sizes, axes)] = grad.get(live(sizes, axes), 0) + nbytes
   for axes, nbytes in grad.items():
     # A gradient stays whole on every replica: over rp it is all-reduced (on GPUs too).
-    add("gradient reductions", "all-reduce" if "rp" in axes else "reduce-scatter", axes, nbytes, 1, times=1)
+    # Accumulation sums reduced gradients: each micro-batch's are reduced in the scan.
+    add("gradient reductions", "all-reduce" if "rp" in axes else "reduce-scatter", axes, nbytes, 1,
+        times=1 if pp > 1 else step.accum)
   add("gradient reductions", "all-reduce", ("rp", "cp", "fs", "ep", "pp"), 8, 1)
   if cfg.num_experts:
     tokens_k = b * T * cfg.moe_top_k
