@@ -1,0 +1,144 @@
+"""What one optimizer update moves and holds per device, on paper (``python -m benchmarks.plan``).
+
+Per Dion matrix (a stack of b local matrices, rows over the row axes R, here always
+tp, columns over the column axes C, here cp·fs·ep; r the rank; compressed sync adds rp,
+``dion_jax.optimizers.dion``):
+
+    P = B Q     (b, rows/R, r) float32 summed over C (+rp): an all-reduce, or, when b
+                divides the group, a reduce-scatter along the batch and an all-gather
+    orthonormalize P (RCQR, ``dion_jax.linalg.qr``): per matrix a (k, r) sketch and an
+                (r, r) Gram summed over R, k = ceil(1.25·r/128)·128; Householder (an
+                all-gather of P over R) when rows <= r
+    R = Bᵀ P    (b, cols/C, r) float32 summed over R (+rp)
+    ‖R‖_col     (b, 1, r) summed over C;  an int32 (b,) all-zero test over R, C (+rp)
+
+Without compression on rp > 1 the matrix's gradient is averaged over rp first.
+
+Muon and NorMuon (``dion_jax.parallel.megabatch``): each stack, padded to a multiple of
+the N devices sharing a matrix and cast to bfloat16, goes whole to one device by an
+all-to-all over each sharded matrix axis, and back: four all-to-alls of the block.
+NorMuon adds its per-neuron sums over fan_in and two Frobenius norms. Dion2/NorDion2 move only their selected fraction of
+the block (an estimate: their selection's norms and ownership are not modelled).
+AdamW (and the scalar optimizer of the others) is elementwise on shards: no collective.
+
+State per device: AdamW two float32 copies of the parameter; Dion the momentum and Q
+(b, cols/C, r); Muon and Dion2 the momentum; NorMuon and NorDion2 also a second moment
+per output neuron.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from benchmarks.plan_model import Collective, Leaf, group, live, local_bytes, local_shape
+from dion_jax.kernels.sketch import sketch_size
+from dion_jax.optimizers.frame import DionDimensionNumbers, matrix_frame
+
+OPTIMIZERS = ("dion", "dion2", "nordion2", "muon", "normuon", "adamw")
+
+
+def _dion(leaf: Leaf, sizes: dict[str, int], rank_fraction: float, per_replica: bool):
+  fr = matrix_frame(leaf.shape, DionDimensionNumbers(), rank_fraction, 1, leaf.spec, leaf.name)
+  rows_ax, cols_ax = live(sizes, [leaf.spec[fr.row_axis]]), live(sizes, [leaf.spec[fr.col_axis]])
+  shape = local_shape(leaf, sizes)
+  b = math.prod(shape[a] for a in fr.batch_axes)
+  rows, cols, r = shape[fr.row_axis], shape[fr.col_axis], fr.rank
+  compressed = per_replica and sizes["rp"] > 1 and (fr.rows + fr.cols) * r < fr.rows * fr.cols
+  replica = ("rp",) if compressed else ()
+  out = []
+
+  def add(purpose, op, axes, nbytes):
+    axes = live(sizes, axes)
+    if axes and nbytes:
+      out.append(Collective(purpose, op, axes, int(nbytes), 1))
+
+  if per_replica and sizes["rp"] > 1 and not compressed:
+    add("replica gradient mean", "all-reduce", ["rp"], local_bytes(leaf, sizes))
+  p_group = live(sizes, cols_ax + replica)
+  p_bytes = b * rows * r * 4
+  spread = p_group and b % group(sizes, p_group) == 0
+  if spread:
+    add("dion P", "reduce-scatter", p_group, p_bytes)
+    add("dion P", "all-gather", p_group, p_bytes)
+  else:
+    add("dion P", "all-reduce", p_group, p_bytes)
+  matrices = b // group(sizes, p_group) if spread else b
+  if fr.rows <= r:
+    add("dion orthonormalization", "all-gather", rows_ax, matrices * fr.rows * r * 4)
+  else:
+    add("dion orthonormalization", "all-reduce", rows_ax, matrices * (sketch_size(r, 1.25) + r) * r * 4)
+  add("dion R", "all-reduce", rows_ax + replica, b * cols * r * 4)
+  add("dion column norms", "all-reduce", cols_ax, b * r * 4)
+  add("dion column norms", "all-reduce", rows_ax + cols_ax + replica, b * 4)
+  state = local_bytes(leaf, sizes) + b * cols * r * 4
+  return out, state
+
+
+def _orthogonal(leaf: Leaf, sizes: dict[str, int], optimizer: str, fraction: float):
+  shape = local_shape(leaf, sizes)
+  fan_in_ax, fan_out_ax = live(sizes, [leaf.spec[-2]]), live(sizes, [leaf.spec[-1]])
+  b = math.prod(shape[:-2])
+  n = group(sizes, fan_in_ax + fan_out_ax)
+  selected = fraction if optimizer in ("dion2", "nordion2") else 1.0
+  block = int(math.ceil(b / n) * n * shape[-2] * shape[-1] * 2 * selected)  # bfloat16
+  out = [Collective("orthogonal all-to-all", "all-to-all", axes, 2 * block, 2)
+         for axes in (fan_in_ax, fan_out_ax) if axes]
+  if optimizer in ("normuon", "nordion2"):
+    # per-neuron sums of squares over fan_in; the Frobenius norms of U before and after
+    if fan_in_ax:
+      out.append(Collective("normuon norms", "all-reduce", fan_in_ax, b * shape[-1] * 4, 1))
+    if fan_in_ax + fan_out_ax:
+      out.append(Collective("normuon norms", "all-reduce", live(sizes, fan_in_ax + fan_out_ax), 2 * b * 4, 2))
+  state = local_bytes(leaf, sizes)
+  if optimizer in ("normuon", "nordion2"):
+    state += local_bytes(leaf, sizes) // shape[-2]
+  return out, state
+
+
+def update(params: Sequence[Leaf], sizes: dict[str, int], optimizer: str, rank_fraction: float = 0.25,
+           fraction: float = 0.25, per_replica: bool = True) -> tuple[list[Collective], int]:
+  """``(collectives, optimizer-state bytes)`` of one update, per device.
+
+  ``rank_fraction`` is Dion's; ``fraction`` Dion2's; ``per_replica``: Dion's compressed
+  sync over rp (``replicate_sync``, the default of ``dion_jax.dion``).
+  """
+  if optimizer not in OPTIMIZERS:
+    raise ValueError(f"--optimizer {optimizer}: choose one of {', '.join(OPTIMIZERS)}")
+  collectives, state = [], 0
+  for leaf in params:
+    if optimizer == "adamw" or leaf.label != "dion":
+      state += 2 * local_bytes(leaf, sizes)
+      continue
+    if optimizer == "dion":
+      c, s = _dion(leaf, sizes, rank_fraction, per_replica)
+    else:
+      c, s = _orthogonal(leaf, sizes, optimizer, fraction)
+    collectives += c
+    state += s
+  return collectives, state
+
+
+def flops(params: Sequence[Leaf], sizes: dict[str, int], optimizer: str, rank_fraction: float = 0.25,
+          fraction: float = 0.25) -> float:
+  """Matrix-multiply flops of one update on one device (elementwise work left out).
+
+  Dion: B Q, Bᵀ P, the error feedback P Rᵀ and the update P Qᵀ, 2·m·n·r each on the local
+  block. Muon: five quintic Newton-Schulz steps on whole matrices (each device holds
+  1/N of them): per step X Xᵀ (2·s²·l), its square (2·s³) and the product with X (2·s²·l),
+  s the short side. Dion2/NorDion2: the same on the selected fraction.
+  """
+  total = 0.0
+  for leaf in params:
+    if optimizer == "adamw" or leaf.label != "dion":
+      continue
+    shape = local_shape(leaf, sizes)
+    if optimizer == "dion":
+      fr = matrix_frame(leaf.shape, DionDimensionNumbers(), rank_fraction, 1, leaf.spec, leaf.name)
+      total += 8 * math.prod(shape) * fr.rank
+      continue
+    s, l = sorted(leaf.shape[-2:])
+    group_ = group(sizes, live(sizes, [leaf.spec[-2], leaf.spec[-1]]))
+    matrices = math.ceil(math.prod(shape[:-2]) / group_)  # whole matrices on this device
+    selected = fraction if optimizer in ("dion2", "nordion2") else 1.0
+    total += selected * matrices * 5 * (4 * s * s * l + 2 * s**3)
+  return total
