@@ -10,8 +10,10 @@ through ``dion_jax.value_and_grad_per_replica``), clips, and applies Dion
 (``dion_jax/optimizers/dion.py`` on ``optimizers/skeleton.py``; ``dion_jax/parallel/``:
 the collectives).
 
-Bad input (flags, mesh, batch, data, checkpoints) ends the run before anything is
-written, with one ``error: ...`` line on stderr and exit code 2.
+Bad input (flags, mesh, batch, data, checkpoints, an unusable or busy run directory)
+ends the run before anything is written, with one ``error: ...`` line on stderr. Exit
+codes: 0 done; 1 a checkpoint failed to save (the previous one intact); 2 bad input;
+3 diverged (non-finite steps); 130 / 143 stopped by SIGINT / SIGTERM after saving.
 """
 from __future__ import annotations
 
@@ -91,7 +93,11 @@ def _train(run) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-  return cli.run(lambda: _setup(argv), _train)
+  try:
+    return cli.run(lambda: _setup(argv), _train)
+  except KeyboardInterrupt:  # before training: the set-up writes nothing until its end
+    print("error: interrupted before training started; nothing was saved", file=sys.stderr)
+    return 128 + 2
 
 
 if __name__ == "__main__":
