@@ -28,6 +28,7 @@ missing array is an error, as a checkpoint of another model or optimizer.
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -175,6 +176,17 @@ class SaveError(Exception):
                      " free space or fix permissions there, then --resume")
 
 
+class _QuietSaveThreads(logging.Filter):
+  """Drops Orbax's own error logs (tracebacks of its save threads): the error reaches the
+  trainer as a :class:`SaveError`, one line."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+_QUIET = _QuietSaveThreads()
+
+
 class Checkpoints:
   """The run's ``CheckpointManager``: async saves, the newest ``keep`` kept, unfinished
   saves of a killed run removed on start. A failed save raises :class:`SaveError` at the
@@ -189,6 +201,7 @@ class Checkpoints:
     handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
                 "config": ocp.JsonCheckpointHandler()}
     self.manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+    logging.getLogger("absl").addFilter(_QUIET)
 
   def _guarded(self, call) -> Any:
     try:
@@ -204,7 +217,7 @@ class Checkpoints:
     return self.manager.latest_step()
 
   def save(self, step: int, state: dict, meta: dict, config: dict) -> None:
-    self.check_for_errors()
+    self._guarded(self.manager.wait_until_finished)  # Orbax waits anyway: its error is the last save's
     self.saving = step
     self._guarded(lambda: self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),

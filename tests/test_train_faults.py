@@ -1,0 +1,187 @@
+"""Faults and bad input of ``python -m train.gpt``: a busy or unusable run directory, an old
+run's log, data the model cannot hold, Ctrl-C / SIGTERM, a failed save. Each is one
+``error:`` line and its exit code, with nothing written or the previous state intact.
+
+Runs use the smallest GPT that trains (1 layer x 32, 16 tokens, batch 8) on one device.
+"""
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from data import fineweb
+from tests.test_train_gpt import compile_cache, snapshot, subprocess_env  # noqa: F401  fixture
+from train import gpt, rundir
+
+TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-len", "16",
+        "--global-batch-size", "8", "--eval-tokens", "128", "--log-interval", "1", "--mesh", "fs=1"]
+
+
+def train(run_dir, *args) -> int:
+  return gpt.main([*TINY, "--run-dir", str(run_dir), *args])
+
+
+def one_error_line(capsys) -> str:
+  err = capsys.readouterr().err
+  assert err.startswith("error: ") and err.count("\n") == 1, err
+  return err
+
+
+def dead_pid() -> int:
+  proc = subprocess.Popen([sys.executable, "-c", "pass"])
+  proc.wait()
+  return proc.pid
+
+
+def write_lock(run_dir, host: str, pid: int) -> None:
+  os.makedirs(run_dir, exist_ok=True)
+  with open(os.path.join(run_dir, rundir.LOCK_NAME), "w") as f:
+    json.dump({"host": host, "pid": pid}, f)
+
+
+def test_busy_unusable_or_used_run_directories_are_refused(compile_cache, tmp_path, capsys):  # noqa: F811
+  done = tmp_path / "done"
+  write_lock(done, socket.gethostname(), dead_pid())  # a killed run's lock: stale, taken over
+  assert train(done, "--steps", "2") == 0
+  assert not (done / rundir.LOCK_NAME).exists()  # released at the end
+  capsys.readouterr()
+
+  busy = tmp_path / "busy"
+  write_lock(busy, socket.gethostname(), os.getpid())  # a live process on this host
+  remote = tmp_path / "remote"
+  write_lock(remote, "another-host", 1)  # cannot be checked from here: refused too
+  old_log = tmp_path / "old_log"  # a run killed before its first checkpoint
+  old_log.mkdir()
+  (old_log / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+  a_file = tmp_path / "a_file"
+  a_file.write_text("not a directory")
+  small_valid = tmp_path / "small_valid.bin"  # 100 tokens: 6 windows of 17, batch 8
+  fineweb.write_shard(str(small_valid), np.arange(100) % 200)
+  high_ids = tmp_path / "high_ids.bin"
+  fineweb.write_shard(str(high_ids), np.where(np.arange(5000) == 777, 307, np.arange(5000) % 256))
+  before = snapshot(tmp_path)
+  fresh = tmp_path / "fresh"
+  cases = [
+      ([], busy, f"is in use by another run (pid {os.getpid()} on host {socket.gethostname()}"),
+      ([], remote, "(pid 1 on host another-host"),
+      (["--resume"], busy, "is in use by another run"),
+      ([], a_file, f"--run-dir {a_file} is a file, not a directory"),
+      ([], a_file / "run", f"lies under the file {a_file}"),
+      (["--ckpt-dir", str(a_file)], fresh, f"--ckpt-dir {a_file} is a file"),
+      ([], old_log, "already holds a run's metrics.jsonl; pass --resume"),
+      (["--valid-data", f"fineweb:{small_valid}", "--vocab-size", "257"], fresh,
+       "--valid-data: " + str(small_valid) + ": 6 windows of 17 tokens do not fill one global batch of 8"),
+      (["--vocab-size", "100"], fresh, "--data stdlib holds token id 256 but the model's vocabulary has 100 ids"),
+      # padded to 384 rows, a 257-token vocabulary would train on id 307 silently
+      (["--data", f"fineweb:{high_ids}", "--vocab-size", "257", "--eval-tokens", "0"], fresh,
+       "holds token id 307 but the model's vocabulary has 257 ids (0..256); pass --vocab-size 308"),
+  ]
+  for args, run_dir, message in cases:
+    assert train(run_dir, "--steps", "2", *args) == 2, args
+    assert message in one_error_line(capsys), args
+  assert snapshot(tmp_path) == before
+  assert not fresh.exists()
+
+
+def stop_at(run_dir, step: int, signum: int) -> threading.Thread:
+  """Sends ``signum`` to this process once metrics.jsonl holds the record of ``step``."""
+  def watch():
+    path = os.path.join(run_dir, "metrics.jsonl")
+    while True:
+      if os.path.exists(path):
+        with open(path) as f:
+          if any(json.loads(line).get("step") == step for line in f if line.strip()):
+            break
+      time.sleep(0.01)
+    os.kill(os.getpid(), signum)
+
+  thread = threading.Thread(target=watch, daemon=True)
+  thread.start()
+  return thread
+
+
+def steps_saved(run_dir) -> list[str]:
+  return sorted(os.listdir(run_dir / "checkpoints"))
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_finishes_the_step_saves_and_exits(compile_cache, tmp_path, capsys, signum, code):  # noqa: F811
+  """The signal comes once step 3 is logged (the loop is then a step or two further: it logs
+  a step after dispatching the next): the run finishes the step it is on, logs it and saves
+  it, although --save-every 0 saves only at the end."""
+  run_dir = tmp_path / "run"
+  stop_at(run_dir, 3, signum)
+  assert train(run_dir, "--steps", "1000", "--save-every", "0") == code
+  err = one_error_line(capsys)
+  saved = steps_saved(run_dir)
+  assert len(saved) == 1 and 3 <= int(saved[0]) < 1000, saved  # nothing partial left
+  logged = [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")]
+  assert logged == list(range(1, int(saved[0]) + 1))
+  assert err.startswith(f"error: stopped by {signal.Signals(signum).name} after step {saved[0]};"
+                        f" the checkpoint of step {saved[0]} is saved in")
+  assert not (run_dir / rundir.LOCK_NAME).exists()
+  assert signal.getsignal(signum) is not None and signal.getsignal(signum) == {
+      signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}[signum]
+
+
+SECOND_SIGNAL = """
+import sys, time
+from train import rundir
+from train.interrupt import Interrupt
+with Interrupt(on_second=lambda: rundir.remove_partial_saves(sys.argv[1])) as interrupt:
+  print("ready", flush=True)
+  while interrupt.signum is None:
+    time.sleep(0.01)
+  print("saving", flush=True)  # as a long save would, the first signal's exit waits
+  time.sleep(60)
+"""
+
+
+def test_a_second_signal_exits_at_once_without_partial_saves(tmp_path):
+  """The second SIGTERM, while the first one's save runs, exits at once with 143 and removes
+  the unfinished save."""
+  partial = tmp_path / f"7{rundir.PARTIAL_MARK}"
+  partial.mkdir()
+  (tmp_path / "6").mkdir()
+  proc = subprocess.Popen([sys.executable, "-c", SECOND_SIGNAL, str(tmp_path)], stdout=subprocess.PIPE,
+                          text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+  assert proc.stdout.readline() == "ready\n"
+  proc.send_signal(signal.SIGTERM)
+  assert proc.stdout.readline() == "saving\n"
+  proc.send_signal(signal.SIGTERM)
+  assert proc.wait(timeout=30) == 143
+  assert os.listdir(tmp_path) == ["6"]
+
+
+def test_a_failed_save_stops_the_run_and_keeps_the_previous_checkpoint(compile_cache, tmp_path,  # noqa: F811
+                                                                       capsys, monkeypatch):
+  """The background write of step 2's checkpoint fails as on a full disk: the run stops at
+  the next step with one line naming the directory and the cause (exit 1); step 1's
+  checkpoint stays complete, nothing partial is left."""
+  from orbax.checkpoint._src.path import atomicity
+
+  finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+  async def disk_full(self, *args, **kwargs):
+    if os.path.basename(str(self._final_path)) == "2":
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self._tmp_path))
+    return await finalize(self, *args, **kwargs)
+
+  monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", disk_full)
+  run_dir = tmp_path / "run"
+  assert train(run_dir, "--steps", "4", "--save-every", "1", "--keep", "5") == 1
+  err = one_error_line(capsys)
+  assert err.startswith(f"error: saving the checkpoint of step 2 to {run_dir / 'checkpoints'} failed:"
+                        " No space left on device")
+  assert "the checkpoint of step 1 is intact" in err
+  assert steps_saved(run_dir) == ["1"]
+  assert (run_dir / "checkpoints" / "1" / "commit_success.txt").exists()
+  assert not (run_dir / rundir.LOCK_NAME).exists()
