@@ -185,3 +185,49 @@ def test_a_failed_save_stops_the_run_and_keeps_the_previous_checkpoint(compile_c
   assert steps_saved(run_dir) == ["1"]
   assert (run_dir / "checkpoints" / "1" / "commit_success.txt").exists()
   assert not (run_dir / rundir.LOCK_NAME).exists()
+
+
+def test_resume_reads_the_checkpoint_config_and_refuses_damaged_checkpoints(compile_cache, tmp_path, capsys):  # noqa: F811
+  """Without config.json --resume takes the checkpoint's config (a new --steps keeps its lr
+  schedule, said in one line); a damaged latest checkpoint is one line naming the step and
+  the --step that goes back, in train.gpt, train.eval and train.export; --resume --step
+  continues from the older one."""
+  from train import eval as eval_lib
+  from train import export as export_lib
+
+  run_dir = tmp_path / "run"
+  assert train(run_dir, "--steps", "2", "--save-every", "1", "--keep", "5", "--eval-tokens", "0") == 0
+  (run_dir / "config.json").unlink()
+  capsys.readouterr()
+  # No model flags: the defaults (4 layers x 128) would not match the checkpoint.
+  assert gpt.main(["--run-dir", str(run_dir), "--resume", "--steps", "3"]) == 0
+  err = capsys.readouterr().err
+  assert err == ("warning: --resume --steps 3 keeps the run's lr schedule, which decays over 2 steps;"
+                 " pass --lr-decay-steps 3 to stretch it over the new length instead\n")
+  lrs = [json.loads(line)["learning_rate"] for line in open(run_dir / "metrics.jsonl")]
+  assert lrs[-1] == 0.0  # past the end of the 2-step cosine, as kept
+  assert gpt.main(["--run-dir", str(run_dir), "--resume", "--steps", "4", "--global-batch-size", "16"]) == 2
+  assert "the run was saved with 8" in one_error_line(capsys)
+
+  for name in os.listdir(run_dir / "checkpoints" / "3"):  # step 3 emptied
+    path = run_dir / "checkpoints" / "3" / name
+    subprocess.run(["rm", "-rf", str(path)], check=True)
+  before = snapshot(tmp_path)
+  damaged = f"the checkpoint of step 3 in {run_dir / 'checkpoints'} is damaged ("
+  for main, argv, back in [
+      (gpt.main, ["--run-dir", str(run_dir), "--resume", "--steps", "4"], "use an older one with --resume --step 2"),
+      (eval_lib.main, [str(run_dir), "--data", "stdlib:val", "--seq-len", "16"], "use an older one with --step 2"),
+      (export_lib.main, [str(run_dir), "--output", str(tmp_path / "hf")], "use an older one with --step 2")]:
+    assert main(argv) == 2
+    err = one_error_line(capsys)
+    assert damaged in err and err.endswith(back + "\n"), err
+  assert snapshot(tmp_path) == before and not (tmp_path / "hf").exists()
+  assert gpt.main(["--run-dir", str(run_dir), "--resume", "--step", "2", "--steps", "3"]) == 0
+  assert steps_saved(run_dir) == ["1", "2", "3"]
+  assert "deleting the newer checkpoints of steps 3" in capsys.readouterr().err
+
+  broken = tmp_path / "broken"
+  broken.mkdir()
+  (broken / "config.json").write_text("{}")
+  assert gpt.main(["--run-dir", str(broken), "--resume"]) == 2
+  assert "config.json is damaged" in one_error_line(capsys)

@@ -177,11 +177,12 @@ class SaveError(Exception):
 
 
 class _QuietSaveThreads(logging.Filter):
-  """Drops Orbax's own error logs (tracebacks of its save threads): the error reaches the
-  trainer as a :class:`SaveError`, one line."""
+  """Drops Orbax's own warnings and error logs (tracebacks of its save threads, a damaged
+  checkpoint's missing files): the error reaches the trainer as one line (:class:`SaveError`,
+  ``train.preflight.damaged``)."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+    return not (record.levelno >= logging.WARNING and f"{os.sep}orbax{os.sep}" in record.pathname)
 
 
 _QUIET = _QuietSaveThreads()

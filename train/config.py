@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 
 from train.cli import Parser, UsageError
 
@@ -100,6 +101,7 @@ class Config:
   save_every: int = 100
   keep: int = 2
   resume: bool = False
+  step: int | None = None
   # multi-host
   coordinator: str | None = None
   num_processes: int | None = None
@@ -157,7 +159,7 @@ class Config:
       value = getattr(self, field.name)
       if isinstance(value, float) and not math.isfinite(value):
         raise UsageError(f"--{field.name.replace('_', '-')} must be a finite number, got {value}")
-    positive = ("virtual_stages", "global_batch_size", "steps", "log_interval", "keep",
+    positive = ("virtual_stages", "global_batch_size", "steps", "step", "log_interval", "keep",
                 "max_skipped", "micro_batch_size", "num_layers", "hidden_size",
                 "num_attention_heads", "seq_len", "vocab_size", "num_processes",
                 "loss_scale_window", "moe_top_k", "moe_every", "moe_ffn_hidden_size",
@@ -182,6 +184,8 @@ class Config:
     if self.warmup_steps > self.decay_steps:
       raise UsageError(f"--lr-warmup-steps {self.warmup_steps} exceeds the decay steps"
                        f" {self.decay_steps}; lower it or raise --lr-decay-steps")
+    if self.step is not None and not self.resume:
+      raise UsageError(f"--step {self.step} picks the checkpoint to resume from; add --resume")
     multi = (self.coordinator, self.num_processes, self.process_id)
     if any(v is not None for v in multi) and None in multi:
       raise UsageError("multi-host runs need all of --coordinator HOST:PORT, --num-processes"
@@ -319,7 +323,10 @@ HELP = {
     "save_every": "steps between checkpoints, 0 for only at the end (default 100)",
     "keep": "checkpoints to keep, newest first (default 2)",
     "resume": "continue from the latest complete checkpoint; flags left off keep the values"
-              " saved in the run's config.json",
+              " saved in the run's config.json (or, without it, in the checkpoint); a new --steps"
+              " keeps the saved lr schedule unless --lr-decay-steps is given",
+    "step": "with --resume: continue from this checkpoint step instead of the latest (to go"
+            " back past a damaged or unwanted one); the newer checkpoints are deleted",
     "coordinator": "multi-host: HOST:PORT of process 0's coordinator",
     "num_processes": "multi-host: number of processes",
     "process_id": "multi-host: this process's index in [0, --num-processes)",
@@ -357,24 +364,76 @@ def parse(argv: list[str] | None = None) -> Config:
     given["data"] = tuple(given["data"])
   values = dict(given)
   if given.get("resume"):
-    saved = saved_config(Config(**given).run_path)
-    values = {**saved, **given}
+    start = Config(**given)
+    saved = saved_config(start.run_path, start.ckpt_path)
+    values = {**saved, **given, **_kept_schedule(saved, given)}
   return Config(**values)
 
 
+def _kept_schedule(saved: dict, given: dict) -> dict:
+  """With ``--resume``, what keeps the saved run's data and lr schedule: a new --steps keeps
+  the decay length it started with (one warning line; --lr-decay-steps stretches it), a new
+  --global-batch-size is refused (the data position and consumed tokens count its steps)."""
+  if "global_batch_size" in given and saved.get("global_batch_size", given["global_batch_size"]) != given["global_batch_size"]:
+    raise UsageError(f"--resume --global-batch-size {given['global_batch_size']}: the run was saved with"
+                     f" {saved['global_batch_size']}, and its data position and consumed tokens count steps of"
+                     f" that size; resume with --global-batch-size {saved['global_batch_size']} or start a new --run-dir")
+  if ("steps" in given and "lr_decay_steps" not in given and saved.get("lr_decay_steps") is None
+      and saved.get("steps", given["steps"]) != given["steps"]):
+    print(f"warning: --resume --steps {given['steps']} keeps the run's lr schedule, which decays over"
+          f" {saved['steps']} steps; pass --lr-decay-steps {given['steps']} to stretch it over the new"
+          " length instead", file=sys.stderr)
+    return {"lr_decay_steps": saved["steps"]}
+  return {}
+
+
 # Flags that describe one invocation, not the run: never taken from a saved config.
-_PER_INVOCATION = ("resume", "run_dir", "coordinator", "num_processes", "process_id", "distributed")
+_PER_INVOCATION = ("resume", "step", "run_dir", "coordinator", "num_processes", "process_id", "distributed")
 
 
-def saved_config(run_path: str) -> dict:
-  """The fields saved in ``run_path/config.json`` (empty when there is none)."""
+def checkpoint_record(ckpt_path: str, step: int | None = None) -> dict | None:
+  """The config record (``{"train", "model", ...}``) saved with checkpoint ``step`` of
+  ``ckpt_path``, or with the newest checkpoint that holds a readable one; None if none does.
+  Read as the JSON file Orbax's ``JsonCheckpointHandler`` wrote, without importing jax."""
+  if step is not None:
+    steps = [step]
+  elif os.path.isdir(ckpt_path):
+    steps = sorted((int(n) for n in os.listdir(ckpt_path) if n.isdigit()), reverse=True)
+  else:
+    steps = []
+  for s in steps:
+    try:
+      with open(os.path.join(ckpt_path, str(s), "config", "metadata")) as f:
+        record = json.load(f)
+    except (OSError, ValueError):
+      continue
+    if isinstance(record, dict) and isinstance(record.get("train"), dict):
+      return record
+  return None
+
+
+def saved_config(run_path: str, ckpt_path: str | None = None) -> dict:
+  """The fields saved in ``run_path/config.json``, or, when it is missing or damaged, in the
+  newest checkpoint of ``ckpt_path`` (default RUN_PATH/checkpoints); empty when neither
+  exists. A damaged config.json without a checkpoint to stand in is a UsageError."""
   path = os.path.join(run_path, "config.json")
-  if not os.path.exists(path):
-    return {}
-  with open(path) as f:
-    saved = json.load(f)["train"]
+  try:
+    with open(path) as f:
+      record = json.load(f)
+  except FileNotFoundError:
+    record = None
+  except (OSError, ValueError):
+    record = {}
+  if not isinstance(record, dict) or not isinstance(record.get("train"), dict):
+    damaged = record is not None
+    record = checkpoint_record(ckpt_path or os.path.join(run_path, "checkpoints"))
+    if record is None:
+      if damaged:
+        raise UsageError(f"{path} is damaged (no \"train\" record) and no checkpoint holds the run's"
+                         " config; restore the file from a backup or start a new --run-dir")
+      return {}
   known = {f.name for f in dataclasses.fields(Config)}
-  saved = {k: v for k, v in saved.items() if k in known and k not in _PER_INVOCATION}
+  saved = {k: v for k, v in record["train"].items() if k in known and k not in _PER_INVOCATION}
   if "data" in saved:
     saved["data"] = tuple(saved["data"])
   if "weight_decay" in saved:  # Runs saved before --scalar-weight-decay decayed all alike.

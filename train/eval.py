@@ -36,7 +36,7 @@ import data
 from data import hf_tokenizer
 import models
 from models import context
-from train import cli, gpt, loop, sample
+from train import cli, gpt, loop, preflight, sample
 from train import config as config_lib
 from train import hf as hf_io
 from train.cli import UsageError
@@ -55,7 +55,13 @@ def load_model(spec: str, step: int | None, par: models.Parallelism) -> tuple[mo
     except ValueError as e:
       raise UsageError(f"--mesh: {e}") from None
     return cfg, graphdef, params
-  restored = sample.restore(os.path.abspath(spec), step, par)
+  run_dir = os.path.abspath(spec)
+  try:
+    restored = sample.restore(run_dir, step, par)
+  except UsageError:
+    raise
+  except Exception as e:  # noqa: BLE001  whatever Orbax met in a damaged checkpoint
+    raise preflight.damaged("--step", sample.checkpoint_path(run_dir), step, e) from None
   return restored.cfg, restored.graphdef, restored.params
 
 
@@ -168,9 +174,11 @@ def _start(argv):
   except ValueError as e:
     raise UsageError(f"--seq-len / --mesh: {e}") from None
   r = rows(args.data, args.tokens, seq_len, _tokenizer(args.model))
-  if r["inputs"].max() >= cfg.vocab_size:
-    raise UsageError(f"the data holds token {r['inputs'].max()} but the model's vocabulary has"
-                     f" {cfg.vocab_size}; evaluate on data made with the model's tokenizer")
+  largest = max(int(r["inputs"].max()), int(r["targets"].max()))
+  if largest >= cfg.vocab_size:
+    raise UsageError(f"--data {args.data} holds token id {largest} but the model's vocabulary has"
+                     f" {cfg.vocab_size} ids (0..{cfg.vocab_size - 1}); evaluate on data made with"
+                     " the model's tokenizer")
   return graphdef, params, r, par, args.batch_size
 
 

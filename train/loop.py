@@ -215,19 +215,26 @@ def setup(cfg: Config) -> Run:
   checkpoints = ckpt_lib.Checkpoints(cfg.ckpt_path, cfg.keep, create=not cfg.resume)
   start_step, record = 0, config_record(cfg, model_cfg)
   if cfg.resume:
-    start_step = checkpoints.latest_step()
-    meta, saved = checkpoints.read_json(start_step)
-    preflight.check_same_model(saved, model_cfg, cfg, cfg.ckpt_path)
-    with jax.set_mesh(mesh):
-      state = checkpoints.restore_state(start_step, state, pp, cfg.virtual_stages)
+    start_step = preflight.resume_step(cfg, existing)
+    try:
+      meta, saved = checkpoints.read_json(start_step)
+      preflight.check_same_model(saved, model_cfg, cfg, cfg.ckpt_path)
+      with jax.set_mesh(mesh):
+        state = checkpoints.restore_state(start_step, state, pp, cfg.virtual_stages)
+      train_batches.set_state(meta["data"])
+    except UsageError:
+      raise
+    except Exception as e:  # noqa: BLE001  whatever Orbax or the record's reader met
+      raise preflight.damaged("--resume --step", cfg.ckpt_path, start_step, e) from None
     if saved["model"]["dtype"] != model_cfg.dtype:  # a scale belongs to the dtype it was found for
       state = state._replace(loss_scale=fresh_scale)
-    train_batches.set_state(meta["data"])
     if start_step >= cfg.steps:
       raise UsageError(f"--resume: the checkpoint is at step {start_step}, which already reaches"
                        f" --steps {cfg.steps}; pass a larger --steps to train further")
   if primary:
     lock.acquire()
+    if preflight.drop_newer(cfg, start_step, existing):
+      checkpoints.manager.reload()
     with open(os.path.join(cfg.run_path, "config.json"), "w") as f:
       json.dump(record, f, indent=2)
   return Run(cfg, model_cfg, mesh, par, state, start_step, train_step, eval_step, train_batches,

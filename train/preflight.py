@@ -6,11 +6,14 @@ Each check raises ``UsageError`` with one line that names the problem and the fi
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 
 import jax
 
 import data
 import models
+from train import checkpoint as ckpt_lib
 from train import rundir
 from train.cli import UsageError
 from train.config import Config
@@ -92,3 +95,39 @@ def check_run_dir(cfg: Config, lock: rundir.Lock) -> None:
   if not cfg.resume and os.path.exists(metrics):
     raise UsageError(f"{cfg.run_path} already holds a run's metrics.jsonl; pass --resume to continue"
                      " that run, choose a new --run-dir/--name, or delete the old run directory")
+
+
+def resume_step(cfg: Config, existing: list[int]) -> int:
+  """The checkpoint step ``--resume`` continues from: ``--step`` or the latest."""
+  if cfg.step is None:
+    return max(existing)
+  if cfg.step not in existing:
+    raise UsageError(f"--step {cfg.step}: {cfg.ckpt_path} has checkpoints at steps"
+                     f" {', '.join(map(str, sorted(existing)))}; pass one of them")
+  return cfg.step
+
+
+def damaged(command: str, ckpt_path: str, step: int | None, error: BaseException) -> UsageError:
+  """The one-line error of a checkpoint that does not restore: its step, the cause, and
+  the way back to an older one (``command`` is the flags that pick a step: ``--resume --step``
+  in train.gpt, ``--step`` in train.eval and train.export)."""
+  existing = ckpt_lib.existing_steps(ckpt_path)
+  step = max(existing, default=0) if step is None else step
+  cause = f"{type(error).__name__}: {error}".split(" See full")[0].splitlines()[0][:200]
+  older = [s for s in existing if s < step]
+  fix = (f"use an older one with {command} {max(older)}" if older
+         else "no older checkpoint exists: start a new --run-dir")
+  return UsageError(f"the checkpoint of step {step} in {ckpt_path} is damaged ({cause}); {fix}")
+
+
+def drop_newer(cfg: Config, step: int, existing: list[int]) -> bool:
+  """Deletes the checkpoints after ``step`` when ``--step`` went back to it (the run will
+  save those steps anew), with one line saying so; whether there were any."""
+  newer = sorted(s for s in existing if s > step)
+  if not newer:
+    return False
+  print(f"warning: --step {step}: deleting the newer checkpoints of steps {', '.join(map(str, newer))}",
+        file=sys.stderr)
+  for s in newer:
+    shutil.rmtree(os.path.join(cfg.ckpt_path, str(s)))
+  return True
