@@ -76,7 +76,7 @@ def test_busy_unusable_or_used_run_directories_are_refused(compile_cache, tmp_pa
       ([], a_file, f"--run-dir {a_file} is a file, not a directory"),
       ([], a_file / "run", f"lies under the file {a_file}"),
       (["--ckpt-dir", str(a_file)], fresh, f"--ckpt-dir {a_file} is a file"),
-      ([], old_log, "already holds a run's metrics.jsonl; pass --resume"),
+      ([], old_log, "already holds a run's metrics.jsonl but no checkpoint; choose a new --run-dir"),
       (["--valid-data", f"fineweb:{small_valid}", "--vocab-size", "257"], fresh,
        "--valid-data: " + str(small_valid) + ": 6 windows of 17 tokens do not fill one global batch of 8"),
       (["--vocab-size", "100"], fresh, "--data stdlib holds token id 256 but the model's vocabulary has 100 ids"),

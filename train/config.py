@@ -16,7 +16,6 @@ import dataclasses
 import json
 import math
 import os
-import sys
 
 from train.cli import Parser, UsageError
 
@@ -372,17 +371,15 @@ def parse(argv: list[str] | None = None) -> Config:
 
 def _kept_schedule(saved: dict, given: dict) -> dict:
   """With ``--resume``, what keeps the saved run's data and lr schedule: a new --steps keeps
-  the decay length it started with (one warning line; --lr-decay-steps stretches it), a new
-  --global-batch-size is refused (the data position and consumed tokens count its steps)."""
+  the decay length it started with (``train.preflight.schedule_warning`` says so once the
+  run starts; --lr-decay-steps stretches it), a new --global-batch-size is refused (the
+  data position and consumed tokens count its steps)."""
   if "global_batch_size" in given and saved.get("global_batch_size", given["global_batch_size"]) != given["global_batch_size"]:
     raise UsageError(f"--resume --global-batch-size {given['global_batch_size']}: the run was saved with"
                      f" {saved['global_batch_size']}, and its data position and consumed tokens count steps of"
                      f" that size; resume with --global-batch-size {saved['global_batch_size']} or start a new --run-dir")
   if ("steps" in given and "lr_decay_steps" not in given and saved.get("lr_decay_steps") is None
       and saved.get("steps", given["steps"]) != given["steps"]):
-    print(f"warning: --resume --steps {given['steps']} keeps the run's lr schedule, which decays over"
-          f" {saved['steps']} steps; pass --lr-decay-steps {given['steps']} to stretch it over the new"
-          " length instead", file=sys.stderr)
     return {"lr_decay_steps": saved["steps"]}
   return {}
 

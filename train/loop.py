@@ -235,6 +235,8 @@ def setup(cfg: Config) -> Run:
     lock.acquire()
     if preflight.drop_newer(cfg, start_step, existing):
       checkpoints.manager.reload()
+    if cfg.resume:
+      preflight.schedule_warning(cfg, saved["train"])
     with open(os.path.join(cfg.run_path, "config.json"), "w") as f:
       json.dump(record, f, indent=2)
   return Run(cfg, model_cfg, mesh, par, state, start_step, train_step, eval_step, train_batches,

@@ -43,6 +43,10 @@ def check_resumable(cfg: Config, existing: list[int]) -> None:
   if not cfg.resume and existing:
     raise UsageError(f"{where} already holds checkpoints (latest step {max(existing)}); pass"
                      " --resume to continue that run, or --name/--run-dir for a new one")
+  # A run killed before its first save left a log: appending to it would mix two runs.
+  if not cfg.resume and os.path.exists(os.path.join(cfg.run_path, "metrics.jsonl")):
+    raise UsageError(f"{cfg.run_path} already holds a run's metrics.jsonl but no checkpoint; choose a"
+                     " new --run-dir/--name, or delete the old run directory")
 
 
 def check_same_model(saved: dict, model_cfg: models.GPTConfig, cfg: Config, where: str) -> None:
@@ -87,14 +91,10 @@ def check_data(cfg: Config, model_cfg: models.GPTConfig, source, valid_source, e
 
 
 def check_run_dir(cfg: Config, lock: rundir.Lock) -> None:
-  """The run and checkpoint directories are usable, free, and hold no other run's log."""
+  """The run and checkpoint directories are usable and free."""
   rundir.check_usable(cfg.run_path, "--run-dir")
   rundir.check_usable(cfg.ckpt_path, "--ckpt-dir")
   lock.check()
-  metrics = os.path.join(cfg.run_path, "metrics.jsonl")
-  if not cfg.resume and os.path.exists(metrics):
-    raise UsageError(f"{cfg.run_path} already holds a run's metrics.jsonl; pass --resume to continue"
-                     " that run, choose a new --run-dir/--name, or delete the old run directory")
 
 
 def resume_step(cfg: Config, existing: list[int]) -> int:
@@ -131,3 +131,11 @@ def drop_newer(cfg: Config, step: int, existing: list[int]) -> bool:
   for s in newer:
     shutil.rmtree(os.path.join(cfg.ckpt_path, str(s)))
   return True
+
+
+def schedule_warning(cfg: Config, saved_train: dict) -> None:
+  """One line when ``--resume`` with a new --steps kept the saved run's lr decay length."""
+  if saved_train.get("lr_decay_steps") is None and cfg.lr_decay_steps == saved_train.get("steps") != cfg.steps:
+    print(f"warning: --resume --steps {cfg.steps} keeps the run's lr schedule, which decays over"
+          f" {cfg.lr_decay_steps} steps; pass --lr-decay-steps {cfg.steps} to stretch it over the"
+          " new length instead", file=sys.stderr)
