@@ -231,3 +231,30 @@ def test_resume_reads_the_checkpoint_config_and_refuses_damaged_checkpoints(comp
   (broken / "config.json").write_text("{}")
   assert gpt.main(["--run-dir", str(broken), "--resume"]) == 2
   assert "config.json is damaged" in one_error_line(capsys)
+
+
+def test_an_imported_model_is_checked_on_the_data_ids_and_its_positions(tmp_path, capsys):
+  """A Llama of vocabulary 300 takes a FineWeb file of byte ids (the format's usual GPT-2
+  tokenizer is no reason to refuse), refuses one that holds id 300, and a --seq-len past its
+  64 positions."""
+  pytest.importorskip("transformers")
+  from tests.test_models_hf import make_hf_model
+
+  make_hf_model("llama", tmp_path / "llama", vocab_size=300)
+  bytes_bin, high_bin = tmp_path / "bytes.bin", tmp_path / "high.bin"
+  fineweb.write_shard(str(bytes_bin), np.arange(4000) % 257)
+  fineweb.write_shard(str(high_bin), np.where(np.arange(4000) == 9, 300, np.arange(4000) % 257))
+  flags = ["--init-from", f"hf:{tmp_path / 'llama'}", "--seq-len", "16", "--global-batch-size", "8",
+           "--mesh", "fs=1", "--eval-tokens", "0", "--steps", "2"]
+  run = gpt._setup([*flags, "--data", f"fineweb:{bytes_bin}", "--run-dir", str(tmp_path / "ok")])
+  run.checkpoints.close()
+  run.lock.release()
+  assert run.model_cfg.vocab_size == 300
+  capsys.readouterr()
+  for argv, message in [
+      (["--data", f"fineweb:{high_bin}"], f"--data {high_bin} holds token id 300 but the model's vocabulary"
+                                           " has 300 ids (0..299); tokenize the data with --init-from's tokenizer"),
+      (["--data", f"fineweb:{bytes_bin}", "--seq-len", "128"], "--seq-len 128 exceeds the 64 positions")]:
+    assert gpt.main([*flags, *argv, "--run-dir", str(tmp_path / "refused")]) == 2
+    assert message in one_error_line(capsys)
+  assert not (tmp_path / "refused").exists()

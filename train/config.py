@@ -26,6 +26,14 @@ OPTIMIZERS = ("dion", "dion2", "nordion2", "normuon", "muon", "adamw", "lion")
 # for all four (benchmarks/results/optimizer_comparison.md).
 DEFAULT_LR = {"dion": 0.02, "dion2": 0.02, "nordion2": 0.02, "normuon": 0.02, "muon": 0.02, "adamw": 3e-3, "lion": 3e-4}
 DECAY_STYLES = ("constant", "linear", "cosine", "wsd")
+# The optimizer flags each --optimizer reads (train/optim.py); the others do nothing there.
+_ORTHOGONAL_FLAGS = ("dion_scale_rule", "dion_scalar_optimizer", "ortho_dtype")
+OPTIMIZER_FLAGS = {
+    "dion": ("dion_rank_fraction", "dion_momentum", "dion_qr_method", "dion_scale_rule",
+             "dion_scalar_optimizer", "dion_replicate_sync"),
+    **dict.fromkeys(("dion2", "nordion2", "normuon", "muon"), _ORTHOGONAL_FLAGS),
+    "adamw": (), "lion": (),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +114,7 @@ class Config:
   num_processes: int | None = None
   process_id: int | None = None
   distributed: bool = False
+  distributed_timeout: int = 300
 
   @property
   def learning_rate(self) -> float:
@@ -152,6 +161,13 @@ class Config:
       return strip_format(self.valid_data) or None
     return "stdlib:val" if self.data_spec in ("stdlib", "stdlib:train") else None
 
+  def ignored_flags(self) -> list[str]:
+    """The optimizer flags set away from their defaults that ``--optimizer`` does not read."""
+    every = {name for names in OPTIMIZER_FLAGS.values() for name in names}
+    defaults = Config()
+    return [f"--{n.replace('_', '-')}" for n in sorted(every - set(OPTIMIZER_FLAGS[self.optimizer]))
+            if getattr(self, n) != getattr(defaults, n)]
+
   def check(self) -> None:
     """Range checks that need no devices; raises :class:`UsageError`."""
     for field in dataclasses.fields(self):
@@ -161,7 +177,7 @@ class Config:
     positive = ("virtual_stages", "global_batch_size", "steps", "step", "log_interval", "keep",
                 "max_skipped", "micro_batch_size", "num_layers", "hidden_size",
                 "num_attention_heads", "seq_len", "vocab_size", "num_processes",
-                "loss_scale_window", "moe_top_k", "moe_every", "moe_ffn_hidden_size",
+                "loss_scale_window", "distributed_timeout", "moe_top_k", "moe_every", "moe_ffn_hidden_size",
                 "moe_capacity_factor")
     for name in positive:
       value = getattr(self, name)
@@ -172,6 +188,11 @@ class Config:
                  "num_experts", "moe_aux_loss_coeff", "moe_z_loss_coeff"):
       if (getattr(self, name) or 0) < 0:
         raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+    if self.min_lr > self.learning_rate:
+      raise UsageError(f"--min-lr {self.min_lr:g} exceeds the peak --lr {self.learning_rate:g}; the decay"
+                       f" ends at --min-lr, so choose it in [0, {self.learning_rate:g}]")
+    if not 0 <= self.dion_momentum < 1:
+      raise UsageError(f"--dion-momentum must be in [0, 1), got {self.dion_momentum:g}")
     if not 0 < self.dion_rank_fraction <= 1:
       raise UsageError(f"--dion-rank-fraction must be in (0, 1], got {self.dion_rank_fraction}")
     for name in ("lr", "initial_loss_scale", "min_loss_scale", "qk_clip_threshold"):
@@ -183,6 +204,11 @@ class Config:
     if self.warmup_steps > self.decay_steps:
       raise UsageError(f"--lr-warmup-steps {self.warmup_steps} exceeds the decay steps"
                        f" {self.decay_steps}; lower it or raise --lr-decay-steps")
+    if self.coordinator is not None:
+      host, _, port = self.coordinator.rpartition(":")
+      if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--coordinator {self.coordinator}: expected HOST:PORT with a port in"
+                         " 1..65535, e.g. 10.0.0.1:1234")
     if self.step is not None and not self.resume:
       raise UsageError(f"--step {self.step} picks the checkpoint to resume from; add --resume")
     multi = (self.coordinator, self.num_processes, self.process_id)
@@ -330,6 +356,8 @@ HELP = {
     "num_processes": "multi-host: number of processes",
     "process_id": "multi-host: this process's index in [0, --num-processes)",
     "distributed": "multi-host with jax.distributed.initialize's auto-detection (SLURM, Open MPI, TPU)",
+    "distributed_timeout": "multi-host: seconds to wait for every process to join the coordinator"
+                           " (default 300)",
 }
 
 
@@ -385,7 +413,8 @@ def _kept_schedule(saved: dict, given: dict) -> dict:
 
 
 # Flags that describe one invocation, not the run: never taken from a saved config.
-_PER_INVOCATION = ("resume", "step", "run_dir", "coordinator", "num_processes", "process_id", "distributed")
+_PER_INVOCATION = ("resume", "step", "run_dir", "coordinator", "num_processes", "process_id", "distributed",
+                   "distributed_timeout")
 
 
 def checkpoint_record(ckpt_path: str, step: int | None = None) -> dict | None:

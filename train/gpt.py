@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
 
 import numpy  # noqa: F401  numpy's own OpenBLAS loads first, keeping its threads
 
@@ -73,7 +74,31 @@ def start_jax(cfg: Config) -> None:
       _add_xla_flags({_DEVICE_COUNT_FLAG: str(needed // processes)})
   if cfg.coordinator is not None or cfg.distributed:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id)
+    _join(cfg)
+
+
+def _join(cfg: Config) -> None:
+  """``jax.distributed.initialize``, cut off after ``--distributed-timeout`` with one line.
+
+  jaxlib aborts the process when processes are missing (a C++ check failure, exit 134,
+  "another task died"); a timer a little before its deadline says what happened instead."""
+  import jax
+
+  def give_up():
+    print(f"error: multi-host start: not all {cfg.num_processes or ''} processes joined the coordinator"
+          f" {cfg.coordinator or '(auto-detected)'} within --distributed-timeout {cfg.distributed_timeout} s;"
+          " start every process with the same --coordinator and --num-processes and its own"
+          " --process-id, or raise --distributed-timeout", file=sys.stderr, flush=True)
+    os._exit(1)
+
+  timer = threading.Timer(cfg.distributed_timeout, give_up)
+  timer.daemon = True
+  timer.start()
+  try:
+    jax.distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id,
+                               initialization_timeout=cfg.distributed_timeout + 30)
+  finally:
+    timer.cancel()
 
 
 def _setup(argv: list[str] | None):

@@ -95,7 +95,11 @@ def _model_config(cfg: Config, vocab_size: int | None) -> models.GPTConfig:
   dtype = cfg.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
   if cfg.hf_dir is not None:
     hf_config = hf_io.read_config(cfg.hf_dir)
-    seq_len = cfg.seq_len or min(hf_config.get("max_position_embeddings", 1024), 1024)
+    longest = hf_config.get("max_position_embeddings")
+    if cfg.seq_len and longest and cfg.seq_len > longest:
+      raise UsageError(f"--seq-len {cfg.seq_len} exceeds the {longest} positions {cfg.hf_dir} was"
+                       f" trained for (max_position_embeddings); choose at most {longest}")
+    seq_len = cfg.seq_len or min(longest or 1024, 1024)
     routing = {name: getattr(cfg, name) for name in _ROUTING_FLAGS if getattr(cfg, name) is not None}
     return hf_io.model_config(cfg.hf_dir, seq_len=seq_len, dtype=dtype, remat=cfg.remat,
                               attention=_attention(cfg, dtype), **routing)
@@ -297,6 +301,9 @@ def _train(run: Run, interrupt: Interrupt) -> int:
                  f" {run.model_cfg.dtype}) with {cfg.optimizer} on mesh {mesh_desc}"
                  f" ({jax.process_count()} process(es)), steps {run.start_step + 1}..{cfg.steps},"
                  f" run directory {cfg.run_path}")
+  if cfg.ignored_flags():
+    logger.message(f"warning: --optimizer {cfg.optimizer} does not read {', '.join(cfg.ignored_flags())};"
+                   " they are recorded in config.json but change nothing")
   state, consecutive = run.state, 0
   pending = None  # the previous step's metrics, read while the next step runs
   scaled = run.model_cfg.dtype == "float16"
@@ -316,8 +323,15 @@ def _train(run: Run, interrupt: Interrupt) -> int:
   step = run.start_step
   try:
     for step in range(run.start_step + 1, cfg.steps + 1):
+      first = step == run.start_step + 1
+      if first:
+        logger.message("compiling the training step (the first step waits for it)")
+        t0 = time.perf_counter()
       with jax.set_mesh(run.mesh):
         state, metrics = run.train_step(state, global_batch(run, next(run.train_batches)))
+      if first:
+        jax.block_until_ready(metrics)
+        logger.message(f"compiled and ran step {step} in {time.perf_counter() - t0:.1f} s")
       run.checkpoints.check_for_errors()
       if pending is not None:
         account(*pending)
@@ -339,6 +353,7 @@ def _train(run: Run, interrupt: Interrupt) -> int:
         logger.validation(step, loss, tokens, time.perf_counter() - t0)
       if saving:
         save(run, step, state)
+        logger.message(f"saving the checkpoint of step {step} to {cfg.ckpt_path} (in the background)")
       if interrupt.signum is not None:
         break
     if pending is not None:

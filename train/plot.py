@@ -3,7 +3,8 @@
 Reads each run's ``metrics.jsonl`` (``train/log.py``: a record with ``loss`` per log
 interval, one with ``val_loss`` per evaluation, both with the consumed ``tokens``) and
 draws training loss (solid) and validation loss (dashed, dots) against tokens, one
-colour per run, into a PNG.
+colour per run, into an image whose format the output's extension names (PNG, PDF, SVG,
+... as matplotlib writes them; PNG without an extension).
 
 A missing run directory or a missing or empty ``metrics.jsonl`` prints one
 ``error: ...`` line on stderr and exits with code 2.
@@ -44,9 +45,15 @@ def label(run_dir: str) -> str:
 
 
 def plot(run_dirs: list[str], output: str) -> None:
-  """Draws the curves of ``run_dirs`` into the PNG ``output``."""
+  """Draws the curves of ``run_dirs`` into ``output``, in the format of its extension."""
   curves = [(label(d), *read_curves(d)) for d in run_dirs]
   fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
+  image_format = os.path.splitext(output)[1][1:].lower() or "png"
+  formats = fig.canvas.get_supported_filetypes()
+  if image_format not in formats:
+    plt.close(fig)
+    raise UsageError(f"--output {output}: matplotlib writes no .{image_format} images; use one of"
+                     f" {', '.join('.' + f for f in sorted(formats))}")
   for i, (name, train, valid) in enumerate(curves):
     colour = f"C{i % 10}"
     if train:
@@ -62,7 +69,7 @@ def plot(run_dirs: list[str], output: str) -> None:
   ax.legend()
   fig.tight_layout()
   try:
-    fig.savefig(output, format="png")
+    fig.savefig(output, format=image_format)
   except OSError as e:
     raise UsageError(f"cannot write {output}: {e.strerror}; choose another --output") from None
   finally:
@@ -71,9 +78,10 @@ def plot(run_dirs: list[str], output: str) -> None:
 
 def _plot(argv: list[str] | None) -> None:
   parser = cli.Parser(prog="python -m train.plot",
-                      description="Draw the train and validation loss of runs against tokens into a PNG.")
+                      description="Draw the train and validation loss of runs against tokens into an image.")
   parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories of python -m train.gpt")
-  parser.add_argument("--output", default="curves.png", help="the PNG to write (default curves.png)")
+  parser.add_argument("--output", default="curves.png", help="the image to write, its format from the extension: .png, .pdf, .svg, ..."
+                           " (default curves.png)")
   args = parser.parse_args(argv)
   plot(args.run_dirs, args.output)
   print(f"wrote {args.output}")

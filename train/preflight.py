@@ -44,7 +44,8 @@ def check_resumable(cfg: Config, existing: list[int]) -> None:
     raise UsageError(f"{where} already holds checkpoints (latest step {max(existing)}); pass"
                      " --resume to continue that run, or --name/--run-dir for a new one")
   # A run killed before its first save left a log: appending to it would mix two runs.
-  if not cfg.resume and os.path.exists(os.path.join(cfg.run_path, "metrics.jsonl")):
+  metrics = os.path.join(cfg.run_path, "metrics.jsonl")
+  if not cfg.resume and os.path.exists(metrics) and os.path.getsize(metrics):
     raise UsageError(f"{cfg.run_path} already holds a run's metrics.jsonl but no checkpoint; choose a"
                      " new --run-dir/--name, or delete the old run directory")
 
