@@ -2,7 +2,9 @@
 run's log, data the model cannot hold, Ctrl-C / SIGTERM, a failed save. Each is one
 ``error:`` line and its exit code, with nothing written or the previous state intact.
 
-Runs use the smallest GPT that trains (1 layer x 32, 16 tokens, batch 8) on one device.
+Runs use the smallest GPT that trains (1 layer x 32, 16 tokens, batch 8) on one device, and
+one lr schedule (--lr-decay-steps 1000) whatever their --steps: its constants are part of the
+compiled step, which the tests then share through the persistent compilation cache.
 """
 import errno
 import json
@@ -19,10 +21,12 @@ import pytest
 
 from data import fineweb
 from tests.test_train_gpt import compile_cache, snapshot, subprocess_env  # noqa: F401  fixture
-from train import gpt, rundir
+from train import config as config_lib
+from train import gpt, preflight, rundir
 
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-len", "16",
-        "--global-batch-size", "8", "--eval-tokens", "128", "--log-interval", "1", "--mesh", "fs=1"]
+        "--global-batch-size", "8", "--eval-tokens", "128", "--log-interval", "1", "--mesh", "fs=1",
+        "--lr-decay-steps", "1000"]
 
 
 def train(run_dir, *args) -> int:
@@ -50,7 +54,7 @@ def write_lock(run_dir, host: str, pid: int) -> None:
 def test_busy_unusable_or_used_run_directories_are_refused(compile_cache, tmp_path, capsys):  # noqa: F811
   done = tmp_path / "done"
   write_lock(done, socket.gethostname(), dead_pid())  # a killed run's lock: stale, taken over
-  assert train(done, "--steps", "2") == 0
+  assert train(done, "--steps", "2", "--eval-tokens", "0") == 0
   assert not (done / rundir.LOCK_NAME).exists()  # released at the end
   capsys.readouterr()
 
@@ -188,8 +192,7 @@ def test_a_failed_save_stops_the_run_and_keeps_the_previous_checkpoint(compile_c
 
 
 def test_resume_reads_the_checkpoint_config_and_refuses_damaged_checkpoints(compile_cache, tmp_path, capsys):  # noqa: F811
-  """Without config.json --resume takes the checkpoint's config (a new --steps keeps its lr
-  schedule, said in one line); a damaged latest checkpoint is one line naming the step and
+  """Without config.json --resume takes the checkpoint's config; a damaged latest checkpoint is one line naming the step and
   the --step that goes back, in train.gpt, train.eval and train.export; --resume --step
   continues from the older one."""
   from train import eval as eval_lib
@@ -201,11 +204,7 @@ def test_resume_reads_the_checkpoint_config_and_refuses_damaged_checkpoints(comp
   capsys.readouterr()
   # No model flags: the defaults (4 layers x 128) would not match the checkpoint.
   assert gpt.main(["--run-dir", str(run_dir), "--resume", "--steps", "3"]) == 0
-  err = capsys.readouterr().err
-  assert err == ("warning: --resume --steps 3 keeps the run's lr schedule, which decays over 2 steps;"
-                 " pass --lr-decay-steps 3 to stretch it over the new length instead\n")
-  lrs = [json.loads(line)["learning_rate"] for line in open(run_dir / "metrics.jsonl")]
-  assert lrs[-1] == 0.0  # past the end of the 2-step cosine, as kept
+  assert capsys.readouterr().err == ""
   assert gpt.main(["--run-dir", str(run_dir), "--resume", "--steps", "4", "--global-batch-size", "16"]) == 2
   assert "the run was saved with 8" in one_error_line(capsys)
 
@@ -258,3 +257,15 @@ def test_an_imported_model_is_checked_on_the_data_ids_and_its_positions(tmp_path
     assert gpt.main([*flags, *argv, "--run-dir", str(tmp_path / "refused")]) == 2
     assert message in one_error_line(capsys)
   assert not (tmp_path / "refused").exists()
+
+
+def test_a_kept_lr_schedule_is_said_in_one_line(capsys):
+  """parse kept the saved decay length (tests/test_train_config.py); the run says so when it starts."""
+  saved = config_lib.Config(steps=2).to_json()
+  preflight.schedule_warning(config_lib.Config(steps=3, lr_decay_steps=2), saved)
+  assert capsys.readouterr().err == ("warning: --resume --steps 3 keeps the run's lr schedule, which decays"
+                                     " over 2 steps; pass --lr-decay-steps 3 to stretch it over the new"
+                                     " length instead\n")
+  preflight.schedule_warning(config_lib.Config(steps=3, lr_decay_steps=3), saved)  # stretched
+  preflight.schedule_warning(config_lib.Config(steps=3, lr_decay_steps=2), {**saved, "lr_decay_steps": 2})
+  assert capsys.readouterr().err == ""
