@@ -269,3 +269,33 @@ def test_a_kept_lr_schedule_is_said_in_one_line(capsys):
   preflight.schedule_warning(config_lib.Config(steps=3, lr_decay_steps=3), saved)  # stretched
   preflight.schedule_warning(config_lib.Config(steps=3, lr_decay_steps=2), {**saved, "lr_decay_steps": 2})
   assert capsys.readouterr().err == ""
+
+
+EDITABLE_INSTALL = """
+import importlib.machinery, importlib.util, os, sys
+root, argv = sys.argv[1], sys.argv[2:]
+class EditableFinder:  # as setuptools' editable finder: on sys.meta_path, asked after the path
+  @staticmethod
+  def find_spec(name, path=None, target=None):
+    if name in ("train", "data", "models", "dion_jax"):
+      return importlib.util.spec_from_file_location(
+          name, os.path.join(root, name, "__init__.py"), submodule_search_locations=[os.path.join(root, name)])
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != root]
+sys.meta_path.insert(sys.meta_path.index(importlib.machinery.PathFinder) + 1, EditableFinder)
+from train import gpt
+sys.exit(gpt.main(argv))
+"""
+
+
+def test_folders_named_like_the_packages_in_the_working_directory_do_not_shadow_them(tmp_path):
+  """From a directory with data/ and models/ folders, the trainer imports the real packages
+  (it gets as far as checking the data against the model: one line, exit 2)."""
+  (tmp_path / "data").mkdir()
+  (tmp_path / "models").mkdir()
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run([sys.executable, "-c", EDITABLE_INSTALL, root, *TINY, "--vocab-size", "100",
+                        "--run-dir", str(tmp_path / "run")], cwd=tmp_path, capture_output=True, text=True,
+                       env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")},
+                       timeout=300)
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert out.stderr.startswith("error: --data stdlib holds token id 256") and out.stderr.count("\n") == 1
