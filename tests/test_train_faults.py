@@ -237,9 +237,12 @@ def test_an_imported_model_is_checked_on_the_data_ids_and_its_positions(tmp_path
   tokenizer is no reason to refuse), refuses one that holds id 300, and a --seq-len past its
   64 positions."""
   pytest.importorskip("transformers")
+  from tests.test_data_sft import make_tokenizer
   from tests.test_models_hf import make_hf_model
+  from train import hf as hf_io
 
   make_hf_model("llama", tmp_path / "llama", vocab_size=300)
+  make_tokenizer(tmp_path / "llama", ["a", "b"])
   bytes_bin, high_bin = tmp_path / "bytes.bin", tmp_path / "high.bin"
   fineweb.write_shard(str(bytes_bin), np.arange(4000) % 257)
   fineweb.write_shard(str(high_bin), np.where(np.arange(4000) == 9, 300, np.arange(4000) % 257))
@@ -249,6 +252,10 @@ def test_an_imported_model_is_checked_on_the_data_ids_and_its_positions(tmp_path
   run.checkpoints.close()
   run.lock.release()
   assert run.model_cfg.vocab_size == 300
+  # The run keeps its own copy of the tokenizer: later commands need not find --init-from.
+  copy = tmp_path / "ok" / hf_io.RUN_TOKENIZER
+  assert (copy / "tokenizer.json").read_bytes() == (tmp_path / "llama" / "tokenizer.json").read_bytes()
+  assert hf_io.tokenizer_dir(str(tmp_path / "ok"), "hf:/moved/away") == str(copy)
   capsys.readouterr()
   for argv, message in [
       (["--data", f"fineweb:{high_bin}"], f"--data {high_bin} holds token id 300 but the model's vocabulary"
@@ -299,3 +306,27 @@ def test_folders_named_like_the_packages_in_the_working_directory_do_not_shadow_
                        timeout=300)
   assert out.returncode == 2, out.stderr[-2000:]
   assert out.stderr.startswith("error: --data stdlib holds token id 256") and out.stderr.count("\n") == 1
+
+
+def test_out_of_memory_is_one_line(compile_cache, tmp_path, capsys):  # noqa: F811
+  """XLA's RESOURCE_EXHAUSTED at step 3 (raised here as the runtime raises it): one line
+  with the step and what lowers memory, exit 1, the lock released."""
+  import jax
+
+  run = gpt._setup([*TINY, "--steps", "5", "--run-dir", str(tmp_path / "run"), "--eval-tokens", "0"])
+  compiled, calls = run.train_step, []
+
+  def step(state, batch):
+    calls.append(1)
+    if len(calls) == 3:
+      raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00TiB.")
+    return compiled(state, batch)
+
+  run.train_step = step
+  from train import loop
+
+  assert loop.train(run) == 1
+  err = one_error_line(capsys)
+  assert err.startswith("error: out of device memory at step 3 (RESOURCE_EXHAUSTED: Out of memory while"
+                        " trying to allocate 1.00TiB.); no checkpoint was written; lower --micro-batch-size")
+  assert not (tmp_path / "run" / rundir.LOCK_NAME).exists()

@@ -33,7 +33,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import data
-from data import hf_tokenizer
 import models
 from models import context
 from train import cli, gpt, loop, preflight, sample
@@ -184,10 +183,10 @@ def _start(argv):
 
 def _tokenizer(spec: str):
   """What reads sft: data: the model's own tokenizer.json (and chat template), else bytes."""
-  if not spec.startswith("hf:"):
-    return sample.run_tokenizer(os.path.abspath(spec))
-  directory = os.path.abspath(spec[3:])
-  return hf_tokenizer.load(directory if os.path.isfile(os.path.join(directory, "tokenizer.json")) else None)
+  if spec.startswith("hf:"):
+    return hf_io.load_tokenizer(os.path.abspath(spec[3:]))
+  run_dir = os.path.abspath(spec)
+  return hf_io.load_tokenizer(hf_io.tokenizer_dir(run_dir, config_lib.saved_config(run_dir).get("init_from")))
 
 
 def _report(loaded) -> int:

@@ -46,8 +46,7 @@ def export(run_dir: str, output: str, step: int | None = None,
         raise UsageError(str(e)) from None
       # The record saved with the step itself: config.json may be newer, damaged or gone.
       record = config_lib.checkpoint_record(str(manager.directory), step)
-      tokenizer_from = record["train"].get("init_from")
-      tokenizer_from = tokenizer_from[3:] if tokenizer_from else None
+      tokenizer_from = hf_io.tokenizer_dir(run_dir, record["train"].get("init_from"))
       return hf_io.save(output, cfg, _Leaves(manager, step).tree(), record.get("hf_config"),
                         tokenizer_from, max_shard_bytes)
   except UsageError:

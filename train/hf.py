@@ -20,6 +20,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from data import hf_tokenizer
 import models
 from models import hf as hf_map
 from train.cli import UsageError
@@ -30,6 +31,9 @@ INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json", "vocab.json", "merges.txt",
                    "tokenizer.model")
+# A run's copy of its --init-from checkpoint's tokenizer files (and config.json, where the
+# eos id may live): later commands read them from the run, not from a folder that may move.
+RUN_TOKENIZER = "tokenizer"
 # Above this many bytes of weights an export is split into shards (transformers' default
 # max_shard_size is 5 GB; smaller shards load with less peak memory).
 MAX_SHARD_BYTES = 2 * 2**30
@@ -178,3 +182,31 @@ def _write_weights(directory: str, tensors: dict, nbytes: dict[str, int], max_sh
     return
   with open(os.path.join(directory, INDEX), "w") as f:
     json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def copy_tokenizer(source: str, run_dir: str) -> None:
+  """Copies ``source``'s tokenizer files into ``RUN_DIR/tokenizer`` (once; atomically)."""
+  target = os.path.join(run_dir, RUN_TOKENIZER)
+  names = [n for n in (*TOKENIZER_FILES, CONFIG) if os.path.isfile(os.path.join(source, n))]
+  if os.path.isdir(target) or not names:
+    return
+  tmp = tempfile.mkdtemp(prefix=".tokenizer-", dir=run_dir)
+  for name in names:
+    shutil.copy(os.path.join(source, name), tmp)
+  os.chmod(tmp, 0o755)
+  os.rename(tmp, target)
+
+
+def tokenizer_dir(run_dir: str, init_from: str | None) -> str | None:
+  """Where a run's tokenizer files are: its copy, else its --init-from directory (runs
+  saved before the copy), else None (the byte tokenizer)."""
+  own = os.path.join(run_dir, RUN_TOKENIZER)
+  if os.path.isdir(own):
+    return own
+  return init_from[len("hf:"):] if init_from else None
+
+
+def load_tokenizer(directory: str | None):
+  """``directory``'s tokenizer when it has a tokenizer.json, else the byte tokenizer."""
+  has_own = directory is not None and os.path.isfile(os.path.join(directory, "tokenizer.json"))
+  return hf_tokenizer.load(directory if has_own else None)

@@ -21,7 +21,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import data
-from data import hf_tokenizer
 import dion_jax
 import models
 from dion_jax.parallel import format_mesh_spec
@@ -121,9 +120,9 @@ def _model_config(cfg: Config, vocab_size: int | None) -> models.GPTConfig:
 
 
 def _tokenizer(cfg: Config):
-  """The tokenizer of sft: data: --init-from's tokenizer.json when it has one, else bytes."""
-  has_own = cfg.hf_dir is not None and os.path.isfile(os.path.join(cfg.hf_dir, "tokenizer.json"))
-  return hf_tokenizer.load(cfg.hf_dir if has_own else None)
+  """The tokenizer of sft: data: the run's copy of --init-from's (``train/hf.py``), else
+  --init-from's tokenizer.json when it has one, else bytes."""
+  return hf_io.load_tokenizer(hf_io.tokenizer_dir(cfg.run_path, cfg.init_from))
 
 
 def _batch_split(cfg: Config, mesh: jax.sharding.Mesh) -> int:
@@ -237,6 +236,8 @@ def setup(cfg: Config) -> Run:
                        f" --steps {cfg.steps}; pass a larger --steps to train further")
   if primary:
     lock.acquire()
+    if cfg.hf_dir is not None and os.path.isdir(cfg.hf_dir):
+      hf_io.copy_tokenizer(cfg.hf_dir, cfg.run_path)
     if preflight.drop_newer(cfg, start_step, existing):
       checkpoints.manager.reload()
     if cfg.resume:
@@ -361,6 +362,15 @@ def _train(run: Run, interrupt: Interrupt) -> int:
     run.checkpoints.close()
   except ckpt_lib.SaveError as e:
     print(f"error: {e}", file=sys.stderr)
+    return EXIT_FAILED
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    kept = run.checkpoints.saving or run.start_step
+    kept = f"the checkpoint of step {kept} is in {cfg.ckpt_path}" if kept else "no checkpoint was written"
+    print(f"error: out of device memory at step {step} ({str(e).splitlines()[0][:160]}); {kept}; lower"
+          " --micro-batch-size or --seq-len, add --remat, or shard over more devices (--mesh)",
+          file=sys.stderr)
     return EXIT_FAILED
   finally:
     logger.close()
