@@ -71,3 +71,9 @@ def test_resume_without_config_json_reads_the_checkpoint(tmp_path):
   os.rename(run / "checkpoints", tmp_path / "elsewhere")
   with pytest.raises(config_lib.UsageError, match="config.json is damaged"):
     config_lib.parse(["--resume", "--run-dir", str(run)])
+
+
+def test_a_fine_tune_is_named_after_its_checkpoint(tmp_path):
+  assert config_lib.Config(init_from="hf:/models/Qwen3-0.6B/").run_path == os.path.abspath("runs/Qwen3-0.6B-dion")
+  assert config_lib.Config(optimizer="muon").run_path == os.path.abspath("runs/tiny-muon")
+

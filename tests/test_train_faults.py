@@ -235,7 +235,7 @@ def test_resume_reads_the_checkpoint_config_and_refuses_damaged_checkpoints(comp
 def test_an_imported_model_is_checked_on_the_data_ids_and_its_positions(tmp_path, capsys):
   """A Llama of vocabulary 300 takes a FineWeb file of byte ids (the format's usual GPT-2
   tokenizer is no reason to refuse), refuses one that holds id 300, and a --seq-len past its
-  64 positions."""
+  64 positions; a Hub id is no folder; a truncated download is one line."""
   pytest.importorskip("transformers")
   from tests.test_data_sft import make_tokenizer
   from tests.test_models_hf import make_hf_model
@@ -256,11 +256,20 @@ def test_an_imported_model_is_checked_on_the_data_ids_and_its_positions(tmp_path
   copy = tmp_path / "ok" / hf_io.RUN_TOKENIZER
   assert (copy / "tokenizer.json").read_bytes() == (tmp_path / "llama" / "tokenizer.json").read_bytes()
   assert hf_io.tokenizer_dir(str(tmp_path / "ok"), "hf:/moved/away") == str(copy)
+  truncated = tmp_path / "truncated"  # an interrupted download
+  truncated.mkdir()
+  for name in ("config.json", "model.safetensors"):
+    data = (tmp_path / "llama" / name).read_bytes()
+    (truncated / name).write_bytes(data if name == "config.json" else data[:len(data) // 2])
   capsys.readouterr()
   for argv, message in [
+      (["--data", f"fineweb:{bytes_bin}", "--init-from", f"hf:{truncated}"],
+       f"{truncated / 'model.safetensors'} is not a complete safetensors file ("),
       (["--data", f"fineweb:{high_bin}"], f"--data {high_bin} holds token id 300 but the model's vocabulary"
                                            " has 300 ids (0..299); tokenize the data with --init-from's tokenizer"),
-      (["--data", f"fineweb:{bytes_bin}", "--seq-len", "128"], "--seq-len 128 exceeds the 64 positions")]:
+      (["--data", f"fineweb:{bytes_bin}", "--seq-len", "128"], "--seq-len 128 exceeds the 64 positions"),
+      (["--init-from", "hf:Qwen3-0.6B"], "Qwen3-0.6B does not exist; hf:DIR is a local folder of config.json"
+                                         " and safetensors, not a Hub id: download the checkpoint first")]:
     assert gpt.main([*flags, *argv, "--run-dir", str(tmp_path / "refused")]) == 2
     assert message in one_error_line(capsys)
   assert not (tmp_path / "refused").exists()

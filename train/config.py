@@ -130,7 +130,8 @@ class Config:
 
   @property
   def run_path(self) -> str:
-    name = self.name or f"{self.preset}-{self.optimizer}"
+    start = os.path.basename(os.path.normpath(self.hf_dir)) if self.hf_dir else self.preset
+    name = self.name or f"{start}-{self.optimizer}"
     return os.path.abspath(self.run_dir or os.path.join("runs", name))
 
   @property
@@ -245,9 +246,11 @@ HELP = {
     "preset": "model size: %s (default tiny: 4 layers x 128, seq 128)" % "|".join(PRESET_NAMES),
     "qk_norm": "none|rms|rms_scale: QK-norm of the preset's attention (default rms, the reference's;"
                " none as Llama, rms_scale as Qwen3)",
-    "init_from": "hf:DIR: start from a Hugging Face Llama, Qwen3 or Qwen3-MoE checkpoint (config.json +"
-                 " safetensors) instead of a random preset; --seq-len sets the training length"
-                 " (default min(max_position_embeddings, 1024))",
+    "init_from": "hf:DIR: start from a Hugging Face Llama, Qwen3 or Qwen3-MoE checkpoint in the local"
+                 " folder DIR (config.json + safetensors; not a Hub id: huggingface-cli download"
+                 " ORG/NAME --local-dir DIR first) instead of a random preset; --seq-len sets the"
+                 " training length (default min(max_position_embeddings, 1024)); the run is"
+                 " runs/BASENAME(DIR)-OPTIMIZER unless --name/--run-dir",
     "num_layers": "override the preset's number of transformer layers",
     "hidden_size": "override the preset's model width d_model",
     "num_attention_heads": "override the preset's attention heads (must divide the hidden size)",
@@ -337,12 +340,15 @@ HELP = {
                         " accumulation, or the pipeline when pp > 1",
     "steps": "optimizer steps of the run, counted from its start (default 200)",
     "seed": "seed of the initialization, Dion's sketches and the data order (default 0)",
-    "mesh": "device mesh, e.g. rp=1,fs=2,tp=2 (axes rp, fs, cp, tp, pp; missing ones are 1;"
-            " default fs=<all devices>); on CPU the trainer creates the host devices it needs",
+    "mesh": "device mesh, e.g. rp=1,fs=2,tp=2, over the axes rp (replicas: data parallel, Dion's"
+            " momentum per replica), fs (fully sharded data parallel), ep (experts), cp (context:"
+            " the sequence split), tp (tensor parallel), pp (pipeline stages); missing ones are 1;"
+            " default fs=<all devices>; on CPU the trainer creates the host devices it needs",
     "log_interval": "steps between log lines (default 10)",
     "eval_every": "steps between validation evaluations, 0 for only at the end (default 100)",
     "eval_tokens": "validation tokens per evaluation (default 16384)",
-    "name": "run name: the run directory is runs/NAME (default PRESET-OPTIMIZER)",
+    "name": "run name: the run directory is runs/NAME (default PRESET-OPTIMIZER, or"
+            " BASENAME(DIR)-OPTIMIZER with --init-from hf:DIR)",
     "run_dir": "run directory for config.json, metrics.jsonl and checkpoints (default runs/NAME)",
     "ckpt_dir": "checkpoint directory (default RUN_DIR/checkpoints)",
     "save_every": "steps between checkpoints, 0 for only at the end (default 100)",

@@ -51,6 +51,8 @@ def load_model(spec: str, step: int | None, par: models.Parallelism) -> tuple[mo
     cfg = hf_io.model_config(directory, seq_len=1024)
     try:
       graphdef, params = hf_io.load(directory, cfg, par)
+    except UsageError:
+      raise
     except ValueError as e:
       raise UsageError(f"--mesh: {e}") from None
     return cfg, graphdef, params

@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from data import hf_tokenizer
@@ -42,6 +42,10 @@ MAX_SHARD_BYTES = 2 * 2**30
 def read_config(directory: str) -> dict:
   """The checkpoint's config.json; a missing directory or file is a UsageError."""
   path = os.path.join(directory, CONFIG)
+  if not os.path.isdir(directory):
+    raise UsageError(f"{directory} does not exist; hf:DIR is a local folder of config.json and"
+                     " safetensors, not a Hub id: download the checkpoint first (huggingface-cli"
+                     " download ORG/NAME --local-dir DIR)")
   if not os.path.isfile(path):
     raise UsageError(f"{directory}: no {CONFIG}; pass a Hugging Face checkpoint directory"
                      " (config.json + safetensors)")
@@ -57,6 +61,14 @@ def model_config(directory: str, **kwargs) -> models.GPTConfig:
     raise UsageError(f"{directory}: {e if not isinstance(e, KeyError) else f'config.json lacks {e}'}") from None
 
 
+def _open_weights(path: str):
+  """``safe_open(path)``; a damaged file (a truncated download) is a UsageError."""
+  try:
+    return safe_open(path, "np")
+  except SafetensorError as e:
+    raise UsageError(f"{path} is not a complete safetensors file ({e}); download it again") from None
+
+
 def _weight_files(directory: str) -> dict[str, str]:
   """Tensor name -> the safetensors file that holds it."""
   index = os.path.join(directory, INDEX)
@@ -66,7 +78,7 @@ def _weight_files(directory: str) -> dict[str, str]:
   single = os.path.join(directory, SINGLE)
   if not os.path.isfile(single):
     raise UsageError(f"{directory}: neither {SINGLE} nor {INDEX}; only safetensors weights are read")
-  with safe_open(single, "np") as f:
+  with _open_weights(single) as f:
     return dict.fromkeys(f.keys(), single)
 
 
@@ -86,7 +98,7 @@ class _Reader:
       raise UsageError(f"{self.directory}: the checkpoint has no tensor {name}")
     path = self.files[name]
     if path not in self._open:
-      self._open[path] = safe_open(path, "np")
+      self._open[path] = _open_weights(path)
     return self._open[path]
 
   def __call__(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
