@@ -78,6 +78,7 @@ def test_busy_unusable_or_used_run_directories_are_refused(compile_cache, tmp_pa
       ([], remote, "(pid 1 on host another-host"),
       (["--resume"], busy, "is in use by another run"),
       ([], a_file, f"--run-dir {a_file} is a file, not a directory"),
+      (["--resume"], a_file, f"--run-dir {a_file} is a file, not a directory"),
       ([], a_file / "run", f"lies under the file {a_file}"),
       (["--ckpt-dir", str(a_file)], fresh, f"--ckpt-dir {a_file} is a file"),
       ([], old_log, "already holds a run's metrics.jsonl but no checkpoint; choose a new --run-dir"),

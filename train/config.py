@@ -452,7 +452,7 @@ def saved_config(run_path: str, ckpt_path: str | None = None) -> dict:
   try:
     with open(path) as f:
       record = json.load(f)
-  except FileNotFoundError:
+  except (FileNotFoundError, NotADirectoryError):  # no run yet (train.gpt names a bad --run-dir)
     record = None
   except (OSError, ValueError):
     record = {}
