@@ -14,10 +14,11 @@ from data.errors import DataError, DataFileNotFoundError
 from data.loader import make_dataset, make_loader, process_batch_shard
 from data.sft import SFTSource
 from data.sources import Blend, TokenSource, load_source
+from data.token_ids import max_token_id
 from data.tokenizer import EOD, VOCAB_SIZE, decode, encode, padded_vocab_size
 
 __all__ = [
     "Blend", "DataError", "DataFileNotFoundError", "EOD", "SFTSource", "TokenSource", "VOCAB_SIZE",
-    "decode", "encode", "load_source", "make_dataset", "make_loader", "padded_vocab_size",
+    "decode", "encode", "load_source", "max_token_id", "make_dataset", "make_loader", "padded_vocab_size",
     "process_batch_shard",
 ]

@@ -10,7 +10,8 @@
 
 Outputs are written into a temporary folder beside them and renamed into place only when
 everything succeeded: a failed or interrupted conversion leaves nothing behind. Bad input
-exits with status 1 and a one-line `error: FILE: problem` on stderr.
+exits with status 2 (as the ``train`` commands) and a failed write (disk full,
+permissions) with 1, each with a one-line `error: FILE: problem` on stderr.
 
 Examples:
   python -m data.convert fineweb-to-megatron --input 'fineweb10B/fineweb_train_*.bin' \\
@@ -215,7 +216,10 @@ def main(argv: list[str] | None = None) -> int:
       summary = tokenize(args.inputs, args.output_prefix, output_format=args.format,
                          json_key=args.json_key, shard_tokens=args.shard_tokens,
                          progress=progress, tokenizer_dir=args.tokenizer)
-  except (DataError, OSError) as e:
+  except DataError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except OSError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
   written = sum(os.path.getsize(p) for p in summary["outputs"])

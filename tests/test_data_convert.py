@@ -65,7 +65,7 @@ def test_tokenize_to_fineweb_shards(tmp_path):
 def _run_failing(argv, capsys):
   rc = convert.main(argv)
   err = capsys.readouterr().err
-  assert rc == 1
+  assert rc == 2
   lines = [line for line in err.splitlines() if line]
   assert len(lines) == 1 and lines[0].startswith("error: ")
   return lines[0]
@@ -141,7 +141,7 @@ def test_command_line_exit_status_help_and_progress(tmp_path):
   bad = subprocess.run([sys.executable, "-m", "data.convert", "tokenize", str(tmp_path / "z"),
                         "--output-prefix", str(tmp_path / "m")], env=env, capture_output=True,
                        text=True)
-  assert bad.returncode == 1 and bad.stderr == f"error: {tmp_path}/z: no such input file\n"
+  assert bad.returncode == 2 and bad.stderr == f"error: {tmp_path}/z: no such input file\n"
 
 
 def test_tokenize_with_a_hugging_face_tokenizer(tmp_path):

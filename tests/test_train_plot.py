@@ -74,6 +74,7 @@ def test_a_resumed_runs_later_records_win(tmp_path):
     ("empty_metrics", "holds no loss records"),
     ("not_json", "line 1 is not JSON"),
     ("bad_output", "cannot write"),
+    ("bad_format", "matplotlib writes no .xyz images; use one of"),
 ])
 def test_bad_input(runs, tmp_path, capsys, case, message):
   run, output = str(tmp_path / "run"), str(tmp_path / "curves.png")
@@ -86,6 +87,8 @@ def test_bad_input(runs, tmp_path, capsys, case, message):
       f.write("{truncated\n")
   if case == "bad_output":
     run, output = runs[0], str(tmp_path / "no" / "such" / "dir.png")
+  if case == "bad_format":
+    run, output = runs[0], str(tmp_path / "curves.xyz")
   assert plot.main([run, "--output", output]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
@@ -115,3 +118,11 @@ def test_grpo_runs_plot_their_rewards(runs, tmp_path):
   assert _pixels_near(image_HxWx4, "C0") > 200 and _pixels_near(image_HxWx4, "C1") > 200
   assert plot.main([rising, runs[0], "--output", str(tmp_path / "mixed.png")]) == 2
   assert not os.path.exists(tmp_path / "mixed.png")
+
+
+@pytest.mark.parametrize("name, magic", [("curves.pdf", b"%PDF-"), ("curves.svg", b"<?xml"), ("curves.PNG", b"\x89PNG")])
+def test_the_extension_picks_the_format(runs, tmp_path, name, magic):
+  output = str(tmp_path / name)
+  assert plot.main([runs[0], "--output", output]) == 0
+  with open(output, "rb") as f:
+    assert f.read(len(magic)) == magic

@@ -28,6 +28,7 @@ missing array is an error, as a checkpoint of another model or optimizer.
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -157,24 +158,75 @@ def from_saved(saved: dict, like: Any, pp: int, virtual_stages: int) -> Any:
   return jax.jit(convert, out_shardings=shardings)(saved)
 
 
+class SaveError(Exception):
+  """A checkpoint save that failed (disk full, permissions...), surfaced by Orbax's
+  background thread at the next call; the message is one line with the cause."""
+
+  def __init__(self, step: int | None, directory: str, error: BaseException):
+    cause = error
+    while cause is not None and not isinstance(cause, OSError):
+      cause = cause.__cause__ or cause.__context__
+    if cause is None:
+      reason = f"{type(error).__name__}: {error}".splitlines()[0]
+    else:
+      reason = f"{cause.strerror or cause}" + (f" ({cause.filename})" if cause.filename else "")
+    kept = existing_steps(directory)
+    intact = f"the checkpoint of step {max(kept)} is intact" if kept else "no earlier checkpoint exists"
+    super().__init__(f"saving the checkpoint of step {step} to {directory} failed: {reason}; {intact};"
+                     " free space or fix permissions there, then --resume")
+
+
+class _QuietSaveThreads(logging.Filter):
+  """Drops Orbax's own warnings and error logs (tracebacks of its save threads, a damaged
+  checkpoint's missing files): the error reaches the trainer as one line (:class:`SaveError`,
+  ``train.preflight.damaged``)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.levelno >= logging.WARNING and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+_QUIET = _QuietSaveThreads()
+
+
 class Checkpoints:
-  """The run's ``CheckpointManager``: async saves, the newest ``keep`` kept."""
+  """The run's ``CheckpointManager``: async saves, the newest ``keep`` kept, unfinished
+  saves of a killed run removed on start. A failed save raises :class:`SaveError` at the
+  next call (:meth:`check_for_errors` after each step)."""
 
   def __init__(self, directory: str, keep: int, create: bool):
     self.directory = directory
+    self.saving: int | None = None  # the step of the last save started
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create,
-                                           enable_async_checkpointing=True)
+                                           enable_async_checkpointing=True,
+                                           cleanup_tmp_directories=True)
     handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
                 "config": ocp.JsonCheckpointHandler()}
     self.manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+    logging.getLogger("absl").addFilter(_QUIET)
+
+  def _guarded(self, call) -> Any:
+    try:
+      return call()
+    except Exception as e:  # noqa: BLE001  Orbax re-raises its thread's error as it was
+      try:
+        self.manager.close()
+      except Exception:  # noqa: BLE001  the first error is the one to report
+        pass
+      raise SaveError(self.saving, self.directory, e) from e
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
   def save(self, step: int, state: dict, meta: dict, config: dict) -> None:
-    self.manager.save(step, args=ocp.args.Composite(
+    self._guarded(self.manager.wait_until_finished)  # Orbax waits anyway: its error is the last save's
+    self.saving = step
+    self._guarded(lambda: self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
-        config=ocp.args.JsonSave(config)))
+        config=ocp.args.JsonSave(config))))
+
+  def check_for_errors(self) -> None:
+    """Raises SaveError if the last asynchronous save failed."""
+    self._guarded(self.manager.check_for_errors)
 
   def read_json(self, step: int) -> tuple[dict, dict]:
     """The ``meta`` and ``config`` of checkpoint ``step``."""
@@ -193,7 +245,8 @@ class Checkpoints:
     return from_saved(saved["state"], like, pp, virtual_stages)._replace(**absent)
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
+    """Waits for the pending save (SaveError if it failed) and stops Orbax's threads."""
+    self._guarded(self.manager.wait_until_finished)
     self.manager.close()
 
 

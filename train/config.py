@@ -26,6 +26,14 @@ OPTIMIZERS = ("dion", "dion2", "nordion2", "normuon", "muon", "adamw", "lion")
 # for all four (benchmarks/results/optimizer_comparison.md).
 DEFAULT_LR = {"dion": 0.02, "dion2": 0.02, "nordion2": 0.02, "normuon": 0.02, "muon": 0.02, "adamw": 3e-3, "lion": 3e-4}
 DECAY_STYLES = ("constant", "linear", "cosine", "wsd")
+# The optimizer flags each --optimizer reads (train/optim.py); the others do nothing there.
+_ORTHOGONAL_FLAGS = ("dion_scale_rule", "dion_scalar_optimizer", "ortho_dtype")
+OPTIMIZER_FLAGS = {
+    "dion": ("dion_rank_fraction", "dion_momentum", "dion_qr_method", "dion_scale_rule",
+             "dion_scalar_optimizer", "dion_replicate_sync"),
+    **dict.fromkeys(("dion2", "nordion2", "normuon", "muon"), _ORTHOGONAL_FLAGS),
+    "adamw": (), "lion": (),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,11 +108,13 @@ class Config:
   save_every: int = 100
   keep: int = 2
   resume: bool = False
+  step: int | None = None
   # multi-host
   coordinator: str | None = None
   num_processes: int | None = None
   process_id: int | None = None
   distributed: bool = False
+  distributed_timeout: int = 300
 
   @property
   def learning_rate(self) -> float:
@@ -120,7 +130,8 @@ class Config:
 
   @property
   def run_path(self) -> str:
-    name = self.name or f"{self.preset}-{self.optimizer}"
+    start = os.path.basename(os.path.normpath(self.hf_dir)) if self.hf_dir else self.preset
+    name = self.name or f"{start}-{self.optimizer}"
     return os.path.abspath(self.run_dir or os.path.join("runs", name))
 
   @property
@@ -151,16 +162,23 @@ class Config:
       return strip_format(self.valid_data) or None
     return "stdlib:val" if self.data_spec in ("stdlib", "stdlib:train") else None
 
+  def ignored_flags(self) -> list[str]:
+    """The optimizer flags set away from their defaults that ``--optimizer`` does not read."""
+    every = {name for names in OPTIMIZER_FLAGS.values() for name in names}
+    defaults = Config()
+    return [f"--{n.replace('_', '-')}" for n in sorted(every - set(OPTIMIZER_FLAGS[self.optimizer]))
+            if getattr(self, n) != getattr(defaults, n)]
+
   def check(self) -> None:
     """Range checks that need no devices; raises :class:`UsageError`."""
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
       if isinstance(value, float) and not math.isfinite(value):
         raise UsageError(f"--{field.name.replace('_', '-')} must be a finite number, got {value}")
-    positive = ("virtual_stages", "global_batch_size", "steps", "log_interval", "keep",
+    positive = ("virtual_stages", "global_batch_size", "steps", "step", "log_interval", "keep",
                 "max_skipped", "micro_batch_size", "num_layers", "hidden_size",
                 "num_attention_heads", "seq_len", "vocab_size", "num_processes",
-                "loss_scale_window", "moe_top_k", "moe_every", "moe_ffn_hidden_size",
+                "loss_scale_window", "distributed_timeout", "moe_top_k", "moe_every", "moe_ffn_hidden_size",
                 "moe_capacity_factor")
     for name in positive:
       value = getattr(self, name)
@@ -171,6 +189,11 @@ class Config:
                  "num_experts", "moe_aux_loss_coeff", "moe_z_loss_coeff"):
       if (getattr(self, name) or 0) < 0:
         raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+    if self.min_lr > self.learning_rate:
+      raise UsageError(f"--min-lr {self.min_lr:g} exceeds the peak --lr {self.learning_rate:g}; the decay"
+                       f" ends at --min-lr, so choose it in [0, {self.learning_rate:g}]")
+    if not 0 <= self.dion_momentum < 1:
+      raise UsageError(f"--dion-momentum must be in [0, 1), got {self.dion_momentum:g}")
     if not 0 < self.dion_rank_fraction <= 1:
       raise UsageError(f"--dion-rank-fraction must be in (0, 1], got {self.dion_rank_fraction}")
     for name in ("lr", "initial_loss_scale", "min_loss_scale", "qk_clip_threshold"):
@@ -182,6 +205,13 @@ class Config:
     if self.warmup_steps > self.decay_steps:
       raise UsageError(f"--lr-warmup-steps {self.warmup_steps} exceeds the decay steps"
                        f" {self.decay_steps}; lower it or raise --lr-decay-steps")
+    if self.coordinator is not None:
+      host, _, port = self.coordinator.rpartition(":")
+      if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--coordinator {self.coordinator}: expected HOST:PORT with a port in"
+                         " 1..65535, e.g. 10.0.0.1:1234")
+    if self.step is not None and not self.resume:
+      raise UsageError(f"--step {self.step} picks the checkpoint to resume from; add --resume")
     multi = (self.coordinator, self.num_processes, self.process_id)
     if any(v is not None for v in multi) and None in multi:
       raise UsageError("multi-host runs need all of --coordinator HOST:PORT, --num-processes"
@@ -216,9 +246,11 @@ HELP = {
     "preset": "model size: %s (default tiny: 4 layers x 128, seq 128)" % "|".join(PRESET_NAMES),
     "qk_norm": "none|rms|rms_scale: QK-norm of the preset's attention (default rms, the reference's;"
                " none as Llama, rms_scale as Qwen3)",
-    "init_from": "hf:DIR: start from a Hugging Face Llama, Qwen3 or Qwen3-MoE checkpoint (config.json +"
-                 " safetensors) instead of a random preset; --seq-len sets the training length"
-                 " (default min(max_position_embeddings, 1024))",
+    "init_from": "hf:DIR: start from a Hugging Face Llama, Qwen3 or Qwen3-MoE checkpoint in the local"
+                 " folder DIR (config.json + safetensors; not a Hub id: huggingface-cli download"
+                 " ORG/NAME --local-dir DIR first) instead of a random preset; --seq-len sets the"
+                 " training length (default min(max_position_embeddings, 1024)); the run is"
+                 " runs/BASENAME(DIR)-OPTIMIZER unless --name/--run-dir",
     "num_layers": "override the preset's number of transformer layers",
     "hidden_size": "override the preset's model width d_model",
     "num_attention_heads": "override the preset's attention heads (must divide the hidden size)",
@@ -308,22 +340,30 @@ HELP = {
                         " accumulation, or the pipeline when pp > 1",
     "steps": "optimizer steps of the run, counted from its start (default 200)",
     "seed": "seed of the initialization, Dion's sketches and the data order (default 0)",
-    "mesh": "device mesh, e.g. rp=1,fs=2,tp=2 (axes rp, fs, cp, tp, pp; missing ones are 1;"
-            " default fs=<all devices>); on CPU the trainer creates the host devices it needs",
+    "mesh": "device mesh, e.g. rp=1,fs=2,tp=2, over the axes rp (replicas: data parallel, Dion's"
+            " momentum per replica), fs (fully sharded data parallel), ep (experts), cp (context:"
+            " the sequence split), tp (tensor parallel), pp (pipeline stages); missing ones are 1;"
+            " default fs=<all devices>; on CPU the trainer creates the host devices it needs",
     "log_interval": "steps between log lines (default 10)",
     "eval_every": "steps between validation evaluations, 0 for only at the end (default 100)",
     "eval_tokens": "validation tokens per evaluation (default 16384)",
-    "name": "run name: the run directory is runs/NAME (default PRESET-OPTIMIZER)",
+    "name": "run name: the run directory is runs/NAME (default PRESET-OPTIMIZER, or"
+            " BASENAME(DIR)-OPTIMIZER with --init-from hf:DIR)",
     "run_dir": "run directory for config.json, metrics.jsonl and checkpoints (default runs/NAME)",
     "ckpt_dir": "checkpoint directory (default RUN_DIR/checkpoints)",
     "save_every": "steps between checkpoints, 0 for only at the end (default 100)",
     "keep": "checkpoints to keep, newest first (default 2)",
     "resume": "continue from the latest complete checkpoint; flags left off keep the values"
-              " saved in the run's config.json",
+              " saved in the run's config.json (or, without it, in the checkpoint); a new --steps"
+              " keeps the saved lr schedule unless --lr-decay-steps is given",
+    "step": "with --resume: continue from this checkpoint step instead of the latest (to go"
+            " back past a damaged or unwanted one); the newer checkpoints are deleted",
     "coordinator": "multi-host: HOST:PORT of process 0's coordinator",
     "num_processes": "multi-host: number of processes",
     "process_id": "multi-host: this process's index in [0, --num-processes)",
     "distributed": "multi-host with jax.distributed.initialize's auto-detection (SLURM, Open MPI, TPU)",
+    "distributed_timeout": "multi-host: seconds to wait for every process to join the coordinator"
+                           " (default 300)",
 }
 
 
@@ -357,24 +397,75 @@ def parse(argv: list[str] | None = None) -> Config:
     given["data"] = tuple(given["data"])
   values = dict(given)
   if given.get("resume"):
-    saved = saved_config(Config(**given).run_path)
-    values = {**saved, **given}
+    start = Config(**given)
+    saved = saved_config(start.run_path, start.ckpt_path)
+    values = {**saved, **given, **_kept_schedule(saved, given)}
   return Config(**values)
 
 
+def _kept_schedule(saved: dict, given: dict) -> dict:
+  """With ``--resume``, what keeps the saved run's data and lr schedule: a new --steps keeps
+  the decay length it started with (``train.preflight.schedule_warning`` says so once the
+  run starts; --lr-decay-steps stretches it), a new --global-batch-size is refused (the
+  data position and consumed tokens count its steps)."""
+  if "global_batch_size" in given and saved.get("global_batch_size", given["global_batch_size"]) != given["global_batch_size"]:
+    raise UsageError(f"--resume --global-batch-size {given['global_batch_size']}: the run was saved with"
+                     f" {saved['global_batch_size']}, and its data position and consumed tokens count steps of"
+                     f" that size; resume with --global-batch-size {saved['global_batch_size']} or start a new --run-dir")
+  if ("steps" in given and "lr_decay_steps" not in given and saved.get("lr_decay_steps") is None
+      and saved.get("steps", given["steps"]) != given["steps"]):
+    return {"lr_decay_steps": saved["steps"]}
+  return {}
+
+
 # Flags that describe one invocation, not the run: never taken from a saved config.
-_PER_INVOCATION = ("resume", "run_dir", "coordinator", "num_processes", "process_id", "distributed")
+_PER_INVOCATION = ("resume", "step", "run_dir", "coordinator", "num_processes", "process_id", "distributed",
+                   "distributed_timeout")
 
 
-def saved_config(run_path: str) -> dict:
-  """The fields saved in ``run_path/config.json`` (empty when there is none)."""
+def checkpoint_record(ckpt_path: str, step: int | None = None) -> dict | None:
+  """The config record (``{"train", "model", ...}``) saved with checkpoint ``step`` of
+  ``ckpt_path``, or with the newest checkpoint that holds a readable one; None if none does.
+  Read as the JSON file Orbax's ``JsonCheckpointHandler`` wrote, without importing jax."""
+  if step is not None:
+    steps = [step]
+  elif os.path.isdir(ckpt_path):
+    steps = sorted((int(n) for n in os.listdir(ckpt_path) if n.isdigit()), reverse=True)
+  else:
+    steps = []
+  for s in steps:
+    try:
+      with open(os.path.join(ckpt_path, str(s), "config", "metadata")) as f:
+        record = json.load(f)
+    except (OSError, ValueError):
+      continue
+    if isinstance(record, dict) and isinstance(record.get("train"), dict):
+      return record
+  return None
+
+
+def saved_config(run_path: str, ckpt_path: str | None = None) -> dict:
+  """The fields saved in ``run_path/config.json``, or, when it is missing or damaged, in the
+  newest checkpoint of ``ckpt_path`` (default RUN_PATH/checkpoints); empty when neither
+  exists. A damaged config.json without a checkpoint to stand in is a UsageError."""
   path = os.path.join(run_path, "config.json")
-  if not os.path.exists(path):
-    return {}
-  with open(path) as f:
-    saved = json.load(f)["train"]
+  try:
+    with open(path) as f:
+      record = json.load(f)
+  except (FileNotFoundError, NotADirectoryError):  # no run yet (train.gpt names a bad --run-dir)
+    record = None
+  except (OSError, ValueError):
+    record = {}
+  if not isinstance(record, dict) or not isinstance(record.get("train"), dict):
+    damaged = record is not None
+    record = checkpoint_record(ckpt_path or os.path.join(run_path, "checkpoints"))
+    if record is None:
+      if damaged:
+        raise UsageError(f"{path} is damaged (no \"train\" record) and no checkpoint holds the run's"
+                         " config; restore the file from a backup or start a new --run-dir")
+      return {}
   known = {f.name for f in dataclasses.fields(Config)}
-  saved = {k: v for k, v in saved.items() if k in known and k not in _PER_INVOCATION}
+  saved = {k: v for k, v in record["train"].items() if k in known and k not in _PER_INVOCATION}
   if "data" in saved:
     saved["data"] = tuple(saved["data"])
   if "weight_decay" in saved:  # Runs saved before --scalar-weight-decay decayed all alike.

@@ -33,10 +33,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import data
-from data import hf_tokenizer
 import models
 from models import context
-from train import cli, gpt, loop, sample
+from train import cli, gpt, loop, preflight, sample
 from train import config as config_lib
 from train import hf as hf_io
 from train.cli import UsageError
@@ -52,10 +51,18 @@ def load_model(spec: str, step: int | None, par: models.Parallelism) -> tuple[mo
     cfg = hf_io.model_config(directory, seq_len=1024)
     try:
       graphdef, params = hf_io.load(directory, cfg, par)
+    except UsageError:
+      raise
     except ValueError as e:
       raise UsageError(f"--mesh: {e}") from None
     return cfg, graphdef, params
-  restored = sample.restore(os.path.abspath(spec), step, par)
+  run_dir = os.path.abspath(spec)
+  try:
+    restored = sample.restore(run_dir, step, par)
+  except UsageError:
+    raise
+  except Exception as e:  # noqa: BLE001  whatever Orbax met in a damaged checkpoint
+    raise preflight.damaged("--step", sample.checkpoint_path(run_dir), step, e) from None
   return restored.cfg, restored.graphdef, restored.params
 
 
@@ -168,18 +175,20 @@ def _start(argv):
   except ValueError as e:
     raise UsageError(f"--seq-len / --mesh: {e}") from None
   r = rows(args.data, args.tokens, seq_len, _tokenizer(args.model))
-  if r["inputs"].max() >= cfg.vocab_size:
-    raise UsageError(f"the data holds token {r['inputs'].max()} but the model's vocabulary has"
-                     f" {cfg.vocab_size}; evaluate on data made with the model's tokenizer")
+  largest = max(int(r["inputs"].max()), int(r["targets"].max()))
+  if largest >= cfg.vocab_size:
+    raise UsageError(f"--data {args.data} holds token id {largest} but the model's vocabulary has"
+                     f" {cfg.vocab_size} ids (0..{cfg.vocab_size - 1}); evaluate on data made with"
+                     " the model's tokenizer")
   return graphdef, params, r, par, args.batch_size
 
 
 def _tokenizer(spec: str):
   """What reads sft: data: the model's own tokenizer.json (and chat template), else bytes."""
-  if not spec.startswith("hf:"):
-    return sample.run_tokenizer(os.path.abspath(spec))
-  directory = os.path.abspath(spec[3:])
-  return hf_tokenizer.load(directory if os.path.isfile(os.path.join(directory, "tokenizer.json")) else None)
+  if spec.startswith("hf:"):
+    return hf_io.load_tokenizer(os.path.abspath(spec[3:]))
+  run_dir = os.path.abspath(spec)
+  return hf_io.load_tokenizer(hf_io.tokenizer_dir(run_dir, config_lib.saved_config(run_dir).get("init_from")))
 
 
 def _report(loaded) -> int:

@@ -15,7 +15,6 @@ Bad input prints one ``error: ...`` line on stderr and exits with code 2.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
@@ -26,7 +25,8 @@ import orbax.checkpoint as ocp
 
 from models import hf as hf_map
 from train import checkpoint as ckpt_lib
-from train import cli, sample
+from train import cli, preflight, sample
+from train import config as config_lib
 from train import hf as hf_io
 from train.cli import UsageError
 
@@ -38,17 +38,21 @@ def export(run_dir: str, output: str, step: int | None = None,
   run_dir = os.path.abspath(run_dir)
   if os.path.exists(output):
     raise UsageError(f"{output} already exists; choose a new --output directory")
-  with sample.open_checkpoint(run_dir, step) as (manager, step, cfg):
-    try:
-      hf_map.to_hf_config(cfg)
-    except hf_map.UnsupportedCheckpoint as e:
-      raise UsageError(str(e)) from None
-    with open(os.path.join(run_dir, "config.json")) as f:
-      record = json.load(f)
-    tokenizer_from = record["train"].get("init_from")
-    tokenizer_from = tokenizer_from[3:] if tokenizer_from else None
-    return hf_io.save(output, cfg, _Leaves(manager, step).tree(), record.get("hf_config"),
-                      tokenizer_from, max_shard_bytes)
+  try:
+    with sample.open_checkpoint(run_dir, step) as (manager, step, cfg):
+      try:
+        hf_map.to_hf_config(cfg)
+      except hf_map.UnsupportedCheckpoint as e:
+        raise UsageError(str(e)) from None
+      # The record saved with the step itself: config.json may be newer, damaged or gone.
+      record = config_lib.checkpoint_record(str(manager.directory), step)
+      tokenizer_from = hf_io.tokenizer_dir(run_dir, record["train"].get("init_from"))
+      return hf_io.save(output, cfg, _Leaves(manager, step).tree(), record.get("hf_config"),
+                        tokenizer_from, max_shard_bytes)
+  except UsageError:
+    raise
+  except Exception as e:  # noqa: BLE001  whatever Orbax met in a damaged checkpoint
+    raise preflight.damaged("--step", sample.checkpoint_path(run_dir), step, e) from None
 
 
 class _Leaves:

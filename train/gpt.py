@@ -10,14 +10,17 @@ through ``dion_jax.value_and_grad_per_replica``), clips, and applies Dion
 (``dion_jax/optimizers/dion.py`` on ``optimizers/skeleton.py``; ``dion_jax/parallel/``:
 the collectives).
 
-Bad input (flags, mesh, batch, data, checkpoints) ends the run before anything is
-written, with one ``error: ...`` line on stderr and exit code 2.
+Bad input (flags, mesh, batch, data, checkpoints, an unusable or busy run directory)
+ends the run before anything is written, with one ``error: ...`` line on stderr. Exit
+codes: 0 done; 1 a checkpoint failed to save (the previous one intact); 2 bad input;
+3 diverged (non-finite steps); 130 / 143 stopped by SIGINT / SIGTERM after saving.
 """
 from __future__ import annotations
 
 import math
 import os
 import sys
+import threading
 
 import numpy  # noqa: F401  numpy's own OpenBLAS loads first, keeping its threads
 
@@ -71,7 +74,31 @@ def start_jax(cfg: Config) -> None:
       _add_xla_flags({_DEVICE_COUNT_FLAG: str(needed // processes)})
   if cfg.coordinator is not None or cfg.distributed:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id)
+    _join(cfg)
+
+
+def _join(cfg: Config) -> None:
+  """``jax.distributed.initialize``, cut off after ``--distributed-timeout`` with one line.
+
+  jaxlib aborts the process when processes are missing (a C++ check failure, exit 134,
+  "another task died"); a timer a little before its deadline says what happened instead."""
+  import jax
+
+  def give_up():
+    print(f"error: multi-host start: not all {cfg.num_processes or ''} processes joined the coordinator"
+          f" {cfg.coordinator or '(auto-detected)'} within --distributed-timeout {cfg.distributed_timeout} s;"
+          " start every process with the same --coordinator and --num-processes and its own"
+          " --process-id, or raise --distributed-timeout", file=sys.stderr, flush=True)
+    os._exit(1)
+
+  timer = threading.Timer(cfg.distributed_timeout, give_up)
+  timer.daemon = True
+  timer.start()
+  try:
+    jax.distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id,
+                               initialization_timeout=cfg.distributed_timeout + 30)
+  finally:
+    timer.cancel()
 
 
 def _setup(argv: list[str] | None):
@@ -91,7 +118,11 @@ def _train(run) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-  return cli.run(lambda: _setup(argv), _train)
+  try:
+    return cli.run(lambda: _setup(argv), _train)
+  except KeyboardInterrupt:  # before training: the set-up writes nothing until its end
+    print("error: interrupted before training started; nothing was saved", file=sys.stderr)
+    return 128 + 2
 
 
 if __name__ == "__main__":

@@ -17,9 +17,10 @@ from typing import Any
 
 import jax
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from data import hf_tokenizer
 import models
 from models import hf as hf_map
 from train.cli import UsageError
@@ -30,6 +31,9 @@ INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json", "vocab.json", "merges.txt",
                    "tokenizer.model")
+# A run's copy of its --init-from checkpoint's tokenizer files (and config.json, where the
+# eos id may live): later commands read them from the run, not from a folder that may move.
+RUN_TOKENIZER = "tokenizer"
 # Above this many bytes of weights an export is split into shards (transformers' default
 # max_shard_size is 5 GB; smaller shards load with less peak memory).
 MAX_SHARD_BYTES = 2 * 2**30
@@ -38,6 +42,10 @@ MAX_SHARD_BYTES = 2 * 2**30
 def read_config(directory: str) -> dict:
   """The checkpoint's config.json; a missing directory or file is a UsageError."""
   path = os.path.join(directory, CONFIG)
+  if not os.path.isdir(directory):
+    raise UsageError(f"{directory} does not exist; hf:DIR is a local folder of config.json and"
+                     " safetensors, not a Hub id: download the checkpoint first (huggingface-cli"
+                     " download ORG/NAME --local-dir DIR)")
   if not os.path.isfile(path):
     raise UsageError(f"{directory}: no {CONFIG}; pass a Hugging Face checkpoint directory"
                      " (config.json + safetensors)")
@@ -53,6 +61,14 @@ def model_config(directory: str, **kwargs) -> models.GPTConfig:
     raise UsageError(f"{directory}: {e if not isinstance(e, KeyError) else f'config.json lacks {e}'}") from None
 
 
+def _open_weights(path: str):
+  """``safe_open(path)``; a damaged file (a truncated download) is a UsageError."""
+  try:
+    return safe_open(path, "np")
+  except SafetensorError as e:
+    raise UsageError(f"{path} is not a complete safetensors file ({e}); download it again") from None
+
+
 def _weight_files(directory: str) -> dict[str, str]:
   """Tensor name -> the safetensors file that holds it."""
   index = os.path.join(directory, INDEX)
@@ -62,7 +78,7 @@ def _weight_files(directory: str) -> dict[str, str]:
   single = os.path.join(directory, SINGLE)
   if not os.path.isfile(single):
     raise UsageError(f"{directory}: neither {SINGLE} nor {INDEX}; only safetensors weights are read")
-  with safe_open(single, "np") as f:
+  with _open_weights(single) as f:
     return dict.fromkeys(f.keys(), single)
 
 
@@ -82,7 +98,7 @@ class _Reader:
       raise UsageError(f"{self.directory}: the checkpoint has no tensor {name}")
     path = self.files[name]
     if path not in self._open:
-      self._open[path] = safe_open(path, "np")
+      self._open[path] = _open_weights(path)
     return self._open[path]
 
   def __call__(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
@@ -178,3 +194,31 @@ def _write_weights(directory: str, tensors: dict, nbytes: dict[str, int], max_sh
     return
   with open(os.path.join(directory, INDEX), "w") as f:
     json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def copy_tokenizer(source: str, run_dir: str) -> None:
+  """Copies ``source``'s tokenizer files into ``RUN_DIR/tokenizer`` (once; atomically)."""
+  target = os.path.join(run_dir, RUN_TOKENIZER)
+  names = [n for n in (*TOKENIZER_FILES, CONFIG) if os.path.isfile(os.path.join(source, n))]
+  if os.path.isdir(target) or not names:
+    return
+  tmp = tempfile.mkdtemp(prefix=".tokenizer-", dir=run_dir)
+  for name in names:
+    shutil.copy(os.path.join(source, name), tmp)
+  os.chmod(tmp, 0o755)
+  os.rename(tmp, target)
+
+
+def tokenizer_dir(run_dir: str, init_from: str | None) -> str | None:
+  """Where a run's tokenizer files are: its copy, else its --init-from directory (runs
+  saved before the copy), else None (the byte tokenizer)."""
+  own = os.path.join(run_dir, RUN_TOKENIZER)
+  if os.path.isdir(own):
+    return own
+  return init_from[len("hf:"):] if init_from else None
+
+
+def load_tokenizer(directory: str | None):
+  """``directory``'s tokenizer when it has a tokenizer.json, else the byte tokenizer."""
+  has_own = directory is not None and os.path.isfile(os.path.join(directory, "tokenizer.json"))
+  return hf_tokenizer.load(directory if has_own else None)

@@ -21,7 +21,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import data
-from data import hf_tokenizer
 import dion_jax
 import models
 from dion_jax.parallel import format_mesh_spec
@@ -29,16 +28,16 @@ from models import context
 from train import checkpoint as ckpt_lib
 from train import hf as hf_io
 from train import optim
+from train import preflight
+from train import rundir
 from train import step as step_lib
 from train.cli import UsageError
 from train.config import Config
+from train.interrupt import Interrupt
 from train.log import Logger
 
+EXIT_FAILED = 1
 EXIT_DIVERGED = 3
-# Model fields a checkpoint's arrays depend on.
-_SHAPE_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "kv_heads", "head_dim", "d_mlp",
-                 "mlp", "qk_norm", "tie_embeddings", "num_experts", "moe_every", "d_expert", "moe_shared_expert")
-
 
 @dataclasses.dataclass
 class Run:
@@ -57,6 +56,7 @@ class Run:
   checkpoints: ckpt_lib.Checkpoints
   saved_config: dict
   eod: int | None  # the end-of-document token when windows carry document masks
+  lock: rundir.Lock
 
 
 def make_mesh(spec: str) -> jax.sharding.Mesh:
@@ -94,15 +94,14 @@ def _model_config(cfg: Config, vocab_size: int | None) -> models.GPTConfig:
   dtype = cfg.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
   if cfg.hf_dir is not None:
     hf_config = hf_io.read_config(cfg.hf_dir)
-    seq_len = cfg.seq_len or min(hf_config.get("max_position_embeddings", 1024), 1024)
+    longest = hf_config.get("max_position_embeddings")
+    if cfg.seq_len and longest and cfg.seq_len > longest:
+      raise UsageError(f"--seq-len {cfg.seq_len} exceeds the {longest} positions {cfg.hf_dir} was"
+                       f" trained for (max_position_embeddings); choose at most {longest}")
+    seq_len = cfg.seq_len or min(longest or 1024, 1024)
     routing = {name: getattr(cfg, name) for name in _ROUTING_FLAGS if getattr(cfg, name) is not None}
-    model_cfg = hf_io.model_config(cfg.hf_dir, seq_len=seq_len, dtype=dtype, remat=cfg.remat,
-                                   attention=_attention(cfg, dtype), **routing)
-    if vocab_size is not None and vocab_size > model_cfg.vocab_size:
-      raise UsageError(f"the data's tokens go up to {vocab_size} but {cfg.hf_dir} has a vocabulary"
-                       f" of {model_cfg.vocab_size}; tokenize the data with its tokenizer"
-                       " (python -m data.convert tokenize --tokenizer DIR)")
-    return model_cfg
+    return hf_io.model_config(cfg.hf_dir, seq_len=seq_len, dtype=dtype, remat=cfg.remat,
+                              attention=_attention(cfg, dtype), **routing)
   overrides = {"vocab_size": vocab_size, "remat": cfg.remat, "dtype": dtype,
                "attention": _attention(cfg, dtype)}
   for flag, field in (("num_layers", "num_layers"), ("hidden_size", "d_model"),
@@ -121,9 +120,9 @@ def _model_config(cfg: Config, vocab_size: int | None) -> models.GPTConfig:
 
 
 def _tokenizer(cfg: Config):
-  """The tokenizer of sft: data: --init-from's tokenizer.json when it has one, else bytes."""
-  has_own = cfg.hf_dir is not None and os.path.isfile(os.path.join(cfg.hf_dir, "tokenizer.json"))
-  return hf_tokenizer.load(cfg.hf_dir if has_own else None)
+  """The tokenizer of sft: data: the run's copy of --init-from's (``train/hf.py``), else
+  --init-from's tokenizer.json when it has one, else bytes."""
+  return hf_io.load_tokenizer(hf_io.tokenizer_dir(cfg.run_path, cfg.init_from))
 
 
 def _batch_split(cfg: Config, mesh: jax.sharding.Mesh) -> int:
@@ -144,43 +143,6 @@ def _batch_split(cfg: Config, mesh: jax.sharding.Mesh) -> int:
   return per_rank // micro
 
 
-def _check_experts(model_cfg: models.GPTConfig, mesh: jax.sharding.Mesh) -> None:
-  sizes = dict(mesh.shape)
-  if not model_cfg.num_experts:
-    return
-  if model_cfg.num_experts % sizes["ep"]:
-    raise UsageError(f"--mesh ep={sizes['ep']} does not divide the {model_cfg.num_experts} experts;"
-                     " choose an ep that divides --num-experts (each ep rank holds experts/ep)")
-
-
-def _check_resumable(cfg: Config, existing: list[int]) -> None:
-  where = cfg.ckpt_path
-  if cfg.resume and not os.path.isdir(where):
-    raise UsageError(f"--resume: the checkpoint directory {where} does not exist; check"
-                     " --run-dir/--name/--ckpt-dir, or drop --resume to start a new run")
-  if cfg.resume and not existing:
-    raise UsageError(f"--resume: {where} holds no complete checkpoint; drop --resume to start"
-                     " a new run")
-  if not cfg.resume and existing:
-    raise UsageError(f"{where} already holds checkpoints (latest step {max(existing)}); pass"
-                     " --resume to continue that run, or --name/--run-dir for a new one")
-
-
-def _check_same_model(saved: dict, model_cfg: models.GPTConfig, cfg: Config, where: str) -> None:
-  # Through GPTConfig, so that records written before a field existed take its default.
-  saved_cfg = models.GPTConfig(**saved["model"])
-  differ = [f"{k}={getattr(saved_cfg, k)} (now {getattr(model_cfg, k)})" for k in _SHAPE_FIELDS
-            if getattr(saved_cfg, k) != getattr(model_cfg, k)]
-  if differ:
-    raise UsageError(f"the checkpoint in {where} is of another model: {', '.join(differ)}; pass"
-                     " the model flags it was saved with (--resume reuses them when left off)"
-                     " or start a new --run-dir")
-  if saved["train"]["optimizer"] != cfg.optimizer:
-    raise UsageError(f"the checkpoint in {where} holds --optimizer {saved['train']['optimizer']}"
-                     f" state, not {cfg.optimizer}; resume with --optimizer"
-                     f" {saved['train']['optimizer']} or start a new --run-dir")
-
-
 def _loss_scaling(cfg: Config, model_cfg: models.GPTConfig) -> tuple[step_lib.Scaling | None, float]:
   """float16's dynamic loss scaling and its initial scale; none (scale 1) for other dtypes."""
   if model_cfg.dtype != "float16":
@@ -198,6 +160,10 @@ def config_record(cfg: Config, model_cfg: models.GPTConfig) -> dict:
 
 
 def setup(cfg: Config) -> Run:
+  lock = rundir.Lock(cfg.run_path)
+  primary = jax.process_index() == 0
+  if primary:
+    preflight.check_run_dir(cfg, lock)
   mesh = make_mesh(cfg.mesh or f"fs={len(jax.devices())}")
   accum = _batch_split(cfg, mesh)
   pp = dict(mesh.shape)["pp"]
@@ -221,9 +187,10 @@ def setup(cfg: Config) -> Run:
     context.check_seq_len(model_cfg.seq_len, dict(mesh.shape)["cp"])
   except ValueError as e:
     raise UsageError(f"--seq-len / --mesh: {e}") from None
-  _check_experts(model_cfg, mesh)
+  preflight.check_experts(model_cfg, mesh)
+  preflight.check_data(cfg, model_cfg, source, valid_source, eod)
   existing = ckpt_lib.existing_steps(cfg.ckpt_path)
-  _check_resumable(cfg, existing)
+  preflight.check_resumable(cfg, existing)
   par = models.Parallelism(mesh, sequence_parallel=cfg.sequence_parallel,
                            microbatches=accum if pp > 1 else 1, virtual_stages=cfg.virtual_stages)
 
@@ -251,23 +218,34 @@ def setup(cfg: Config) -> Run:
   checkpoints = ckpt_lib.Checkpoints(cfg.ckpt_path, cfg.keep, create=not cfg.resume)
   start_step, record = 0, config_record(cfg, model_cfg)
   if cfg.resume:
-    start_step = checkpoints.latest_step()
-    meta, saved = checkpoints.read_json(start_step)
-    _check_same_model(saved, model_cfg, cfg, cfg.ckpt_path)
-    with jax.set_mesh(mesh):
-      state = checkpoints.restore_state(start_step, state, pp, cfg.virtual_stages)
+    start_step = preflight.resume_step(cfg, existing)
+    try:
+      meta, saved = checkpoints.read_json(start_step)
+      preflight.check_same_model(saved, model_cfg, cfg, cfg.ckpt_path)
+      with jax.set_mesh(mesh):
+        state = checkpoints.restore_state(start_step, state, pp, cfg.virtual_stages)
+      train_batches.set_state(meta["data"])
+    except UsageError:
+      raise
+    except Exception as e:  # noqa: BLE001  whatever Orbax or the record's reader met
+      raise preflight.damaged("--resume --step", cfg.ckpt_path, start_step, e) from None
     if saved["model"]["dtype"] != model_cfg.dtype:  # a scale belongs to the dtype it was found for
       state = state._replace(loss_scale=fresh_scale)
-    train_batches.set_state(meta["data"])
     if start_step >= cfg.steps:
       raise UsageError(f"--resume: the checkpoint is at step {start_step}, which already reaches"
                        f" --steps {cfg.steps}; pass a larger --steps to train further")
-  if jax.process_index() == 0:
-    os.makedirs(cfg.run_path, exist_ok=True)
+  if primary:
+    lock.acquire()
+    if cfg.hf_dir is not None and os.path.isdir(cfg.hf_dir):
+      hf_io.copy_tokenizer(cfg.hf_dir, cfg.run_path)
+    if preflight.drop_newer(cfg, start_step, existing):
+      checkpoints.manager.reload()
+    if cfg.resume:
+      preflight.schedule_warning(cfg, saved["train"])
     with open(os.path.join(cfg.run_path, "config.json"), "w") as f:
       json.dump(record, f, indent=2)
   return Run(cfg, model_cfg, mesh, par, state, start_step, train_step, eval_step, train_batches,
-             valid_source, batch_sharding, shard, checkpoints, record, eod)
+             valid_source, batch_sharding, shard, checkpoints, record, eod, lock)
 
 
 def global_batch(run: Run, local: dict) -> dict:
@@ -299,6 +277,22 @@ def save(run: Run, step: int, state: step_lib.TrainState) -> None:
 
 
 def train(run: Run) -> int:
+  """Runs the steps; holds the run directory's lock until it returns. Exit codes: 0 done,
+  1 a checkpoint failed to save, 3 diverged, 130 / 143 stopped by SIGINT / SIGTERM
+  (``train/interrupt.py``)."""
+  def on_second():
+    rundir.remove_partial_saves(run.cfg.ckpt_path)
+    run.lock.release()
+
+  try:
+    with Interrupt(on_second) as interrupt:
+      return _train(run, interrupt)
+  finally:
+    rundir.remove_partial_saves(run.cfg.ckpt_path)
+    run.lock.release()
+
+
+def _train(run: Run, interrupt: Interrupt) -> int:
   cfg = run.cfg
   tokens_per_step = cfg.global_batch_size * run.model_cfg.seq_len
   logger = Logger(cfg.run_path, cfg.steps, tokens_per_step, run.model_cfg.flops_per_token(),
@@ -308,6 +302,9 @@ def train(run: Run) -> int:
                  f" {run.model_cfg.dtype}) with {cfg.optimizer} on mesh {mesh_desc}"
                  f" ({jax.process_count()} process(es)), steps {run.start_step + 1}..{cfg.steps},"
                  f" run directory {cfg.run_path}")
+  if cfg.ignored_flags():
+    logger.message(f"warning: --optimizer {cfg.optimizer} does not read {', '.join(cfg.ignored_flags())};"
+                   " they are recorded in config.json but change nothing")
   state, consecutive = run.state, 0
   pending = None  # the previous step's metrics, read while the next step runs
   scaled = run.model_cfg.dtype == "float16"
@@ -324,35 +321,64 @@ def train(run: Run) -> int:
       logger.flush(step)
 
   start = time.perf_counter()
-  last_saved = run.start_step
-  for step in range(run.start_step + 1, cfg.steps + 1):
-    with jax.set_mesh(run.mesh):
-      state, metrics = run.train_step(state, global_batch(run, next(run.train_batches)))
-    if pending is not None:
-      account(*pending)
-    pending = (step, metrics)
-    if consecutive >= cfg.max_skipped:
-      break
-    is_last = step == cfg.steps
-    evaluating = run.valid_source is not None and cfg.eval_tokens > 0 and (
-        is_last or (cfg.eval_every and step % cfg.eval_every == 0))
-    saving = is_last or (cfg.save_every and step % cfg.save_every == 0)
-    if evaluating or saving:
-      account(*pending)
-      pending = None
+  step = run.start_step
+  try:
+    for step in range(run.start_step + 1, cfg.steps + 1):
+      first = step == run.start_step + 1
+      if first:
+        logger.message("compiling the training step (the first step waits for it)")
+        t0 = time.perf_counter()
+      with jax.set_mesh(run.mesh):
+        state, metrics = run.train_step(state, global_batch(run, next(run.train_batches)))
+      if first:
+        jax.block_until_ready(metrics)
+        logger.message(f"compiled and ran step {step} in {time.perf_counter() - t0:.1f} s")
+      run.checkpoints.check_for_errors()
+      if pending is not None:
+        account(*pending)
+      pending = (step, metrics)
       if consecutive >= cfg.max_skipped:
         break
-    if evaluating:
-      t0 = time.perf_counter()
-      loss, tokens = evaluate(run, state)
-      logger.validation(step, loss, tokens, time.perf_counter() - t0)
-    if saving:
-      save(run, step, state)
-      last_saved = step
-  if pending is not None:
-    account(*pending)
-  run.checkpoints.close()
-  logger.close()
+      is_last = step == cfg.steps
+      evaluating = run.valid_source is not None and cfg.eval_tokens > 0 and (
+          is_last or (cfg.eval_every and step % cfg.eval_every == 0))
+      saving = is_last or interrupt.signum is not None or (cfg.save_every and step % cfg.save_every == 0)
+      if evaluating or saving:
+        account(*pending)
+        pending = None
+        if consecutive >= cfg.max_skipped:
+          break
+      if evaluating:
+        t0 = time.perf_counter()
+        loss, tokens = evaluate(run, state)
+        logger.validation(step, loss, tokens, time.perf_counter() - t0)
+      if saving:
+        save(run, step, state)
+        logger.message(f"saving the checkpoint of step {step} to {cfg.ckpt_path} (in the background)")
+      if interrupt.signum is not None:
+        break
+    if pending is not None:
+      account(*pending)
+    run.checkpoints.close()
+  except ckpt_lib.SaveError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return EXIT_FAILED
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    kept = run.checkpoints.saving or run.start_step
+    kept = f"the checkpoint of step {kept} is in {cfg.ckpt_path}" if kept else "no checkpoint was written"
+    print(f"error: out of device memory at step {step} ({str(e).splitlines()[0][:160]}); {kept}; lower"
+          " --micro-batch-size or --seq-len, add --remat, or shard over more devices (--mesh)",
+          file=sys.stderr)
+    return EXIT_FAILED
+  finally:
+    logger.close()
+  last_saved = run.checkpoints.saving or run.start_step
+  if interrupt.signum is not None:
+    print(f"error: stopped by {interrupt.name} after step {step}; the checkpoint of step {last_saved}"
+          f" is saved in {cfg.ckpt_path}; continue with --resume", file=sys.stderr)
+    return interrupt.exit_code
   if consecutive >= cfg.max_skipped:
     kept = (f"the last good checkpoint is step {last_saved} in {cfg.ckpt_path}" if last_saved
             else "no checkpoint was written")

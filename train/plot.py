@@ -3,8 +3,9 @@
 Reads each run's ``metrics.jsonl`` (``train/log.py``: a record with ``loss`` per log
 interval, one with ``val_loss`` per evaluation, both with the consumed ``tokens``) and
 draws training loss (solid) and validation loss (dashed, dots) against tokens, one
-colour per run, into a PNG. Runs of ``python -m train.grpo`` get their mean reward
-against steps instead.
+colour per run, into an image whose format the output's extension names (PNG, PDF, SVG,
+... as matplotlib writes them; PNG without an extension). Runs of ``python -m train.grpo``
+get their mean reward against steps instead.
 
 A missing run directory or a missing or empty ``metrics.jsonl`` prints one
 ``error: ...`` line on stderr and exits with code 2.
@@ -54,13 +55,13 @@ def label(run_dir: str) -> str:
 
 
 def plot(run_dirs: list[str], output: str) -> None:
-  """Draws the curves of ``run_dirs`` into the PNG ``output``: loss against tokens, or for
-  GRPO runs the mean reward against steps."""
+  """Draws the curves of ``run_dirs`` into ``output``, in the format of its extension: loss
+  against tokens, or for GRPO runs the mean reward against steps."""
   rewards = [read_rewards(d) for d in run_dirs]
   if any(r is not None for r in rewards):
     if not all(r is not None for r in rewards):
       raise UsageError("GRPO runs (python -m train.grpo) plot rewards, train.gpt runs losses: plot them separately")
-    fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
+    fig, ax = _figure(output)
     for i, (run_dir, reward) in enumerate(zip(run_dirs, rewards)):
       ax.plot(sorted(reward), [reward[s] for s in sorted(reward)], color=f"C{i % 10}", lw=1.5, label=label(run_dir))
     ax.set_xlabel("step")
@@ -69,7 +70,7 @@ def plot(run_dirs: list[str], output: str) -> None:
     _save(fig, ax, output)
     return
   curves = [(label(d), *read_curves(d)) for d in run_dirs]
-  fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
+  fig, ax = _figure(output)
   for i, (name, train, valid) in enumerate(curves):
     colour = f"C{i % 10}"
     if train:
@@ -84,12 +85,27 @@ def plot(run_dirs: list[str], output: str) -> None:
   _save(fig, ax, output)
 
 
+def _image_format(output: str) -> str:
+  return os.path.splitext(output)[1][1:].lower() or "png"
+
+
+def _figure(output: str):
+  """A new figure and its axes, once ``output``'s extension names a format matplotlib writes."""
+  fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
+  formats = fig.canvas.get_supported_filetypes()
+  if _image_format(output) not in formats:
+    plt.close(fig)
+    raise UsageError(f"--output {output}: matplotlib writes no .{_image_format(output)} images; use one of"
+                     f" {', '.join('.' + f for f in sorted(formats))}")
+  return fig, ax
+
+
 def _save(fig, ax, output: str) -> None:
   ax.grid(alpha=0.3)
   ax.legend()
   fig.tight_layout()
   try:
-    fig.savefig(output, format="png")
+    fig.savefig(output, format=_image_format(output))
   except OSError as e:
     raise UsageError(f"cannot write {output}: {e.strerror}; choose another --output") from None
   finally:
@@ -98,9 +114,10 @@ def _save(fig, ax, output: str) -> None:
 
 def _plot(argv: list[str] | None) -> None:
   parser = cli.Parser(prog="python -m train.plot",
-                      description="Draw the train and validation loss of runs against tokens into a PNG.")
+                      description="Draw the train and validation loss of runs against tokens into an image.")
   parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories of python -m train.gpt")
-  parser.add_argument("--output", default="curves.png", help="the PNG to write (default curves.png)")
+  parser.add_argument("--output", default="curves.png", help="the image to write, its format from the extension: .png, .pdf, .svg, ..."
+                           " (default curves.png)")
   args = parser.parse_args(argv)
   plot(args.run_dirs, args.output)
   print(f"wrote {args.output}")

@@ -1,0 +1,79 @@
+"""train/config.py: values that make no sense are one line naming the valid range; flags the
+optimizer ignores are named; --resume takes the saved run's config (config.json, else the
+checkpoint's) and keeps its lr schedule and batch size. No JAX: parse and check only."""
+import json
+import os
+
+import pytest
+
+from train import config as config_lib
+from train import gpt
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--min-lr", "1", "--lr", "0.01"], "--min-lr 1 exceeds the peak --lr 0.01; the decay ends at --min-lr,"
+                                         " so choose it in [0, 0.01]"),
+    (["--min-lr", "0.005", "--optimizer", "lion"], "--min-lr 0.005 exceeds the peak --lr 0.0003"),
+    (["--dion-momentum", "2"], "--dion-momentum must be in [0, 1), got 2"),
+    (["--dion-momentum", "-0.1"], "--dion-momentum must be in [0, 1), got -0.1"),
+    (["--coordinator", "10.0.0.1", "--num-processes", "2", "--process-id", "0"],
+     "--coordinator 10.0.0.1: expected HOST:PORT with a port in 1..65535"),
+    (["--coordinator", "10.0.0.1:99999", "--num-processes", "2", "--process-id", "0"], "expected HOST:PORT"),
+    (["--step", "3"], "--step 3 picks the checkpoint to resume from; add --resume"),
+    (["--distributed-timeout", "0"], "--distributed-timeout must be positive"),
+])
+def test_nonsense_values_are_one_line_exit_2(tmp_path, capsys, argv, message):
+  assert gpt.main([*argv, "--run-dir", str(tmp_path / "run")]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+  assert not (tmp_path / "run").exists()
+
+
+def test_flags_the_optimizer_does_not_read():
+  adamw = config_lib.parse(["--optimizer", "adamw", "--dion-momentum", "0.5", "--ortho-dtype", "float32"])
+  assert adamw.ignored_flags() == ["--dion-momentum", "--ortho-dtype"]
+  muon = config_lib.parse(["--optimizer", "muon", "--dion-rank-fraction", "0.5", "--ortho-dtype", "float32"])
+  assert muon.ignored_flags() == ["--dion-rank-fraction"]
+  assert config_lib.parse(["--dion-rank-fraction", "0.5", "--dion-momentum", "0.9"]).ignored_flags() == []
+  assert config_lib.parse(["--optimizer", "lion"]).ignored_flags() == []
+
+
+def saved_run(tmp_path, **train) -> str:
+  run = tmp_path / "run"
+  run.mkdir()
+  record = {"train": {**config_lib.Config(**train).to_json()}, "model": {}}
+  (run / "config.json").write_text(json.dumps(record))
+  return str(run)
+
+
+def test_resume_keeps_the_saved_schedule_and_batch(tmp_path):
+  run = saved_run(tmp_path, steps=100, global_batch_size=8, num_layers=1)
+  kept = config_lib.parse(["--resume", "--run-dir", run, "--steps", "200"])
+  assert (kept.steps, kept.decay_steps, kept.warmup_steps, kept.num_layers) == (200, 100, 5, 1)
+  stretched = config_lib.parse(["--resume", "--run-dir", run, "--steps", "200", "--lr-decay-steps", "200"])
+  assert stretched.decay_steps == 200
+  assert config_lib.parse(["--resume", "--run-dir", run]).decay_steps == 100
+  with pytest.raises(config_lib.UsageError, match="--resume --global-batch-size 16: the run was saved with 8"):
+    config_lib.parse(["--resume", "--run-dir", run, "--global-batch-size", "16"])
+
+
+def test_resume_without_config_json_reads_the_checkpoint(tmp_path):
+  run = tmp_path / "run"
+  for step, layers in ((2, 3), (4, 5)):
+    (run / "checkpoints" / str(step) / "config").mkdir(parents=True)
+    record = {"train": config_lib.Config(num_layers=layers).to_json(), "model": {}}
+    (run / "checkpoints" / str(step) / "config" / "metadata").write_text(json.dumps(record))
+  (run / "checkpoints" / "6").mkdir()  # an empty (damaged) newest step: skipped
+  assert config_lib.parse(["--resume", "--run-dir", str(run)]).num_layers == 5
+  assert config_lib.checkpoint_record(str(run / "checkpoints"), 2)["train"]["num_layers"] == 3
+  (run / "config.json").write_text("{}")  # damaged: the checkpoint stands in
+  assert config_lib.parse(["--resume", "--run-dir", str(run)]).num_layers == 5
+  os.rename(run / "checkpoints", tmp_path / "elsewhere")
+  with pytest.raises(config_lib.UsageError, match="config.json is damaged"):
+    config_lib.parse(["--resume", "--run-dir", str(run)])
+
+
+def test_a_fine_tune_is_named_after_its_checkpoint(tmp_path):
+  assert config_lib.Config(init_from="hf:/models/Qwen3-0.6B/").run_path == os.path.abspath("runs/Qwen3-0.6B-dion")
+  assert config_lib.Config(optimizer="muon").run_path == os.path.abspath("runs/tiny-muon")
+

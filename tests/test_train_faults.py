@@ -1,0 +1,342 @@
+"""Faults and bad input of ``python -m train.gpt``: a busy or unusable run directory, an old
+run's log, data the model cannot hold, Ctrl-C / SIGTERM, a failed save. Each is one
+``error:`` line and its exit code, with nothing written or the previous state intact.
+
+Runs use the smallest GPT that trains (1 layer x 32, 16 tokens, batch 8) on one device, and
+one lr schedule (--lr-decay-steps 1000) whatever their --steps: its constants are part of the
+compiled step, which the tests then share through the persistent compilation cache.
+"""
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from data import fineweb
+from tests.test_train_gpt import compile_cache, snapshot, subprocess_env  # noqa: F401  fixture
+from train import config as config_lib
+from train import gpt, preflight, rundir
+
+TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-len", "16",
+        "--global-batch-size", "8", "--eval-tokens", "128", "--log-interval", "1", "--mesh", "fs=1",
+        "--lr-decay-steps", "1000"]
+
+
+def train(run_dir, *args) -> int:
+  return gpt.main([*TINY, "--run-dir", str(run_dir), *args])
+
+
+def one_error_line(capsys) -> str:
+  err = capsys.readouterr().err
+  assert err.startswith("error: ") and err.count("\n") == 1, err
+  return err
+
+
+def dead_pid() -> int:
+  proc = subprocess.Popen([sys.executable, "-c", "pass"])
+  proc.wait()
+  return proc.pid
+
+
+def write_lock(run_dir, host: str, pid: int) -> None:
+  os.makedirs(run_dir, exist_ok=True)
+  with open(os.path.join(run_dir, rundir.LOCK_NAME), "w") as f:
+    json.dump({"host": host, "pid": pid}, f)
+
+
+def test_busy_unusable_or_used_run_directories_are_refused(compile_cache, tmp_path, capsys):  # noqa: F811
+  done = tmp_path / "done"
+  write_lock(done, socket.gethostname(), dead_pid())  # a killed run's lock: stale, taken over
+  assert train(done, "--steps", "2", "--eval-tokens", "0") == 0
+  assert not (done / rundir.LOCK_NAME).exists()  # released at the end
+  capsys.readouterr()
+
+  busy = tmp_path / "busy"
+  write_lock(busy, socket.gethostname(), os.getpid())  # a live process on this host
+  remote = tmp_path / "remote"
+  write_lock(remote, "another-host", 1)  # cannot be checked from here: refused too
+  old_log = tmp_path / "old_log"  # a run killed before its first checkpoint
+  old_log.mkdir()
+  (old_log / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+  a_file = tmp_path / "a_file"
+  a_file.write_text("not a directory")
+  small_valid = tmp_path / "small_valid.bin"  # 100 tokens: 6 windows of 17, batch 8
+  fineweb.write_shard(str(small_valid), np.arange(100) % 200)
+  high_ids = tmp_path / "high_ids.bin"
+  fineweb.write_shard(str(high_ids), np.where(np.arange(5000) == 777, 307, np.arange(5000) % 256))
+  before = snapshot(tmp_path)
+  fresh = tmp_path / "fresh"
+  cases = [
+      ([], busy, f"is in use by another run (pid {os.getpid()} on host {socket.gethostname()}"),
+      ([], remote, "(pid 1 on host another-host"),
+      (["--resume"], busy, "is in use by another run"),
+      ([], a_file, f"--run-dir {a_file} is a file, not a directory"),
+      (["--resume"], a_file, f"--run-dir {a_file} is a file, not a directory"),
+      ([], a_file / "run", f"lies under the file {a_file}"),
+      (["--ckpt-dir", str(a_file)], fresh, f"--ckpt-dir {a_file} is a file"),
+      ([], old_log, "already holds a run's metrics.jsonl but no checkpoint; choose a new --run-dir"),
+      (["--valid-data", f"fineweb:{small_valid}", "--vocab-size", "257"], fresh,
+       "--valid-data: " + str(small_valid) + ": 6 windows of 17 tokens do not fill one global batch of 8"),
+      (["--vocab-size", "100"], fresh, "--data stdlib holds token id 256 but the model's vocabulary has 100 ids"),
+      # padded to 384 rows, a 257-token vocabulary would train on id 307 silently
+      (["--data", f"fineweb:{high_ids}", "--vocab-size", "257", "--eval-tokens", "0"], fresh,
+       "holds token id 307 but the model's vocabulary has 257 ids (0..256); pass --vocab-size 308"),
+  ]
+  for args, run_dir, message in cases:
+    assert train(run_dir, "--steps", "2", *args) == 2, args
+    assert message in one_error_line(capsys), args
+  assert snapshot(tmp_path) == before
+  assert not fresh.exists()
+
+
+def stop_at(run_dir, step: int, signum: int) -> threading.Thread:
+  """Sends ``signum`` to this process once metrics.jsonl holds the record of ``step``."""
+  def watch():
+    path = os.path.join(run_dir, "metrics.jsonl")
+    while True:
+      if os.path.exists(path):
+        with open(path) as f:
+          if any(json.loads(line).get("step") == step for line in f if line.strip()):
+            break
+      time.sleep(0.01)
+    os.kill(os.getpid(), signum)
+
+  thread = threading.Thread(target=watch, daemon=True)
+  thread.start()
+  return thread
+
+
+def steps_saved(run_dir) -> list[str]:
+  return sorted(os.listdir(run_dir / "checkpoints"))
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_finishes_the_step_saves_and_exits(compile_cache, tmp_path, capsys, signum, code):  # noqa: F811
+  """The signal comes once step 3 is logged (the loop is then a step or two further: it logs
+  a step after dispatching the next): the run finishes the step it is on, logs it and saves
+  it, although --save-every 0 saves only at the end."""
+  run_dir = tmp_path / "run"
+  stop_at(run_dir, 3, signum)
+  assert train(run_dir, "--steps", "1000", "--save-every", "0") == code
+  err = one_error_line(capsys)
+  saved = steps_saved(run_dir)
+  assert len(saved) == 1 and 3 <= int(saved[0]) < 1000, saved  # nothing partial left
+  logged = [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")]
+  assert logged == list(range(1, int(saved[0]) + 1))
+  assert err.startswith(f"error: stopped by {signal.Signals(signum).name} after step {saved[0]};"
+                        f" the checkpoint of step {saved[0]} is saved in")
+  assert not (run_dir / rundir.LOCK_NAME).exists()
+  assert signal.getsignal(signum) is not None and signal.getsignal(signum) == {
+      signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}[signum]
+
+
+SECOND_SIGNAL = """
+import sys, time
+from train import rundir
+from train.interrupt import Interrupt
+with Interrupt(on_second=lambda: rundir.remove_partial_saves(sys.argv[1])) as interrupt:
+  print("ready", flush=True)
+  while interrupt.signum is None:
+    time.sleep(0.01)
+  print("saving", flush=True)  # as a long save would, the first signal's exit waits
+  time.sleep(60)
+"""
+
+
+def test_a_second_signal_exits_at_once_without_partial_saves(tmp_path):
+  """The second SIGTERM, while the first one's save runs, exits at once with 143 and removes
+  the unfinished save."""
+  partial = tmp_path / f"7{rundir.PARTIAL_MARK}"
+  partial.mkdir()
+  (tmp_path / "6").mkdir()
+  proc = subprocess.Popen([sys.executable, "-c", SECOND_SIGNAL, str(tmp_path)], stdout=subprocess.PIPE,
+                          text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+  assert proc.stdout.readline() == "ready\n"
+  proc.send_signal(signal.SIGTERM)
+  assert proc.stdout.readline() == "saving\n"
+  proc.send_signal(signal.SIGTERM)
+  assert proc.wait(timeout=30) == 143
+  assert os.listdir(tmp_path) == ["6"]
+
+
+def test_a_failed_save_stops_the_run_and_keeps_the_previous_checkpoint(compile_cache, tmp_path,  # noqa: F811
+                                                                       capsys, monkeypatch):
+  """The background write of step 2's checkpoint fails as on a full disk: the run stops at
+  the next step with one line naming the directory and the cause (exit 1); step 1's
+  checkpoint stays complete, nothing partial is left."""
+  from orbax.checkpoint._src.path import atomicity
+
+  finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+  async def disk_full(self, *args, **kwargs):
+    if os.path.basename(str(self._final_path)) == "2":
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self._tmp_path))
+    return await finalize(self, *args, **kwargs)
+
+  monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", disk_full)
+  run_dir = tmp_path / "run"
+  assert train(run_dir, "--steps", "4", "--save-every", "1", "--keep", "5") == 1
+  err = one_error_line(capsys)
+  assert err.startswith(f"error: saving the checkpoint of step 2 to {run_dir / 'checkpoints'} failed:"
+                        " No space left on device")
+  assert "the checkpoint of step 1 is intact" in err
+  assert steps_saved(run_dir) == ["1"]
+  assert (run_dir / "checkpoints" / "1" / "commit_success.txt").exists()
+  assert not (run_dir / rundir.LOCK_NAME).exists()
+
+
+def test_resume_reads_the_checkpoint_config_and_refuses_damaged_checkpoints(compile_cache, tmp_path, capsys):  # noqa: F811
+  """Without config.json --resume takes the checkpoint's config; a damaged latest checkpoint is one line naming the step and
+  the --step that goes back, in train.gpt, train.eval and train.export; --resume --step
+  continues from the older one."""
+  from train import eval as eval_lib
+  from train import export as export_lib
+
+  run_dir = tmp_path / "run"
+  assert train(run_dir, "--steps", "2", "--save-every", "1", "--keep", "5", "--eval-tokens", "0") == 0
+  (run_dir / "config.json").unlink()
+  capsys.readouterr()
+  # No model flags: the defaults (4 layers x 128) would not match the checkpoint.
+  assert gpt.main(["--run-dir", str(run_dir), "--resume", "--steps", "3"]) == 0
+  assert capsys.readouterr().err == ""
+  assert gpt.main(["--run-dir", str(run_dir), "--resume", "--steps", "4", "--global-batch-size", "16"]) == 2
+  assert "the run was saved with 8" in one_error_line(capsys)
+
+  for name in os.listdir(run_dir / "checkpoints" / "3"):  # step 3 emptied
+    path = run_dir / "checkpoints" / "3" / name
+    subprocess.run(["rm", "-rf", str(path)], check=True)
+  before = snapshot(tmp_path)
+  damaged = f"the checkpoint of step 3 in {run_dir / 'checkpoints'} is damaged ("
+  for main, argv, back in [
+      (gpt.main, ["--run-dir", str(run_dir), "--resume", "--steps", "4"], "use an older one with --resume --step 2"),
+      (eval_lib.main, [str(run_dir), "--data", "stdlib:val", "--seq-len", "16"], "use an older one with --step 2"),
+      (export_lib.main, [str(run_dir), "--output", str(tmp_path / "hf")], "use an older one with --step 2")]:
+    assert main(argv) == 2
+    err = one_error_line(capsys)
+    assert damaged in err and err.endswith(back + "\n"), err
+  assert snapshot(tmp_path) == before and not (tmp_path / "hf").exists()
+  assert gpt.main(["--run-dir", str(run_dir), "--resume", "--step", "2", "--steps", "3"]) == 0
+  assert steps_saved(run_dir) == ["1", "2", "3"]
+  assert "deleting the newer checkpoints of steps 3" in capsys.readouterr().err
+
+  broken = tmp_path / "broken"
+  broken.mkdir()
+  (broken / "config.json").write_text("{}")
+  assert gpt.main(["--run-dir", str(broken), "--resume"]) == 2
+  assert "config.json is damaged" in one_error_line(capsys)
+
+
+def test_an_imported_model_is_checked_on_the_data_ids_and_its_positions(tmp_path, capsys):
+  """A Llama of vocabulary 300 takes a FineWeb file of byte ids (the format's usual GPT-2
+  tokenizer is no reason to refuse), refuses one that holds id 300, and a --seq-len past its
+  64 positions; a Hub id is no folder; a truncated download is one line."""
+  pytest.importorskip("transformers")
+  from tests.test_data_sft import make_tokenizer
+  from tests.test_models_hf import make_hf_model
+  from train import hf as hf_io
+
+  make_hf_model("llama", tmp_path / "llama", vocab_size=300)
+  make_tokenizer(tmp_path / "llama", ["a", "b"])
+  bytes_bin, high_bin = tmp_path / "bytes.bin", tmp_path / "high.bin"
+  fineweb.write_shard(str(bytes_bin), np.arange(4000) % 257)
+  fineweb.write_shard(str(high_bin), np.where(np.arange(4000) == 9, 300, np.arange(4000) % 257))
+  flags = ["--init-from", f"hf:{tmp_path / 'llama'}", "--seq-len", "16", "--global-batch-size", "8",
+           "--mesh", "fs=1", "--eval-tokens", "0", "--steps", "2"]
+  run = gpt._setup([*flags, "--data", f"fineweb:{bytes_bin}", "--run-dir", str(tmp_path / "ok")])
+  run.checkpoints.close()
+  run.lock.release()
+  assert run.model_cfg.vocab_size == 300
+  # The run keeps its own copy of the tokenizer: later commands need not find --init-from.
+  copy = tmp_path / "ok" / hf_io.RUN_TOKENIZER
+  assert (copy / "tokenizer.json").read_bytes() == (tmp_path / "llama" / "tokenizer.json").read_bytes()
+  assert hf_io.tokenizer_dir(str(tmp_path / "ok"), "hf:/moved/away") == str(copy)
+  truncated = tmp_path / "truncated"  # an interrupted download
+  truncated.mkdir()
+  for name in ("config.json", "model.safetensors"):
+    data = (tmp_path / "llama" / name).read_bytes()
+    (truncated / name).write_bytes(data if name == "config.json" else data[:len(data) // 2])
+  capsys.readouterr()
+  for argv, message in [
+      (["--data", f"fineweb:{bytes_bin}", "--init-from", f"hf:{truncated}"],
+       f"{truncated / 'model.safetensors'} is not a complete safetensors file ("),
+      (["--data", f"fineweb:{high_bin}"], f"--data {high_bin} holds token id 300 but the model's vocabulary"
+                                           " has 300 ids (0..299); tokenize the data with --init-from's tokenizer"),
+      (["--data", f"fineweb:{bytes_bin}", "--seq-len", "128"], "--seq-len 128 exceeds the 64 positions"),
+      (["--init-from", "hf:Qwen3-0.6B"], "Qwen3-0.6B does not exist; hf:DIR is a local folder of config.json"
+                                         " and safetensors, not a Hub id: download the checkpoint first")]:
+    assert gpt.main([*flags, *argv, "--run-dir", str(tmp_path / "refused")]) == 2
+    assert message in one_error_line(capsys)
+  assert not (tmp_path / "refused").exists()
+
+
+def test_a_kept_lr_schedule_is_said_in_one_line(capsys):
+  """parse kept the saved decay length (tests/test_train_config.py); the run says so when it starts."""
+  saved = config_lib.Config(steps=2).to_json()
+  preflight.schedule_warning(config_lib.Config(steps=3, lr_decay_steps=2), saved)
+  assert capsys.readouterr().err == ("warning: --resume --steps 3 keeps the run's lr schedule, which decays"
+                                     " over 2 steps; pass --lr-decay-steps 3 to stretch it over the new"
+                                     " length instead\n")
+  preflight.schedule_warning(config_lib.Config(steps=3, lr_decay_steps=3), saved)  # stretched
+  preflight.schedule_warning(config_lib.Config(steps=3, lr_decay_steps=2), {**saved, "lr_decay_steps": 2})
+  assert capsys.readouterr().err == ""
+
+
+EDITABLE_INSTALL = """
+import importlib.machinery, importlib.util, os, sys
+root, argv = sys.argv[1], sys.argv[2:]
+class EditableFinder:  # as setuptools' editable finder: on sys.meta_path, asked after the path
+  @staticmethod
+  def find_spec(name, path=None, target=None):
+    if name in ("train", "data", "models", "dion_jax"):
+      return importlib.util.spec_from_file_location(
+          name, os.path.join(root, name, "__init__.py"), submodule_search_locations=[os.path.join(root, name)])
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != root]
+sys.meta_path.insert(sys.meta_path.index(importlib.machinery.PathFinder) + 1, EditableFinder)
+from train import gpt
+sys.exit(gpt.main(argv))
+"""
+
+
+def test_folders_named_like_the_packages_in_the_working_directory_do_not_shadow_them(tmp_path):
+  """From a directory with data/ and models/ folders, the trainer imports the real packages
+  (it gets as far as checking the data against the model: one line, exit 2)."""
+  (tmp_path / "data").mkdir()
+  (tmp_path / "models").mkdir()
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run([sys.executable, "-c", EDITABLE_INSTALL, root, *TINY, "--vocab-size", "100",
+                        "--run-dir", str(tmp_path / "run")], cwd=tmp_path, capture_output=True, text=True,
+                       env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")},
+                       timeout=300)
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert out.stderr.startswith("error: --data stdlib holds token id 256") and out.stderr.count("\n") == 1
+
+
+def test_out_of_memory_is_one_line(compile_cache, tmp_path, capsys):  # noqa: F811
+  """XLA's RESOURCE_EXHAUSTED at step 3 (raised here as the runtime raises it): one line
+  with the step and what lowers memory, exit 1, the lock released."""
+  import jax
+
+  run = gpt._setup([*TINY, "--steps", "5", "--run-dir", str(tmp_path / "run"), "--eval-tokens", "0"])
+  compiled, calls = run.train_step, []
+
+  def step(state, batch):
+    calls.append(1)
+    if len(calls) == 3:
+      raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00TiB.")
+    return compiled(state, batch)
+
+  run.train_step = step
+  from train import loop
+
+  assert loop.train(run) == 1
+  err = one_error_line(capsys)
+  assert err.startswith("error: out of device memory at step 3 (RESOURCE_EXHAUSTED: Out of memory while"
+                        " trying to allocate 1.00TiB.); no checkpoint was written; lower --micro-batch-size")
+  assert not (tmp_path / "run" / rundir.LOCK_NAME).exists()

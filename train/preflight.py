@@ -1,0 +1,142 @@
+"""What a run checks before it writes anything: its directory, data and checkpoint.
+
+Each check raises ``UsageError`` with one line that names the problem and the fix
+(``train/cli.py`` prints it, exit code 2). :func:`train.loop.setup` calls them in order.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import jax
+
+import data
+import models
+from train import checkpoint as ckpt_lib
+from train import rundir
+from train.cli import UsageError
+from train.config import Config
+
+# Model fields a checkpoint's arrays depend on.
+_SHAPE_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "kv_heads", "head_dim", "d_mlp",
+                 "mlp", "qk_norm", "tie_embeddings", "num_experts", "moe_every", "d_expert", "moe_shared_expert")
+
+
+def check_experts(model_cfg: models.GPTConfig, mesh: jax.sharding.Mesh) -> None:
+  sizes = dict(mesh.shape)
+  if not model_cfg.num_experts:
+    return
+  if model_cfg.num_experts % sizes["ep"]:
+    raise UsageError(f"--mesh ep={sizes['ep']} does not divide the {model_cfg.num_experts} experts;"
+                     " choose an ep that divides --num-experts (each ep rank holds experts/ep)")
+
+
+def check_resumable(cfg: Config, existing: list[int]) -> None:
+  where = cfg.ckpt_path
+  if cfg.resume and not os.path.isdir(where):
+    raise UsageError(f"--resume: the checkpoint directory {where} does not exist; check"
+                     " --run-dir/--name/--ckpt-dir, or drop --resume to start a new run")
+  if cfg.resume and not existing:
+    raise UsageError(f"--resume: {where} holds no complete checkpoint; drop --resume to start"
+                     " a new run")
+  if not cfg.resume and existing:
+    raise UsageError(f"{where} already holds checkpoints (latest step {max(existing)}); pass"
+                     " --resume to continue that run, or --name/--run-dir for a new one")
+  # A run killed before its first save left a log: appending to it would mix two runs.
+  metrics = os.path.join(cfg.run_path, "metrics.jsonl")
+  if not cfg.resume and os.path.exists(metrics) and os.path.getsize(metrics):
+    raise UsageError(f"{cfg.run_path} already holds a run's metrics.jsonl but no checkpoint; choose a"
+                     " new --run-dir/--name, or delete the old run directory")
+
+
+def check_same_model(saved: dict, model_cfg: models.GPTConfig, cfg: Config, where: str) -> None:
+  # Through GPTConfig, so that records written before a field existed take its default.
+  saved_cfg = models.GPTConfig(**saved["model"])
+  differ = [f"{k}={getattr(saved_cfg, k)} (now {getattr(model_cfg, k)})" for k in _SHAPE_FIELDS
+            if getattr(saved_cfg, k) != getattr(model_cfg, k)]
+  if differ:
+    raise UsageError(f"the checkpoint in {where} is of another model: {', '.join(differ)}; pass"
+                     " the model flags it was saved with (--resume reuses them when left off)"
+                     " or start a new --run-dir")
+  if saved["train"]["optimizer"] != cfg.optimizer:
+    raise UsageError(f"the checkpoint in {where} holds --optimizer {saved['train']['optimizer']}"
+                     f" state, not {cfg.optimizer}; resume with --optimizer"
+                     f" {saved['train']['optimizer']} or start a new --run-dir")
+
+
+def check_token_ids(flag: str, source, vocab_size: int, fix: str | None = None) -> None:
+  """Raises UsageError when ``source`` holds a token id at or past ``vocab_size``; the
+  message names the largest id and ``fix`` (default: a large enough --vocab-size)."""
+  largest = data.max_token_id(source)
+  if largest >= vocab_size:
+    fix = fix or f"pass --vocab-size {largest + 1} or more, or data made with the model's tokenizer"
+    raise UsageError(f"{flag} {source.name} holds token id {largest} but the model's vocabulary has"
+                     f" {vocab_size} ids (0..{vocab_size - 1}); {fix}")
+
+
+def check_data(cfg: Config, model_cfg: models.GPTConfig, source, valid_source, eod: int | None) -> None:
+  """Every data source fits the model's vocabulary, and the validation data fills a batch."""
+  fix = ("tokenize the data with --init-from's tokenizer (python -m data.convert tokenize"
+         " --tokenizer DIR)" if cfg.hf_dir else None)
+  check_token_ids("--data", source, model_cfg.vocab_size, fix)
+  if valid_source is None or cfg.eval_tokens == 0:
+    return
+  check_token_ids("--valid-data", valid_source, model_cfg.vocab_size, fix)
+  try:
+    data.make_dataset(valid_source, seq_len=model_cfg.seq_len, global_batch_size=cfg.global_batch_size,
+                      shuffle=False, eod=eod)
+  except data.DataError as e:
+    raise UsageError(f"--valid-data: {e}; pass more validation data, a smaller --global-batch-size"
+                     " or --seq-len, or --eval-tokens 0 for no validation") from None
+
+
+def check_run_dir(cfg: Config, lock: rundir.Lock) -> None:
+  """The run and checkpoint directories are usable and free."""
+  rundir.check_usable(cfg.run_path, "--run-dir")
+  rundir.check_usable(cfg.ckpt_path, "--ckpt-dir")
+  lock.check()
+
+
+def resume_step(cfg: Config, existing: list[int]) -> int:
+  """The checkpoint step ``--resume`` continues from: ``--step`` or the latest."""
+  if cfg.step is None:
+    return max(existing)
+  if cfg.step not in existing:
+    raise UsageError(f"--step {cfg.step}: {cfg.ckpt_path} has checkpoints at steps"
+                     f" {', '.join(map(str, sorted(existing)))}; pass one of them")
+  return cfg.step
+
+
+def damaged(command: str, ckpt_path: str, step: int | None, error: BaseException) -> UsageError:
+  """The one-line error of a checkpoint that does not restore: its step, the cause, and
+  the way back to an older one (``command`` is the flags that pick a step: ``--resume --step``
+  in train.gpt, ``--step`` in train.eval and train.export)."""
+  existing = ckpt_lib.existing_steps(ckpt_path)
+  step = max(existing, default=0) if step is None else step
+  cause = f"{type(error).__name__}: {error}".split(" See full")[0].splitlines()[0][:200]
+  older = [s for s in existing if s < step]
+  fix = (f"use an older one with {command} {max(older)}" if older
+         else "no older checkpoint exists: start a new --run-dir")
+  return UsageError(f"the checkpoint of step {step} in {ckpt_path} is damaged ({cause}); {fix}")
+
+
+def drop_newer(cfg: Config, step: int, existing: list[int]) -> bool:
+  """Deletes the checkpoints after ``step`` when ``--step`` went back to it (the run will
+  save those steps anew), with one line saying so; whether there were any."""
+  newer = sorted(s for s in existing if s > step)
+  if not newer:
+    return False
+  print(f"warning: --step {step}: deleting the newer checkpoints of steps {', '.join(map(str, newer))}",
+        file=sys.stderr)
+  for s in newer:
+    shutil.rmtree(os.path.join(cfg.ckpt_path, str(s)))
+  return True
+
+
+def schedule_warning(cfg: Config, saved_train: dict) -> None:
+  """One line when ``--resume`` with a new --steps kept the saved run's lr decay length."""
+  if saved_train.get("lr_decay_steps") is None and cfg.lr_decay_steps == saved_train.get("steps") != cfg.steps:
+    print(f"warning: --resume --steps {cfg.steps} keeps the run's lr schedule, which decays over"
+          f" {cfg.lr_decay_steps} steps; pass --lr-decay-steps {cfg.steps} to stretch it over the"
+          " new length instead", file=sys.stderr)
