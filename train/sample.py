@@ -40,6 +40,7 @@ from models import gpt
 from train import checkpoint as ckpt_lib
 from train import cli
 from train import config as config_lib
+from train import hf as hf_io
 from train.cli import UsageError
 
 
@@ -197,12 +198,8 @@ def _restore(argv: list[str] | None) -> tuple[argparse.Namespace, Restored, Any]
 
 
 def run_tokenizer(run_dir: str):
-  """The tokenizer.json of the checkpoint the run started from (--init-from hf:DIR), else bytes."""
-  init_from = config_lib.saved_config(run_dir).get("init_from")
-  directory = init_from[len("hf:"):] if init_from else None
-  if directory and os.path.isfile(os.path.join(directory, "tokenizer.json")):
-    return hf_tokenizer.load(directory)
-  return hf_tokenizer.load(None)
+  """The run's tokenizer (its RUN_DIR/tokenizer copy, else its --init-from hf:DIR), else bytes."""
+  return hf_io.load_tokenizer(hf_io.tokenizer_dir(run_dir, config_lib.saved_config(run_dir).get("init_from")))
 
 
 def _write(args: argparse.Namespace, model: Restored, tokenizer) -> int:
