@@ -131,7 +131,7 @@ def scale_by_dion(
     rank_multiple_of: int = 1,
     mu: float = 0.95,
     epsilon: float = 1e-8,
-    qr_method: str = "rcqr",
+    qr_method: str = "shifted_cqr",
     cqr_warmup_steps: int = 150,
     oversample: float = 1.25,
     power_iters: int = 1,
@@ -156,9 +156,11 @@ def scale_by_dion(
     rank_multiple_of: round r up to a multiple of this (then clip to min(m, n)).
     mu: momentum decay of the error feedback, ``M ← M − (1 − mu) P Rᵀ``.
     epsilon: added to Q's column norms.
-    qr_method: ``"rcqr"`` (randomized Cholesky QR), ``"cqr"`` (Cholesky QR after
-      ``cqr_warmup_steps`` steps, RCQR before and whenever Cholesky fails) or
-      ``"qr"`` (Householder).
+    qr_method: ``"shifted_cqr"`` (Cholesky QR in four passes after a fill, batched
+      over the matrices with no loop or branch: fit for a GPU), ``"cqr"`` (one-pass
+      Cholesky QR after ``cqr_warmup_steps`` steps where its Cholesky succeeds,
+      ``"shifted_cqr"`` elsewhere), ``"rcqr"`` (randomized Cholesky QR, the
+      reference's) or ``"qr"`` (Householder); see ``dion_jax.linalg.qr``.
     cqr_warmup_steps: see ``qr_method``.
     oversample: RCQR sketch rows per rank, before rounding up to a multiple of 128.
     power_iters: power-iteration steps per update.
@@ -221,7 +223,7 @@ def dion(
     scalar_weight_decay: float | None = None,
     cautious_wd: bool = False,
     epsilon: float = 1e-8,
-    qr_method: str = "rcqr",
+    qr_method: str = "shifted_cqr",
     cqr_warmup_steps: int = 150,
     oversample: float = 1.25,
     power_iters: int = 1,
