@@ -81,6 +81,7 @@ class Config:
   dion_scale_rule: str = "fan_ratio"
   dion_scalar_optimizer: str = "adamw"
   dion_replicate_sync: bool = True
+  dion_mixed_precision: bool = False
   ortho_dtype: str = "bfloat16"
   # batch and steps
   global_batch_size: int = 16
@@ -301,6 +302,8 @@ HELP = {
     "dion_scalar_optimizer": "adamw|lion for embeddings, LM head and norms (default adamw)",
     "ortho_dtype": "bfloat16|float32: dtype of dion2/normuon/muon's orthogonalization (default"
                    " bfloat16, as the reference; float32 replays exactly on every mesh)",
+    "dion_mixed_precision": "keep Dion's momentum and Q in bfloat16 (microsoft/dion's"
+                            " mixed_precision: true; default off: the parameter's dtype)",
     "dion_replicate_sync": "with rp > 1 keep per-replica momentum and average only Dion's"
                            " low-rank factors over rp (default on)",
     "global_batch_size": "sequences per optimizer step over all devices (default 16)",

@@ -59,7 +59,7 @@ from dion_jax.parallel.mesh import REPLICA_AXIS, axis_names
 STATIC_ARGS = (
     "rank_fraction", "rank_multiple_of", "oversample", "power_iters", "cqr_warmup_steps",
     "seed", "lm_head_lr_scale", "labels", "scale_rule", "dimension_numbers",
-    "momentum_dtype", "q_dtype", "cautious_wd",
+    "momentum_dtype", "q_dtype", "mixed_precision", "cautious_wd",
 )  # fmt: skip
 
 
@@ -138,6 +138,7 @@ def scale_by_dion(
     scale_rule: str | Callable[[int, int], float] = "fan_ratio",
     momentum_dtype: Any = None,
     q_dtype: Any = None,
+    mixed_precision: bool = False,
     seed: int = 0,
     dimension_numbers=None,
     partition_specs=None,
@@ -169,6 +170,10 @@ def scale_by_dion(
       (sqrt(max(1, fan_out/fan_in))), ``"none"``, or a callable.
     momentum_dtype: dtype of M (default: the parameter's).
     q_dtype: dtype of Q (default: the parameter's).
+    mixed_precision: microsoft/dion's ``mixed_precision: true``: M and Q in bfloat16
+      unless ``momentum_dtype``/``q_dtype`` say otherwise. The step's products then
+      run in bfloat16 (float32 accumulation), the orthonormalization and Q's column
+      norms in float32; the update keeps the parameter's dtype.
     seed: seeds Q's initialization and the RCQR sketches.
     dimension_numbers: fan_in/fan_out axes (see :func:`leaf_frames`).
     partition_specs: PartitionSpecs of the parameters: decide each matrix's frame
@@ -187,6 +192,8 @@ def scale_by_dion(
   validation.check_choice("backend", backend, backend_lib.BACKENDS)
   hp = dion_math.DionHyperParams(mu, epsilon, qr_method, oversample, power_iters, backend)
   key = jax.random.key(seed)
+  if mixed_precision:
+    momentum_dtype, q_dtype = momentum_dtype or jnp.bfloat16, q_dtype or jnp.bfloat16
 
   def views(params):
     return leaf_views(params, dimension_numbers=dimension_numbers, partition_specs=partition_specs,
@@ -230,6 +237,7 @@ def dion(
     scale_rule: str | Callable[[int, int], float] = "fan_ratio",
     momentum_dtype: Any = None,
     q_dtype: Any = None,
+    mixed_precision: bool = False,
     seed: int = 0,
     scalar_optimizer: str = "adamw",
     scalar_learning_rate: optax.ScalarOrSchedule | None = None,
@@ -250,7 +258,7 @@ def dion(
     learning_rate: base learning rate, a float or an optax schedule; Dion's update is
       further multiplied by its shape scale (``scale_rule``).
     rank_fraction, rank_multiple_of, mu, epsilon, qr_method, cqr_warmup_steps,
-      oversample, power_iters, scale_rule, momentum_dtype, q_dtype, seed,
+      oversample, power_iters, scale_rule, momentum_dtype, q_dtype, mixed_precision, seed,
       dimension_numbers, partition_specs, mesh, replicate_sync, backend: see
       :func:`scale_by_dion`.
     weight_decay: decoupled weight decay, multiplied by the base learning rate, for
@@ -276,7 +284,7 @@ def dion(
       rank_fraction=rank_fraction, rank_multiple_of=rank_multiple_of, mu=mu,
       epsilon=epsilon, qr_method=qr_method, cqr_warmup_steps=cqr_warmup_steps,
       oversample=oversample, power_iters=power_iters, scale_rule=scale_rule,
-      momentum_dtype=momentum_dtype, q_dtype=q_dtype, seed=seed,
+      momentum_dtype=momentum_dtype, q_dtype=q_dtype, mixed_precision=mixed_precision, seed=seed,
       dimension_numbers=dimension_numbers, partition_specs=partition_specs,
       mesh=mesh, replicate_sync=replicate_sync, backend=backend,
   )  # fmt: skip
