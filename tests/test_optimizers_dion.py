@@ -191,7 +191,7 @@ def test_momentum_and_q_dtypes():
 
 def test_mixed_precision_keeps_bfloat16_state_close_to_float32():
   """microsoft/dion's mixed_precision: bfloat16 M and Q; three steps stay within bfloat16
-  rounding of the float32-state updates (achieved 4e-3 relative)."""
+  rounding of the float32-state updates (achieved 6e-3 relative)."""
   rng = np.random.default_rng(5)
   params = {"w": jnp.asarray(rng.normal(size=(24, 40)), jnp.float32)}
   grads = [jnp.asarray(rng.normal(size=(24, 40)), jnp.float32) for _ in range(3)]
