@@ -8,7 +8,7 @@ placement on a mesh. With B's rows sharded over ``rows`` axes and its columns ov
 reduces
 
     P = B Q            psum over cols           (rows/tp x r)
-    sketch S P, Gram   psum over rows           (k x r), (r x r)
+    PᵀP, ‖P‖_F²        psum over rows           (r x r), (1,); rcqr's S P (k x r)
     R = Bᵀ P           psum over rows           (cols/fs x r)
     ‖R‖_col            psum over cols           (r,)
 
