@@ -162,9 +162,9 @@ def test_cqr_during_warmup_is_shifted_cqr():
   np.testing.assert_allclose(f(P_mxr, True), _ortho(P_mxr, "cqr", use_cqr=True), atol=1e-6)
 
 
-@pytest.mark.parametrize("method", ["shifted_cqr", "cqr", "rcqr"])
+@pytest.mark.parametrize("method", ["auto", "shifted_cqr", "cqr", "rcqr"])
 def test_lowered_for_cuda_shifted_and_one_pass_cqr_loop_over_no_matrix(monkeypatch, method):
-  """Lowered for CUDA as on a GPU: shifted and one-pass Cholesky QR run batched Cholesky
+  """Lowered for CUDA as on a GPU: shifted (``"auto"`` there) and one-pass Cholesky QR run batched Cholesky
   (cuSOLVER potrf) and triangular solves at HIGHEST precision, with no Householder QR,
   no loop and no conditional; RCQR's Householder QR of the sketch loops (the test bites)."""
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # read when traced
@@ -179,6 +179,12 @@ def test_lowered_for_cuda_shifted_and_one_pass_cqr_loop_over_no_matrix(monkeypat
   assert not any(r.inside for r in reached), reached
   dots = [line for line in lowered.as_text().splitlines() if "stablehlo.dot_general" in line]
   assert dots and all("precision = [HIGHEST, HIGHEST]" in line for line in dots), dots
+
+
+def test_auto_is_shifted_cqr_on_a_gpu_and_rcqr_elsewhere(monkeypatch):
+  assert qr.resolve_method("auto") == "rcqr" and qr.resolve_method("qr") == "qr"
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert qr.resolve_method("auto") == "shifted_cqr"
 
 
 def test_fill_columns_are_orthonormal_and_split_like_the_rows():

@@ -77,7 +77,7 @@ class Config:
   min_loss_scale: float = 1.0
   dion_rank_fraction: float = 1.0
   dion_momentum: float = 0.95
-  dion_qr_method: str = "shifted_cqr"
+  dion_qr_method: str = "auto"
   dion_scale_rule: str = "fan_ratio"
   dion_scalar_optimizer: str = "adamw"
   dion_replicate_sync: bool = True
@@ -295,8 +295,9 @@ HELP = {
     "dion_rank_fraction": "Dion's rank r / min(m, n), in (0, 1] (default 1; 0.25 cuts"
                           " its compute and data-parallel traffic)",
     "dion_momentum": "Dion's error-feedback momentum mu (default 0.95)",
-    "dion_qr_method": "shifted_cqr|cqr|rcqr|qr orthonormalization of Dion's power iteration"
-                      " (default shifted_cqr: batched Cholesky QR, no loop over matrices on a GPU)",
+    "dion_qr_method": "auto|shifted_cqr|cqr|rcqr|qr orthonormalization of Dion's power iteration"
+                      " (default auto: shifted_cqr, batched Cholesky QR with no loop over"
+                      " matrices, on a GPU; rcqr on a CPU)",
     "dion_scale_rule": "fan_ratio|spectral|max_one|none shape scale of Dion's update"
                        " (default fan_ratio, the reference's sqrt(fan_out/fan_in))",
     "dion_scalar_optimizer": "adamw|lion for embeddings, LM head and norms (default adamw)",
@@ -337,7 +338,7 @@ def _parser() -> argparse.ArgumentParser:
   choices = {"preset": PRESET_NAMES, "dtype": ("float32", "bfloat16", "float16"),
              "attention": ("auto", "xla", "cudnn"), "optimizer": OPTIMIZERS,
              "qk_norm": ("none", "rms", "rms_scale"),
-             "lr_decay_style": DECAY_STYLES, "dion_qr_method": ("shifted_cqr", "cqr", "rcqr", "qr"),
+             "lr_decay_style": DECAY_STYLES, "dion_qr_method": ("auto", "shifted_cqr", "cqr", "rcqr", "qr"),
              "dion_scale_rule": ("fan_ratio", "spectral", "max_one", "none"),
              "dion_scalar_optimizer": ("adamw", "lion"), "ortho_dtype": ("bfloat16", "float32")}
   for field in dataclasses.fields(Config):

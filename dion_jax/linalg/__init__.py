@@ -13,6 +13,7 @@ from dion_jax.linalg.qr import (
     orthonormalize,
     orthonormalize_batch,
     rcqr,
+    resolve_method,
     shifted_cholesky_qr,
 )
 
@@ -25,5 +26,6 @@ __all__ = [
     "orthonormalize_batch",
     "polar_factor",
     "rcqr",
+    "resolve_method",
     "shifted_cholesky_qr",
 ]

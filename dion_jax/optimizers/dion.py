@@ -131,7 +131,7 @@ def scale_by_dion(
     rank_multiple_of: int = 1,
     mu: float = 0.95,
     epsilon: float = 1e-8,
-    qr_method: str = "shifted_cqr",
+    qr_method: str = "auto",
     cqr_warmup_steps: int = 150,
     oversample: float = 1.25,
     power_iters: int = 1,
@@ -157,7 +157,8 @@ def scale_by_dion(
     rank_multiple_of: round r up to a multiple of this (then clip to min(m, n)).
     mu: momentum decay of the error feedback, ``M ← M − (1 − mu) P Rᵀ``.
     epsilon: added to Q's column norms.
-    qr_method: ``"shifted_cqr"`` (Cholesky QR in four passes after a fill, batched
+    qr_method: ``"auto"`` (``"shifted_cqr"`` on a GPU, ``"rcqr"`` elsewhere: the faster
+      of the two on each, measured), ``"shifted_cqr"`` (Cholesky QR in four passes after a fill, batched
       over the matrices with no loop or branch: fit for a GPU), ``"cqr"`` (one-pass
       Cholesky QR after ``cqr_warmup_steps`` steps where its Cholesky succeeds,
       ``"shifted_cqr"`` elsewhere), ``"rcqr"`` (randomized Cholesky QR, the
@@ -230,7 +231,7 @@ def dion(
     scalar_weight_decay: float | None = None,
     cautious_wd: bool = False,
     epsilon: float = 1e-8,
-    qr_method: str = "shifted_cqr",
+    qr_method: str = "auto",
     cqr_warmup_steps: int = 150,
     oversample: float = 1.25,
     power_iters: int = 1,

@@ -53,7 +53,7 @@ class DionHyperParams(NamedTuple):
 
   mu: Any = 0.95
   epsilon: Any = 1e-8
-  qr_method: str = "shifted_cqr"
+  qr_method: str = "auto"
   oversample: float = 1.25
   power_iters: int = 1
   backend: str = "auto"
