@@ -7,7 +7,8 @@ stacked over layers as (L, fan_in, fan_out). Every optimizer step is jitted and 
 the median over ``--rounds`` rounds of the median of ``--repeats`` calls, every case
 (the plain matmul included) timed in every round, all in one process, and reported as
 a ratio to Muon. Dion's achieved GFLOP/s counts 8·m·n·r per matrix (P = B Q, R = Bᵀ P,
-P Rᵀ and P Qᵀ) plus RCQR's 2·k·m·r (sketch product) + 4·m·r² (two solves and a Gram),
+P Rᵀ and P Qᵀ) plus the orthonormalization's: shifted Cholesky QR's 16·m·r² (four Grams
+and four multiplications by R⁻¹), or RCQR's 2·k·m·r (sketch product) + 4·m·r² (two solves and a Gram),
 and is set against a plain float32 matmul measured in the same run. The last columns
 count the page faults and kernel CPU time of one step: the allocator maps each step's
 fresh buffers anew, a cost the matmul baseline does not pay. ``--profile`` times the
@@ -42,13 +43,16 @@ def kernel_cost_per_call(fn, args, calls: int = 5) -> tuple[float, float]:
   return (after.ru_minflt - before.ru_minflt) / calls, (after.ru_stime - before.ru_stime) / calls
 
 
-def dion_flops(params, rank_fraction: float, oversample: float = 1.25) -> float:
+def dion_flops(params, rank_fraction: float, qr_method: str = "shifted_cqr", oversample: float = 1.25) -> float:
   total = 0.0
   for p in params.values():
     L, fan_in, fan_out = p.shape
     rows, cols = max(fan_in, fan_out), min(fan_in, fan_out)
     r = dion_jax.dion_rank(rank_fraction, 1, fan_out, fan_in)
-    ortho = 2 * sketch.sketch_size(r, oversample) * rows * r + 4 * rows * r * r if rows > r else 0
+    if qr_method == "shifted_cqr":
+      ortho = 16 * rows * r * r
+    else:
+      ortho = 2 * sketch.sketch_size(r, oversample) * rows * r + 4 * rows * r * r if rows > r else 0
     total += L * (8 * rows * cols * r + ortho)
   return total
 
@@ -120,6 +124,8 @@ def profile_pieces(params, rank_fraction: float, repeats: int) -> list[tuple[str
 def main():
   parser = harness.matrix_benchmark_parser(__doc__.splitlines()[0])
   parser.add_argument("--rank-fractions", type=str, default="1,0.25,0.0625")
+  parser.add_argument("--qr-methods", type=str, default="shifted_cqr",
+                      help="Dion's orthonormalizations to time, comma-separated (e.g. rcqr,shifted_cqr)")
   parser.add_argument("--matmul-size", type=int, default=1024)
   parser.add_argument("--matmul-count", type=int, default=16,
                       help="matmuls per timed call of the baseline (one call lasts about one Dion step)")  # fmt: skip
@@ -134,9 +140,10 @@ def main():
 
   muon = optax.contrib.muon(1e-3, muon_weight_dimension_numbers=lambda p: jax.tree.map(lambda _: muon_dims, p))
   txs = {"optax.adamw": (optax.adamw(1e-3), None), "optax.contrib.muon": (muon, muon_flops(params))}
-  for f in fractions:
-    tx = dion_jax.dion(1e-3, rank_fraction=f, labels=all_dion, backend="xla")
-    txs[f"dion rank_fraction={f:g}"] = (tx, dion_flops(params, f))
+  for method in args.qr_methods.split(","):
+    for f in fractions:
+      tx = dion_jax.dion(1e-3, rank_fraction=f, qr_method=method, labels=all_dion, backend="xla")
+      txs[f"dion rank_fraction={f:g} {method}"] = (tx, dion_flops(params, f, method))
   cases = {"matmul": matmul_case(args.matmul_size, args.matmul_count)}
   state_bytes = {}
   for name, (tx, _) in txs.items():

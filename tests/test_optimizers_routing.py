@@ -212,7 +212,7 @@ def test_multi_steps_applies_the_averaged_gradient():
   np.testing.assert_allclose([got[(i + 1) * k - 1]["b"] for i in range(macro_steps)], want_b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("qr_method", ["rcqr", "cqr", "qr"])
+@pytest.mark.parametrize("qr_method", ["shifted_cqr", "rcqr", "cqr", "qr"])
 def test_jit_traces_once(qr_method):
   """No recompilation across steps, through a schedule and the cqr warmup switch."""
   params, grads = _matrix_and_bias(steps=6)

@@ -1,7 +1,8 @@
 """The trainer's whole step (GPT + Dion + clipping), lowered for CUDA on this CPU machine
 with every GPU-time decision taken as on a GPU: it holds no CPU-only custom call, the
-Pallas kernels are Triton modules the GPU compiler accepts, QR goes to cuSOLVER, and
-attention to cuDNN's fused kernels."""
+Pallas kernels are Triton modules the GPU compiler accepts, Dion's factorizations are
+batched cuSOLVER Cholesky and triangular solves outside any loop or conditional, and
+attention goes to cuDNN's fused kernels."""
 
 import re
 
@@ -9,6 +10,7 @@ import jax
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo  # cuDNN's checks query a local GPU
 
+from tests import stablehlo_calls
 from tests.triton_ir import parse_triton_modules
 from train import config as config_lib
 from train import loop
@@ -26,10 +28,11 @@ def as_on_a_gpu(monkeypatch):
   monkeypatch.setattr(fused_attention_stablehlo, "check_compute_capability", lambda capability: True)
 
 
-def _lowered_step(tmp_path, optimizer: str, dtype: str | None = None, preset: str = "tiny") -> jax.stages.Lowered:
+def _lowered_step(tmp_path, optimizer: str, dtype: str | None = None, preset: str = "tiny",
+                  **overrides) -> jax.stages.Lowered:
   cfg = config_lib.Config(preset=preset, optimizer=optimizer, steps=1, global_batch_size=4,
                           eval_tokens=0, save_every=0, mesh="fs=1", run_dir=str(tmp_path / optimizer),
-                          dtype=dtype)
+                          dtype=dtype, **overrides)
   cfg.check()
   run = loop.setup(cfg)
   assert run.model_cfg.dtype == (dtype or "bfloat16") and run.model_cfg.attention == "cudnn"
@@ -50,7 +53,7 @@ def test_train_step_lowers_for_cuda_without_cpu_custom_calls(tmp_path, as_on_a_g
   modules = parse_triton_modules(lowered)  # Dion's RCQR passes or Muon's Newton–Schulz products
   assert modules, targets
   if optimizer == "dion":
-    assert any(t.startswith("cusolver") for t in targets), targets  # the sketch's QR
+    assert "cusolver_potrf_ffi" in targets, targets  # Dion's Cholesky QR
 
 
 def test_float16_step_lowers_with_cudnn_attention_in_float16(tmp_path, as_on_a_gpu):
@@ -59,3 +62,18 @@ def test_float16_step_lowers_with_cudnn_attention_in_float16(tmp_path, as_on_a_g
   text = _lowered_step(tmp_path, "dion", dtype="float16").as_text()
   calls = [line for line in text.splitlines() if "custom_call @__cudnn$fmhaSoftmax" in line]
   assert len(calls) >= 2 and all("xf16>" in line for line in calls), calls
+
+
+@pytest.mark.parametrize("rank_fraction", [1.0, 0.25])
+def test_dion_step_factorizes_batched_without_loops_or_conditionals(tmp_path, as_on_a_gpu, rank_fraction):
+  """Dion's default orthonormalization in the whole step, at full rank (square P: once
+  Householder QR) and 1/4 (tall P: once RCQR's sketch QR): every factorization runs once
+  per shape group, batched, none of them Householder QR, and the step holds no
+  conditional (an XLA:GPU conditional copies its predicate to the host)."""
+  lowered = _lowered_step(tmp_path, "dion", preset="small", dion_rank_fraction=rank_fraction)
+  reached = stablehlo_calls.reached_ops(lowered)
+  ops = {r.op for r in reached}
+  assert {"cusolver_potrf_ffi", "stablehlo.triangular_solve"} <= ops, ops
+  assert not stablehlo_calls.factorizations_in_loops(reached), reached
+  assert not {op for op in ops if "geqrf" in op or "orgqr" in op}, ops
+  assert not ops & {"stablehlo.case", "stablehlo.if"}, ops

@@ -85,10 +85,11 @@ class Config:
   min_loss_scale: float = 1.0
   dion_rank_fraction: float = 1.0
   dion_momentum: float = 0.95
-  dion_qr_method: str = "rcqr"
+  dion_qr_method: str = "auto"
   dion_scale_rule: str = "fan_ratio"
   dion_scalar_optimizer: str = "adamw"
   dion_replicate_sync: bool = True
+  dion_mixed_precision: bool = False
   ortho_dtype: str = "bfloat16"
   # batch and steps
   global_batch_size: int = 16
@@ -326,12 +327,16 @@ HELP = {
     "dion_rank_fraction": "Dion's rank r / min(m, n), in (0, 1] (default 1; 0.25 cuts"
                           " its compute and data-parallel traffic)",
     "dion_momentum": "Dion's error-feedback momentum mu (default 0.95)",
-    "dion_qr_method": "rcqr|cqr|qr orthonormalization of Dion's power iteration (default rcqr)",
+    "dion_qr_method": "auto|shifted_cqr|cqr|rcqr|qr orthonormalization of Dion's power iteration"
+                      " (default auto: shifted_cqr, batched Cholesky QR with no loop over"
+                      " matrices, on a GPU; rcqr on a CPU)",
     "dion_scale_rule": "fan_ratio|spectral|max_one|none shape scale of Dion's update"
                        " (default fan_ratio, the reference's sqrt(fan_out/fan_in))",
     "dion_scalar_optimizer": "adamw|lion for embeddings, LM head and norms (default adamw)",
     "ortho_dtype": "bfloat16|float32: dtype of dion2/normuon/muon's orthogonalization (default"
                    " bfloat16, as the reference; float32 replays exactly on every mesh)",
+    "dion_mixed_precision": "keep Dion's momentum and Q in bfloat16 (microsoft/dion's"
+                            " mixed_precision: true; default off: the parameter's dtype)",
     "dion_replicate_sync": "with rp > 1 keep per-replica momentum and average only Dion's"
                            " low-rank factors over rp (default on)",
     "global_batch_size": "sequences per optimizer step over all devices (default 16)",
@@ -373,7 +378,7 @@ def _parser() -> argparse.ArgumentParser:
   choices = {"preset": PRESET_NAMES, "dtype": ("float32", "bfloat16", "float16"),
              "attention": ("auto", "xla", "cudnn"), "optimizer": OPTIMIZERS,
              "qk_norm": ("none", "rms", "rms_scale"),
-             "lr_decay_style": DECAY_STYLES, "dion_qr_method": ("rcqr", "cqr", "qr"),
+             "lr_decay_style": DECAY_STYLES, "dion_qr_method": ("auto", "shifted_cqr", "cqr", "rcqr", "qr"),
              "dion_scale_rule": ("fan_ratio", "spectral", "max_one", "none"),
              "dion_scalar_optimizer": ("adamw", "lion"), "ortho_dtype": ("bfloat16", "float32")}
   for field in dataclasses.fields(Config):

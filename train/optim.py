@@ -84,4 +84,5 @@ def optimizer(cfg: Config, params: Any, mesh: jax.sharding.Mesh, specs: Any) -> 
       mesh=mesh,
       partition_specs=specs,
       replicate_sync=cfg.dion_replicate_sync,
+      mixed_precision=cfg.dion_mixed_precision,
   )

@@ -1,12 +1,21 @@
 """Orthonormal factors, the two kinds the optimizers need, under names that cannot collide.
 
 - ``qr``: :func:`orthonormalize`, an orthonormal basis of a tall factor's columns
-  (Dion's P): Householder, Cholesky or randomized Cholesky QR, rows possibly sharded.
+  (Dion's P): shifted Cholesky QR (batched, the default), one-pass or randomized Cholesky QR,
+  Householder; rows possibly sharded.
 - ``polar``: :func:`polar_factor`, the approximate polar factor ``U Vᵀ`` of whole
   matrices by odd quintic iterations (Muon, NorMuon, Dion2).
 """
 from dion_jax.linalg.polar import NEWTON_SCHULZ, POLAR_EXPRESS, polar_factor
-from dion_jax.linalg.qr import cholesky_qr_batch, householder, orthonormalize, rcqr
+from dion_jax.linalg.qr import (
+    cholesky_qr_batch,
+    householder,
+    orthonormalize,
+    orthonormalize_batch,
+    rcqr,
+    resolve_method,
+    shifted_cholesky_qr,
+)
 
 __all__ = [
     "NEWTON_SCHULZ",
@@ -14,6 +23,9 @@ __all__ = [
     "cholesky_qr_batch",
     "householder",
     "orthonormalize",
+    "orthonormalize_batch",
     "polar_factor",
     "rcqr",
+    "resolve_method",
+    "shifted_cholesky_qr",
 ]

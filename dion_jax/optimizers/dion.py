@@ -8,7 +8,7 @@ placement on a mesh. With B's rows sharded over ``rows`` axes and its columns ov
 reduces
 
     P = B Q            psum over cols           (rows/tp x r)
-    sketch S P, Gram   psum over rows           (k x r), (r x r)
+    PᵀP, ‖P‖_F²        psum over rows           (r x r), (1,); rcqr's S P (k x r)
     R = Bᵀ P           psum over rows           (cols/fs x r)
     ‖R‖_col            psum over cols           (r,)
 
@@ -59,7 +59,7 @@ from dion_jax.parallel.mesh import REPLICA_AXIS, axis_names
 STATIC_ARGS = (
     "rank_fraction", "rank_multiple_of", "oversample", "power_iters", "cqr_warmup_steps",
     "seed", "lm_head_lr_scale", "labels", "scale_rule", "dimension_numbers",
-    "momentum_dtype", "q_dtype", "cautious_wd",
+    "momentum_dtype", "q_dtype", "mixed_precision", "cautious_wd",
 )  # fmt: skip
 
 
@@ -131,13 +131,14 @@ def scale_by_dion(
     rank_multiple_of: int = 1,
     mu: float = 0.95,
     epsilon: float = 1e-8,
-    qr_method: str = "rcqr",
+    qr_method: str = "auto",
     cqr_warmup_steps: int = 150,
     oversample: float = 1.25,
     power_iters: int = 1,
     scale_rule: str | Callable[[int, int], float] = "fan_ratio",
     momentum_dtype: Any = None,
     q_dtype: Any = None,
+    mixed_precision: bool = False,
     seed: int = 0,
     dimension_numbers=None,
     partition_specs=None,
@@ -156,9 +157,12 @@ def scale_by_dion(
     rank_multiple_of: round r up to a multiple of this (then clip to min(m, n)).
     mu: momentum decay of the error feedback, ``M ← M − (1 − mu) P Rᵀ``.
     epsilon: added to Q's column norms.
-    qr_method: ``"rcqr"`` (randomized Cholesky QR), ``"cqr"`` (Cholesky QR after
-      ``cqr_warmup_steps`` steps, RCQR before and whenever Cholesky fails) or
-      ``"qr"`` (Householder).
+    qr_method: ``"auto"`` (``"shifted_cqr"`` on a GPU, ``"rcqr"`` elsewhere: the faster
+      of the two on each, measured), ``"shifted_cqr"`` (Cholesky QR in four passes after a fill, batched
+      over the matrices with no loop or branch: fit for a GPU), ``"cqr"`` (one-pass
+      Cholesky QR after ``cqr_warmup_steps`` steps where its Cholesky succeeds,
+      ``"shifted_cqr"`` elsewhere), ``"rcqr"`` (randomized Cholesky QR, the
+      reference's) or ``"qr"`` (Householder); see ``dion_jax.linalg.qr``.
     cqr_warmup_steps: see ``qr_method``.
     oversample: RCQR sketch rows per rank, before rounding up to a multiple of 128.
     power_iters: power-iteration steps per update.
@@ -167,6 +171,10 @@ def scale_by_dion(
       (sqrt(max(1, fan_out/fan_in))), ``"none"``, or a callable.
     momentum_dtype: dtype of M (default: the parameter's).
     q_dtype: dtype of Q (default: the parameter's).
+    mixed_precision: microsoft/dion's ``mixed_precision: true``: M and Q in bfloat16
+      unless ``momentum_dtype``/``q_dtype`` say otherwise. The step's products then
+      run in bfloat16 (float32 accumulation), the orthonormalization and Q's column
+      norms in float32; the update keeps the parameter's dtype.
     seed: seeds Q's initialization and the RCQR sketches.
     dimension_numbers: fan_in/fan_out axes (see :func:`leaf_frames`).
     partition_specs: PartitionSpecs of the parameters: decide each matrix's frame
@@ -185,6 +193,8 @@ def scale_by_dion(
   validation.check_choice("backend", backend, backend_lib.BACKENDS)
   hp = dion_math.DionHyperParams(mu, epsilon, qr_method, oversample, power_iters, backend)
   key = jax.random.key(seed)
+  if mixed_precision:
+    momentum_dtype, q_dtype = momentum_dtype or jnp.bfloat16, q_dtype or jnp.bfloat16
 
   def views(params):
     return leaf_views(params, dimension_numbers=dimension_numbers, partition_specs=partition_specs,
@@ -221,13 +231,14 @@ def dion(
     scalar_weight_decay: float | None = None,
     cautious_wd: bool = False,
     epsilon: float = 1e-8,
-    qr_method: str = "rcqr",
+    qr_method: str = "auto",
     cqr_warmup_steps: int = 150,
     oversample: float = 1.25,
     power_iters: int = 1,
     scale_rule: str | Callable[[int, int], float] = "fan_ratio",
     momentum_dtype: Any = None,
     q_dtype: Any = None,
+    mixed_precision: bool = False,
     seed: int = 0,
     scalar_optimizer: str = "adamw",
     scalar_learning_rate: optax.ScalarOrSchedule | None = None,
@@ -248,7 +259,7 @@ def dion(
     learning_rate: base learning rate, a float or an optax schedule; Dion's update is
       further multiplied by its shape scale (``scale_rule``).
     rank_fraction, rank_multiple_of, mu, epsilon, qr_method, cqr_warmup_steps,
-      oversample, power_iters, scale_rule, momentum_dtype, q_dtype, seed,
+      oversample, power_iters, scale_rule, momentum_dtype, q_dtype, mixed_precision, seed,
       dimension_numbers, partition_specs, mesh, replicate_sync, backend: see
       :func:`scale_by_dion`.
     weight_decay: decoupled weight decay, multiplied by the base learning rate, for
@@ -274,7 +285,7 @@ def dion(
       rank_fraction=rank_fraction, rank_multiple_of=rank_multiple_of, mu=mu,
       epsilon=epsilon, qr_method=qr_method, cqr_warmup_steps=cqr_warmup_steps,
       oversample=oversample, power_iters=power_iters, scale_rule=scale_rule,
-      momentum_dtype=momentum_dtype, q_dtype=q_dtype, seed=seed,
+      momentum_dtype=momentum_dtype, q_dtype=q_dtype, mixed_precision=mixed_precision, seed=seed,
       dimension_numbers=dimension_numbers, partition_specs=partition_specs,
       mesh=mesh, replicate_sync=replicate_sync, backend=backend,
   )  # fmt: skip

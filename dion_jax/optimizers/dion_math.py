@@ -53,25 +53,17 @@ class DionHyperParams(NamedTuple):
 
   mu: Any = 0.95
   epsilon: Any = 1e-8
-  qr_method: str = "rcqr"
+  qr_method: str = "auto"
   oversample: float = 1.25
   power_iters: int = 1
   backend: str = "auto"
 
 
 def _orthonormalize_batch(P_bxrxr, seed, use_cqr, hp: DionHyperParams, axes: Collectives):
-  ortho = lambda P, seed: qr.orthonormalize(
-      P, method=hp.qr_method, seed=seed, oversample=hp.oversample, use_cqr=use_cqr,
+  return qr.orthonormalize_batch(
+      P_bxrxr, method=hp.qr_method, seed=seed, oversample=hp.oversample, use_cqr=use_cqr,
       axis_name=axes.rows, backend=hp.backend,
   )  # fmt: skip
-  if P_bxrxr.shape[0] == 1:  # One matrix (the CPU scan): no batched call to unroll.
-    return ortho(P_bxrxr[0], seed)[None]
-  if hp.qr_method == "cqr":
-    return qr.cholesky_qr_batch(
-        P_bxrxr, seed, use_cqr=use_cqr, oversample=hp.oversample, axis_name=axes.rows,
-        backend=hp.backend,
-    )  # fmt: skip
-  return jax.vmap(ortho, in_axes=(0, None))(P_bxrxr, seed)
 
 
 def _power_left(MR_partial_bxrxr, seed, use_cqr, hp: DionHyperParams, axes: Collectives):
