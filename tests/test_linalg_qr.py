@@ -38,6 +38,16 @@ def _cholesky_fails(P_mxr):
   return bool(jnp.any(jnp.isnan(jnp.linalg.cholesky(P32.T @ P32))))
 
 
+# Two differently compiled programs (jit vs vmap, batched vs not) round differently, so
+# the same algorithm's Q is compared within what rounding moves it: a relative 6e-8
+# perturbation of P (one float32 ulp) moves RCQR's Q by 1.2e-7 on well-conditioned P and
+# by up to 6e-3 on P of condition 1e6 or with two columns equal to 1e-5; another sketch
+# seed, i.e. a different computation, moves it by 0.4 and Cholesky QR's Q differs from
+# RCQR's by 0.47. The bounds are ~10x the rounding sensitivity.
+SAME_Q_WELL_CONDITIONED = 1e-6
+SAME_Q_ILL_CONDITIONED = 5e-2
+
+
 def _ortho(P_mxr, method, **kwargs):
   return qr.orthonormalize(P_mxr, method=method, seed=11, backend="xla", **kwargs)
 
@@ -83,7 +93,7 @@ def test_cqr_falls_back_to_rcqr_when_cholesky_fails(P_kind):
   assert _cholesky_fails(P_mxr)  # the precondition: the float32 Gram Cholesky gives NaN
   Q_cqr = _ortho(P_mxr, "cqr", use_cqr=True)
   Q_rcqr = _ortho(P_mxr, "rcqr")
-  np.testing.assert_array_equal(Q_cqr, Q_rcqr)
+  np.testing.assert_allclose(Q_cqr, Q_rcqr, atol=SAME_Q_ILL_CONDITIONED)
   assert _orthonormality_error(Q_cqr) < 1e-4
   # Two columns equal to 1e-5: the explicit R⁻¹ of the solves keeps their span to
   # ~1e-3 (see dion_jax.kernels.rcqr_xla.xla_solve); a well-spread spectrum to float32 rounding.
@@ -100,8 +110,10 @@ def test_batched_cqr_decides_once_for_the_batch():
   # One fails: the whole batch gets RCQR, which spans the same columns.
   rcqr_batch = jax.vmap(lambda P: _ortho(P, "rcqr"))
   mixed = good + [bad]
-  np.testing.assert_array_equal(batch(mixed), rcqr_batch(jnp.stack(mixed)))
-  np.testing.assert_array_equal(batch(good, use_cqr=False), rcqr_batch(jnp.stack(good)))
+  got, want = batch(mixed), rcqr_batch(jnp.stack(mixed))
+  np.testing.assert_allclose(got[:3], want[:3], atol=SAME_Q_WELL_CONDITIONED)
+  np.testing.assert_allclose(got[3], want[3], atol=SAME_Q_ILL_CONDITIONED)
+  np.testing.assert_allclose(batch(good, use_cqr=False), rcqr_batch(jnp.stack(good)), atol=SAME_Q_WELL_CONDITIONED)
   # One conditional for the batch, not a select between two computed branches.
   jaxpr = jax.make_jaxpr(lambda P: qr.cholesky_qr_batch(P, 11, backend="xla"))(jnp.stack(good))
   assert [e.primitive.name for e in jaxpr.eqns].count("cond") == 1
@@ -110,10 +122,10 @@ def test_batched_cqr_decides_once_for_the_batch():
 
 def test_cqr_during_warmup_is_rcqr():
   P_mxr, _ = _with_condition(1.0)
-  np.testing.assert_array_equal(_ortho(P_mxr, "cqr", use_cqr=False), _ortho(P_mxr, "rcqr"))
+  np.testing.assert_allclose(_ortho(P_mxr, "cqr", use_cqr=False), _ortho(P_mxr, "rcqr"), atol=SAME_Q_WELL_CONDITIONED)
   # use_cqr may be traced (Dion passes count > warmup): one compiled function, both branches.
   f = jax.jit(lambda p, flag: _ortho(p, "cqr", use_cqr=flag))
-  np.testing.assert_array_equal(f(P_mxr, False), _ortho(P_mxr, "rcqr"))
+  np.testing.assert_allclose(f(P_mxr, False), _ortho(P_mxr, "rcqr"), atol=SAME_Q_WELL_CONDITIONED)
   np.testing.assert_allclose(f(P_mxr, True), _ortho(P_mxr, "cqr", use_cqr=True), atol=1e-6)
 
 
