@@ -54,6 +54,14 @@ def _golden_cases():
   return sorted(_golden()[1])
 
 
+# ‖X − X_ref‖ per step relative to the reference's step size, about 10x what is reached
+# (measured, both backends: at most 2.8e-5; Householder QR of the full-rank square case
+# 6.8e-4, float32 QR of a full-rank P); momentum relative to its norm: at most 1.9e-7.
+X_STEP_TOLERANCE = {"square_full_qr": 7e-3}
+X_STEP_TOLERANCE_DEFAULT = 3e-4
+M_TOLERANCE = 2e-6
+
+
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
 @pytest.mark.parametrize("case", _golden_cases())
 def test_reproduces_reference_trajectories(case, backend):
@@ -69,8 +77,9 @@ def test_reproduces_reference_trajectories(case, backend):
   X_prev = np.concatenate([data[f"{case}/X0"][None], X_ref[:-1]])
   for t in range(cfg["steps"]):
     step_size = np.linalg.norm(X_ref[t] - X_prev[t])
-    assert np.linalg.norm(X[t] - X_ref[t]) <= 1e-2 * step_size, (case, t)
-    assert np.linalg.norm(M[t] - M_ref[t]) <= 1e-4 * np.linalg.norm(M_ref[t]), (case, t)
+    x_tolerance = X_STEP_TOLERANCE.get(case, X_STEP_TOLERANCE_DEFAULT)
+    assert np.linalg.norm(X[t] - X_ref[t]) <= x_tolerance * step_size, (case, t)
+    assert np.linalg.norm(M[t] - M_ref[t]) <= M_TOLERANCE * np.linalg.norm(M_ref[t]), (case, t)
 
 
 def test_golden_file_has_cases():
