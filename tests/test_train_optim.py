@@ -73,7 +73,7 @@ def test_weight_decay_groups_after_one_step(optimizer):
   lr, wd, scalar_wd = 0.01, 0.1, 0.3
   cfg = Config(optimizer=optimizer, lr=lr, weight_decay=wd, scalar_weight_decay=scalar_wd,
                lr_warmup_steps=0, lr_decay_style="constant", steps=10, mesh="fs=1")
-  model_cfg = models.preset("tiny", num_layers=2, d_model=32, num_heads=2, seq_len=8, vocab_size=64)
+  model_cfg = models.preset("tiny", num_layers=1, d_model=16, num_heads=2, seq_len=8, vocab_size=32)
   mesh = loop.make_mesh("fs=1")
   with jax.set_mesh(mesh):
     _, params = models.init(model_cfg, models.Parallelism(mesh), 0)
@@ -89,4 +89,4 @@ def test_weight_decay_groups_after_one_step(optimizer):
                                atol=1e-9, err_msg=jax.tree_util.keystr(path))
 
   jax.tree_util.tree_map_with_path(check, params, new)
-  assert groups[True] >= 4 and groups[False] >= 4  # embedding, head, three norms; the blocks' matrices
+  assert groups[True] >= 4 and groups[False] >= 4  # embedding, head, three norms; the block's matrices
