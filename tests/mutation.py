@@ -22,6 +22,7 @@ from typing import NamedTuple
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT_FLOAT64 = "tests/test_models_gpt.py::test_loss_matches_float64_numpy"
 SCHEDULE = "tests/test_train_optim.py::test_schedule_is_megatrons"
+ROUTER_GRADIENT = "tests/test_models_moe.py::test_router_losses_reach_the_router_gradient"
 
 
 class Mutant(NamedTuple):
@@ -59,7 +60,11 @@ MUTANTS = [
            "clip_grad / jnp.maximum(norm, 1e-30)", "clip_grad / jnp.maximum(2 * norm, 1e-30)",
            ("tests/test_train_step.py::test_gradient_clipping_against_the_float64_norm",)),
     Mutant("scalar AdamW's beta2 0.999", "train/optim.py", "B1, B2 = 0.9, 0.95", "B1, B2 = 0.9, 0.999",
-           ("tests/test_train_optim.py",)),
+           ("tests/test_train_optim.py::test_adamw_is_the_published_recipe",)),
+    Mutant("balance loss without gradient", "models/moe.py", "probs_BxE = _over_cp(probs_BxTxE.sum(1))",
+           "probs_BxE = jax.lax.stop_gradient(_over_cp(probs_BxTxE.sum(1)))", (ROUTER_GRADIENT,)),
+    Mutant("z-loss without gradient", "models/moe.py", "jnp.square(jax.nn.logsumexp(logits_BxTxE, -1))",
+           "jnp.square(jax.lax.stop_gradient(jax.nn.logsumexp(logits_BxTxE, -1)))", (ROUTER_GRADIENT,)),
 ]
 
 
