@@ -55,7 +55,8 @@ MUTANTS = [
     Mutant("residual stream rounded to bf16 after every layer", "models/gpt.py",
            'return x_BxTxD + par.constrain(mlp.astype(jnp.float32), "batch", "seq", None), aux',
            'return (x_BxTxD + par.constrain(mlp.astype(jnp.float32), "batch", "seq", None))'
-           '.astype(jnp.bfloat16).astype(jnp.float32), aux', (GPT_FLOAT64,)),
+           '.astype(jnp.bfloat16).astype(jnp.float32), aux',
+           ("tests/test_models_gpt.py::test_bfloat16_layers_keep_a_float32_residual_stream", GPT_FLOAT64)),
     Mutant("clipping uses twice the norm", "train/step.py",
            "clip_grad / jnp.maximum(norm, 1e-30)", "clip_grad / jnp.maximum(2 * norm, 1e-30)",
            ("tests/test_train_step.py::test_gradient_clipping_against_the_float64_norm",)),

@@ -5,10 +5,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import dion_jax
 import models
 from dion_jax.accounting import hlo as comms
+from models import gpt
 from tests import model_meshes
 
 CFG = models.preset("tiny", num_layers=4, d_model=64, num_heads=4, seq_len=16)
@@ -227,3 +229,16 @@ def test_fs_tp_step_gathers_one_layer_at_a_time():
   backward_gathers = [line for line in hlo.splitlines()
                       if re.search(r" all-gather(-start)?\(", line) and "transpose(jvp" in line]
   assert len(backward_gathers) >= 6
+
+
+def test_bfloat16_layers_keep_a_float32_residual_stream():
+  """With --dtype bfloat16 the products run in bfloat16, but a layer adds its outputs to a
+  float32 residual: the input's low mantissa bits survive (measured: no element of the
+  output is a bfloat16 value; rounding the stream to bfloat16 would make all of them one)."""
+  cfg = models.preset("tiny", **{**CFG.__dict__, "dtype": "bfloat16"})
+  block = gpt.Block(cfg, experts=False, rngs=nnx.Rngs(0))
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(2, cfg.seq_len, cfg.d_model)), jnp.float32)
+  out, _ = jax.jit(lambda x: block(x, gpt.rotary_tables(cfg, jnp.arange(cfg.seq_len)), models.Parallelism()))(x)
+  assert out.dtype == jnp.float32
+  out = np.asarray(out)
+  assert np.mean(out != out.astype(jnp.bfloat16).astype(np.float32)) > 0.9
