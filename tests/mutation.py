@@ -42,6 +42,8 @@ MUTANTS = [
            "optax.linear_schedule(lr, 0.0, decay)", (SCHEDULE,)),
     Mutant("wsd anneal default from decay minus warmup", "train/optim.py", "max(cfg.decay_steps // 5, 1)",
            "max(decay // 5, 1)", ("tests/test_train_optim.py::test_schedule_defaults_warmup_and_wsd_decay",)),
+    Mutant("default warmup 10% instead of 5%", "train/config.py", "self.decay_steps // 20 if",
+           "self.decay_steps // 10 if", ("tests/test_train_optim.py::test_schedule_defaults_warmup_and_wsd_decay",)),
     Mutant("--weight-decay on embeddings/LM head/norms (AdamW)", "train/optim.py",
            '"scalar": cfg.scalar_weight_decay}', '"scalar": cfg.weight_decay}',
            ("tests/test_train_optim.py::test_weight_decay_groups_after_one_step",)),
