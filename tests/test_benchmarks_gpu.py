@@ -36,7 +36,8 @@ def test_profile_summary_counts_device_kernels_only(tmp_path):
 def test_moe_stage_runs_and_checks_the_grouped_product():
   assert gpu_moe.group_sizes(64, 4, skewed=False).tolist() == [16] * 4
   assert gpu_moe.group_sizes(64, 4, skewed=True).tolist() == [34, 10, 10, 10]
-  out = gpu_moe.stage_moe(argparse.Namespace(stage_seconds=60), shapes=((64, 32, 16),), experts=(4,))
+  # No time budget: the test checks the stage's results, not this machine's speed.
+  out = gpu_moe.stage_moe(argparse.Namespace(stage_seconds=float("inf")), shapes=((64, 32, 16),), experts=(4,))
   assert out["complete"] and len(out["rows"]) == 2
   for row in out["rows"]:
     assert row["max_relative_error"] < 1e-2  # bfloat16 inputs, float32 reference

@@ -8,7 +8,7 @@ import pytest
 import data
 from data import chat, hf_tokenizer
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason="the Hugging Face reference tests need the dev extra: pip install -e \".[dev]\"")
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>",
            "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]

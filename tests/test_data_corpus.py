@@ -1,5 +1,4 @@
 import os
-import time
 import zlib
 
 import numpy as np
@@ -103,11 +102,8 @@ def test_empty_or_missing_corpus(tmp_path):
     corpus.build_corpus(str(tmp_path / "one"), str(tmp_path / "c"), progress=False)
 
 
-def test_real_stdlib_builds_fast_and_splits_about_one_percent(tmp_path):
-  start = time.perf_counter()
+def test_real_stdlib_builds_and_splits_about_one_percent(tmp_path):
   prefixes = corpus.build_corpus(cache_dir=str(tmp_path), progress=False)
-  seconds = time.perf_counter() - start
-  assert seconds < 60, f"building the stdlib corpus took {seconds:.1f}s"
   train, val = (megatron.IndexedDataset(prefixes[s]) for s in ("train", "val"))
   files = corpus.source_files(corpus.stdlib_dir())
   assert len(train) + len(val) == len(files) > 500

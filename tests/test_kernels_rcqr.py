@@ -63,7 +63,7 @@ def test_passes_match_xla(m, r, dtype):
   P1_ref, G_ref = rcqr_xla.xla_solve_and_gram(P, R1)
   assert P1.dtype == G.dtype == jnp.float32
   assert _rel(P1, P1_ref) < 1e-4 and _rel(G, G_ref) < 1e-4
-  np.testing.assert_array_equal(G, G.T)
+  assert _rel(G, G.T) < 1e-7  # symmetric up to the matmul's summation order (0 here)
 
   R2 = jnp.linalg.cholesky(G_ref).T
   assert _rel(pallas_rcqr.solve(P1_ref, R2, interpret=True), rcqr_xla.xla_solve(P1_ref, R2)) < 1e-5
@@ -91,7 +91,8 @@ def test_vmap_stacked_matrices_and_seeds():
   # A batched kernel gives each matrix exactly what the unbatched kernel gives it.
   k = sketch.sketch_size(r, 1.25)
   SP = jax.vmap(lambda p, s: pallas_rcqr.sketch_product(p, s, k, jnp.uint32(0), interpret=True))(P[0], seeds[0])
-  np.testing.assert_array_equal(SP[2], pallas_rcqr.sketch_product(P[0, 2], seeds[0, 2], k, jnp.uint32(0), interpret=True))
+  # (Up to float32 rounding: on CPU the interpreted kernel is compiled twice; 0 here.)
+  assert _rel(SP[2], pallas_rcqr.sketch_product(P[0, 2], seeds[0, 2], k, jnp.uint32(0), interpret=True)) < 1e-6
 
 
 @pytest.mark.parametrize("m,r,dtype", [(1000, 8, jnp.bfloat16), (65536, 1024, jnp.float32)])

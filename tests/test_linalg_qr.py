@@ -40,6 +40,16 @@ def _cholesky_fails(P_mxr):
   return bool(jnp.any(jnp.isnan(jnp.linalg.cholesky(P32.T @ P32))))
 
 
+# Two differently compiled programs (jit vs vmap, batched vs not) round differently, so
+# the same algorithm's Q is compared within what rounding moves it: a relative 6e-8
+# perturbation of P (one float32 ulp) moves RCQR's Q by 1.2e-7 on well-conditioned P and
+# by up to 6e-3 on P of condition 1e6 or with two columns equal to 1e-5; another sketch
+# seed, i.e. a different computation, moves it by 0.4 and Cholesky QR's Q differs from
+# RCQR's by 0.47. The bounds are ~10x the rounding sensitivity.
+SAME_Q_WELL_CONDITIONED = 1e-6
+SAME_Q_ILL_CONDITIONED = 5e-2
+
+
 def _ortho(P_mxr, method, **kwargs):
   return qr.orthonormalize(P_mxr, method=method, seed=11, backend="xla", **kwargs)
 
@@ -129,7 +139,7 @@ def test_cqr_falls_back_to_shifted_cqr_when_cholesky_fails(P_kind):
     P_mxr = P_mxr.at[:, 1].set(P_mxr[:, 0] + 1e-5 * P_mxr[:, 1])
   assert _cholesky_fails(P_mxr)  # the precondition: the float32 Gram Cholesky gives NaN
   Q_cqr = _ortho(P_mxr, "cqr", use_cqr=True)
-  np.testing.assert_array_equal(Q_cqr, _ortho(P_mxr, "shifted_cqr"))
+  np.testing.assert_allclose(Q_cqr, _ortho(P_mxr, "shifted_cqr"), atol=SAME_Q_WELL_CONDITIONED)
   assert _orthonormality_error(Q_cqr) < 5e-6
   assert _span_residual(Q_cqr, P_mxr) < 1e-5
 
@@ -155,10 +165,10 @@ def test_batched_cqr_selects_per_matrix_without_a_branch():
 
 def test_cqr_during_warmup_is_shifted_cqr():
   P_mxr, _ = _with_condition(1.0)
-  np.testing.assert_array_equal(_ortho(P_mxr, "cqr", use_cqr=False), _ortho(P_mxr, "shifted_cqr"))
+  np.testing.assert_allclose(_ortho(P_mxr, "cqr", use_cqr=False), _ortho(P_mxr, "shifted_cqr"), atol=SAME_Q_WELL_CONDITIONED)
   # use_cqr may be traced (Dion passes count > warmup): one compiled function, both branches.
   f = jax.jit(lambda p, flag: _ortho(p, "cqr", use_cqr=flag))
-  np.testing.assert_array_equal(f(P_mxr, False), _ortho(P_mxr, "shifted_cqr"))
+  np.testing.assert_allclose(f(P_mxr, False), _ortho(P_mxr, "shifted_cqr"), atol=SAME_Q_WELL_CONDITIONED)
   np.testing.assert_allclose(f(P_mxr, True), _ortho(P_mxr, "cqr", use_cqr=True), atol=1e-6)
 
 
@@ -192,7 +202,7 @@ def test_fill_columns_are_orthonormal_and_split_like_the_rows():
   np.testing.assert_allclose(Omega.T @ Omega, np.eye(16), atol=1e-6)
   mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
   local = jax.shard_map(lambda: qr.fill_columns(25, 16, "tp"), mesh=mesh, in_specs=(), out_specs=P("tp", None))
-  np.testing.assert_array_equal(jax.jit(local)(), Omega.astype(np.float32))
+  np.testing.assert_allclose(jax.jit(local)(), Omega, atol=1e-7)  # reached: 0 (same entries, sharded)
 
 
 @pytest.mark.parametrize("shape", [(16, 16), (40, 40)])

@@ -15,8 +15,8 @@ from models import hf as hf_map
 from train import hf as hf_io
 from train import sample
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch", reason="the Hugging Face reference tests need the dev extra: pip install -e \".[dev]\"")
+transformers = pytest.importorskip("transformers", reason="the Hugging Face reference tests need the dev extra: pip install -e \".[dev]\"")
 
 SEQ = 12
 COMMON = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,

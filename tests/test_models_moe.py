@@ -264,3 +264,49 @@ def test_ep_step_sends_tokens_by_all_to_all_and_never_gathers_experts():
   assert [cfg.num_experts // 2, cfg.d_model, cfg.d_mlp] in gathered
   assert not [g for g in gathered if len(g) == 3 and g[0] == cfg.num_experts]
   assert {s.axes for s in stats if s.op == "all-gather"} == {("fs",), ("fs", "ep")}
+
+
+def test_router_losses_reach_the_router_gradient():
+  """∂(Σ balance)/∂W_r and ∂(Σ z)/∂W_r against their hand-derived float64 forms: with
+  l = x W_r, p = softmax(l), f_e each sequence's routed fraction (a constant),
+  ∂balance/∂l_t = (E/T) p_t ⊙ (f − p_t·f) and ∂z/∂l_t = 2 lse(l_t) p_t (measured: 7e-7
+  relative), so that the losses steer the router rather than only being reported."""
+  rng = np.random.default_rng(5)
+  B, T, D, E, k = 2, 16, CFG.d_model, CFG.num_experts, CFG.moe_top_k
+  x = rng.normal(size=(B, T, D))
+  W = rng.normal(size=(D, E)) * 0.3
+
+  def losses(W_f32):
+    stats = moe.route(jnp.asarray(x, jnp.float32), W_f32, CFG)[2]
+    return stats.balance, stats.z
+
+  got = [np.asarray(g, np.float64) for g in jax.jit(jax.jacrev(losses))(jnp.asarray(W, jnp.float32))]
+  logits = x @ W
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  top = np.argsort(-p, -1)[..., :k]
+  f = np.stack([np.bincount(top[b].ravel(), minlength=E) / (T * k) for b in range(B)])  # [B, E]
+  d_balance = E / T * p * (f[:, None, :] - np.sum(p * f[:, None, :], -1, keepdims=True))
+  lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+  d_z = 2 * lse[..., None] * p
+  for name, g, d_logits in [("balance", got[0], d_balance), ("z", got[1], d_z)]:
+    want = np.einsum("btd,bte->de", x, d_logits)
+    np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=name)
+
+
+def test_balance_loss_spreads_a_skewed_router():
+  """Gradient descent on the balance loss alone moves a router that sends most tokens to
+  expert 0 (max/mean load 1.94 of at most 2 with top-2) towards an even load (measured:
+  1.17 after 50 steps)."""
+  rng = np.random.default_rng(6)
+  x = jnp.asarray(rng.normal(size=(2, 64, CFG.d_model)) + 0.5, jnp.float32)
+  W = rng.normal(size=(CFG.d_model, CFG.num_experts)) * 0.1
+  W[:, 0] += 4.0 / CFG.d_model  # every token's mean +0.5 raises expert 0's logit by ~2
+  W = jnp.asarray(W, jnp.float32)
+  stats = lambda W: moe.route(x, W, CFG)[2]  # noqa: E731
+  skew = lambda W: float(jnp.max(stats(W).load) / jnp.mean(stats(W).load))  # noqa: E731
+  assert skew(W) > 1.8
+  step = jax.jit(lambda W: W - 0.5 * jax.grad(lambda W: stats(W).balance)(W))
+  for _ in range(50):
+    W = step(W)
+  assert skew(W) < 1.4

@@ -9,6 +9,7 @@ import pytest
 import dion_jax
 import models
 from models import qk_clip
+from tests.test_models_gpt import PUBLISHED_NORM_EPS, PUBLISHED_ROPE_BASE
 
 BATCH = 4
 
@@ -38,9 +39,9 @@ def _np_first_layer_logit_max(params, cfg, inputs):
   B, T = inputs.shape
   N, K, H = cfg.num_heads, cfg.kv_heads, cfg.head_dim
   x = np.asarray(params["embed"]["embedding"], np.float64)[inputs]
-  h = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.norm_eps) * p["attn_norm"]["scale"]
+  h = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + PUBLISHED_NORM_EPS) * p["attn_norm"]["scale"]
   half = H // 2
-  angle = np.arange(T)[:, None] / cfg.rope_base ** (np.arange(half) / half)
+  angle = np.arange(T)[:, None] / PUBLISHED_ROPE_BASE ** (np.arange(half) / half)
   cos, sin = np.cos(angle)[:, None], np.sin(angle)[:, None]
 
   def rotary(z):

@@ -54,6 +54,14 @@ def _golden_cases():
   return sorted(_golden()[1])
 
 
+# ‖X − X_ref‖ per step relative to the reference's step size, about 10x what is reached
+# (measured, both backends: at most 2.8e-5; Householder QR of the full-rank square case
+# 6.8e-4, float32 QR of a full-rank P); momentum relative to its norm: at most 1.9e-7.
+X_STEP_TOLERANCE = {"square_full_qr": 7e-3}
+X_STEP_TOLERANCE_DEFAULT = 3e-4
+M_TOLERANCE = 2e-6
+
+
 @pytest.mark.parametrize("backend, qr_method", [("xla", "reference's"), ("pallas", "reference's"), ("xla", "shifted_cqr")])
 @pytest.mark.parametrize("case", _golden_cases())
 def test_reproduces_reference_trajectories(case, backend, qr_method):
@@ -71,8 +79,9 @@ def test_reproduces_reference_trajectories(case, backend, qr_method):
   X_prev = np.concatenate([data[f"{case}/X0"][None], X_ref[:-1]])
   for t in range(cfg["steps"]):
     step_size = np.linalg.norm(X_ref[t] - X_prev[t])
-    assert np.linalg.norm(X[t] - X_ref[t]) <= 1e-2 * step_size, (case, t)
-    assert np.linalg.norm(M[t] - M_ref[t]) <= 1e-4 * np.linalg.norm(M_ref[t]), (case, t)
+    x_tolerance = X_STEP_TOLERANCE.get(case, X_STEP_TOLERANCE_DEFAULT)
+    assert np.linalg.norm(X[t] - X_ref[t]) <= x_tolerance * step_size, (case, t)
+    assert np.linalg.norm(M[t] - M_ref[t]) <= M_TOLERANCE * np.linalg.norm(M_ref[t]), (case, t)
 
 
 def test_golden_file_has_cases():
@@ -91,7 +100,8 @@ SHAPES = {
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 def test_matches_float64_numpy(shape, qr_method, weight_decay):
   m, n = SHAPES[shape]
-  rng = np.random.default_rng(hash((shape, qr_method)) % 2**32)
+  # hash() of a str differs per process (PYTHONHASHSEED): seed from the parameters' positions.
+  rng = np.random.default_rng(sorted(SHAPES).index(shape) * 3 + ["qr", "cqr", "rcqr"].index(qr_method))
   r = dion_reference_np.rank_of(m, n, 0.5)
   X0 = rng.normal(size=(m, n))
   Q0 = rng.normal(size=(n if m >= n else m, r))

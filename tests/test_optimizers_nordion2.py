@@ -29,8 +29,8 @@ def _golden_cases():
 
 @pytest.mark.parametrize("case", _golden_cases())
 def test_replays_reference_trajectories(case):
-  """The reference's keyword names, float32 orthogonalization: X within 1e-3 of each
-  step's size, M and the per-neuron v to float32 rounding."""
+  """The reference's keyword names, float32 orthogonalization: X within 2e-4 of each
+  step's size (measured: 1.3e-5), M and the per-neuron v to float32 rounding."""
   data = np.load(GOLDEN)
   meta = json.loads(str(data["meta_json"]))[case]
   X0, G, X, M, V = (data[f"{case}/{k}"] for k in ("X0", "G", "X", "M", "V"))

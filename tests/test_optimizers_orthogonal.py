@@ -38,8 +38,11 @@ def _run(tx, X0_kernel, grads_kernel, fields=("momentum",)):
   return out
 
 
-def _assert_steps(got, want, X0, rel=1e-3, what="X"):
-  """Per step t: ‖X − X_ref(t)‖ ≤ rel·‖X_ref(t) − X_ref(t−1)‖."""
+def _assert_steps(got, want, X0, rel=2e-4, what="X"):
+  """Per step t: ‖X − X_ref(t)‖ ≤ rel·‖X_ref(t) − X_ref(t−1)‖.
+
+  The default is ~10x what float32 orthogonalization reaches against the float64
+  references and the goldens (measured: at most 2.0e-5, Dion2 on the golden's tall case)."""
   prev = np.asarray(X0, np.float64)
   for t, (g, w) in enumerate(zip(got, want)):
     size = np.linalg.norm(w - prev)
@@ -152,12 +155,12 @@ def test_num_heads_orthogonalizes_each_head():
 
 
 def test_bf16_default_is_close_to_float32():
-  """The default bf16 orthogonalization moves each step by a few % of its size (the
+  """The default bf16 orthogonalization moves each step by 14% of its size (measured; the
   reference's bf16 moves it by 10-20%), never by its whole size."""
   X0, grads = np.zeros((32, 48)), _grads((32, 48), steps=2)
   want = ref.muon_steps(X0, grads, 0.01)
   got = _run(dion_jax.muon(0.01, weight_decay=0.0, labels={"w": "dion"}), X0.T, [g.T for g in grads])
-  _assert_steps([x.T for x, _ in got], [x for x, _ in want], X0, rel=0.25)
+  _assert_steps([x.T for x, _ in got], [x for x, _ in want], X0, rel=0.2)
 
 
 def test_newton_schulz_option():

@@ -424,7 +424,8 @@ def test_scalar_weight_decay_is_the_scalar_groups_own(make):
     np.testing.assert_allclose(_leaf(got, *path), want, rtol=1e-6, atol=1e-7, err_msg=str(path))
     assert not np.allclose(_leaf(alike, *path), want, rtol=1e-6, atol=1e-7), path
   path = ("params", "h_1", "fc1", "kernel")
-  np.testing.assert_array_equal(_leaf(got, *path), _leaf(alike, *path))
+  # Two differently partitioned optimizers: the same matrix step up to rounding (0 here).
+  np.testing.assert_allclose(_leaf(got, *path), _leaf(alike, *path), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("as_callable", [False, True])

@@ -18,6 +18,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import data
+from tests.test_train_optim import expected_lr
 from train import gpt
 
 SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-len", "16",
@@ -108,13 +109,20 @@ def test_default_command_trains(compile_cache, tmp_path):
 
 
 def test_resume_continues_bit_identically(compile_cache, tmp_path):
-  """8 steps straight == 4 steps, then --resume to 8 (per-replica Dion momentum included)."""
-  mesh = ["--mesh", "rp=2,fs=2,tp=2", "--steps", "8", "--save-every", "4"]
+  """8 steps straight == 4 steps, then --resume to 8 (per-replica Dion momentum included);
+  the resume falls inside the warmup, and the learning rates across the warmup's end and
+  the decay follow Megatron's formulas."""
+  schedule = ["--lr", "0.02", "--min-lr", "0.002", "--lr-warmup-steps", "5", "--lr-decay-style", "linear"]
+  mesh = ["--mesh", "rp=2,fs=2,tp=2", *schedule, "--steps", "8", "--save-every", "4"]
   assert train(tmp_path / "straight", *mesh) == 0
-  assert train(tmp_path / "split", *mesh[:2], "--steps", "4", "--lr-decay-steps", "8") == 0
+  assert train(tmp_path / "split", *mesh[:10], "--steps", "4", "--lr-decay-steps", "8") == 0
   assert gpt.main(["--run-dir", str(tmp_path / "split"), "--resume", "--steps", "8"]) == 0
   assert_trees_equal(saved_state(tmp_path / "straight"), saved_state(tmp_path / "split"))
   assert train_losses(tmp_path / "straight") == train_losses(tmp_path / "split")
+  lrs = {r["step"]: r["learning_rate"] for r in records(tmp_path / "split") if "learning_rate" in r}
+  want = {s: expected_lr(s - 1, 0.02, 0.002, 5, 8, "linear", None) for s in range(1, 9)}
+  assert lrs.keys() == want.keys()
+  np.testing.assert_allclose([lrs[s] for s in want], list(want.values()), rtol=1e-6)
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from train import export as export_lib
 from train import gpt, sample
 from train import hf as hf_io
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason="the Hugging Face reference tests need the dev extra: pip install -e \".[dev]\"")
 
 SEQ = 16
 # A vocabulary above the byte tokenizer's 257 so that train.eval can read the embedded corpus.

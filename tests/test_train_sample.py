@@ -14,6 +14,7 @@ import pytest
 
 import data
 import models
+from tests.test_models_gpt import PUBLISHED_NORM_EPS, PUBLISHED_ROPE_BASE
 from train import gpt, sample
 
 SEQ_LEN, BATCH, EVAL_TOKENS = 16, 4, 128
@@ -35,7 +36,7 @@ def restored(run_dir):
 
 
 def _rms(x, scale=1.0):
-  return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6) * scale
+  return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + PUBLISHED_NORM_EPS) * scale
 
 
 def _rotary(x_BxTxNxH, base):
@@ -57,8 +58,8 @@ def reference_logits(params, cfg, tokens_BxT):
   for i in range(cfg.num_layers):
     w = lambda *names: blocks[names[0]][names[1]]["kernel"][i]  # noqa: E731
     h = _rms(x, blocks["attn_norm"]["scale"][i])
-    q = _rms(_rotary((h @ w("attn", "query")).reshape(B, T, N, H), cfg.rope_base))
-    k = _rms(_rotary((h @ w("attn", "key")).reshape(B, T, N, H), cfg.rope_base))
+    q = _rms(_rotary((h @ w("attn", "query")).reshape(B, T, N, H), PUBLISHED_ROPE_BASE))
+    k = _rms(_rotary((h @ w("attn", "key")).reshape(B, T, N, H), PUBLISHED_ROPE_BASE))
     v = (h @ w("attn", "value")).reshape(B, T, N, H)
     s_BxNxTxT = np.einsum("bqnh,bknh->bnqk", q, k) / np.sqrt(H)
     s_BxNxTxT = np.where(causal_TxT, s_BxNxTxT, -np.inf)

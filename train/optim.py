@@ -29,7 +29,8 @@ def schedule(cfg: Config) -> optax.Schedule:
   elif cfg.lr_decay_style == "cosine":
     after = optax.cosine_decay_schedule(lr, decay, alpha=end / lr)
   else:  # wsd: warmup, stable, then a linear decay over the last steps
-    final = min(cfg.lr_wsd_decay_steps or max(decay // 5, 1), decay)
+    # The default anneal is a fifth of --lr-decay-steps (warmup included), as --help says.
+    final = min(cfg.lr_wsd_decay_steps or max(cfg.decay_steps // 5, 1), decay)
     after = optax.join_schedules([optax.constant_schedule(lr), optax.linear_schedule(lr, end, final)],
                                  [decay - final])
   if warmup == 0:
