@@ -14,8 +14,9 @@ tp, columns over the column axes C, here cp·fs·ep; r the rank; compressed sync
 
 Without compression on rp > 1 the matrix's gradient is averaged over rp first.
 
-Muon and NorMuon (``dion_jax.parallel.megabatch``): each stack, padded to a multiple of
-the N devices sharing a matrix and cast to bfloat16, goes whole to one device by an
+Muon and NorMuon (``dion_jax.parallel.megabatch``): the parameters of one geometry (shape
+and PartitionSpec) are stacked into one megabatch (``dion_jax.optimizers.skeleton``); each
+megabatch, padded to a multiple of the N devices sharing a matrix and cast to bfloat16, goes whole to one device by an
 all-to-all over each sharded matrix axis, and back: four all-to-alls of the block.
 NorMuon adds its per-neuron sums over fan_in and two Frobenius norms. Dion2/NorDion2 move only their selected fraction of
 the block (an estimate: their selection's norms and ownership are not modelled).
@@ -74,10 +75,11 @@ def _dion(leaf: Leaf, sizes: dict[str, int], rank_fraction: float, per_replica: 
   return out, state
 
 
-def _orthogonal(leaf: Leaf, sizes: dict[str, int], optimizer: str, fraction: float):
+def _orthogonal(leaf: Leaf, sizes: dict[str, int], optimizer: str, fraction: float, stacked: int):
+  """One megabatch: ``stacked`` parameters of ``leaf``'s geometry."""
   shape = local_shape(leaf, sizes)
   fan_in_ax, fan_out_ax = live(sizes, [leaf.spec[-2]]), live(sizes, [leaf.spec[-1]])
-  b = math.prod(shape[:-2])
+  b = stacked * math.prod(shape[:-2])
   n = group(sizes, fan_in_ax + fan_out_ax)
   selected = fraction if optimizer in ("dion2", "nordion2") else 1.0
   block = int(math.ceil(b / n) * n * shape[-2] * shape[-1] * 2 * selected)  # bfloat16
@@ -89,9 +91,9 @@ def _orthogonal(leaf: Leaf, sizes: dict[str, int], optimizer: str, fraction: flo
       out.append(Collective("normuon norms", "all-reduce", fan_in_ax, b * shape[-1] * 4, 1))
     if fan_in_ax + fan_out_ax:
       out.append(Collective("normuon norms", "all-reduce", live(sizes, fan_in_ax + fan_out_ax), 2 * b * 4, 2))
-  state = local_bytes(leaf, sizes)
+  state = stacked * local_bytes(leaf, sizes)
   if optimizer in ("normuon", "nordion2"):
-    state += local_bytes(leaf, sizes) // shape[-2]
+    state += stacked * local_bytes(leaf, sizes) // shape[-2]
   return out, state
 
 
@@ -104,15 +106,18 @@ def update(params: Sequence[Leaf], sizes: dict[str, int], optimizer: str, rank_f
   """
   if optimizer not in OPTIMIZERS:
     raise ValueError(f"--optimizer {optimizer}: choose one of {', '.join(OPTIMIZERS)}")
-  collectives, state = [], 0
+  collectives, state, megabatches = [], 0, {}
   for leaf in params:
     if optimizer == "adamw" or leaf.label != "dion":
       state += 2 * local_bytes(leaf, sizes)
-      continue
-    if optimizer == "dion":
+    elif optimizer == "dion":
       c, s = _dion(leaf, sizes, rank_fraction, per_replica)
+      collectives += c
+      state += s
     else:
-      c, s = _orthogonal(leaf, sizes, optimizer, fraction)
+      megabatches.setdefault((leaf.shape, leaf.spec), []).append(leaf)
+  for same in megabatches.values():
+    c, s = _orthogonal(same[0], sizes, optimizer, fraction, len(same))
     collectives += c
     state += s
   return collectives, state

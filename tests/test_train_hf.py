@@ -246,16 +246,18 @@ def test_sample_chat_prints_the_reply_up_to_its_eos(trained, capsys, monkeypatch
   """--chat: the prompt goes through the chat template with the generation prompt, and the
   reply stops at the first eos."""
   _, run = trained
-  prompts = []
+  prompts, eos_ids = [], []
 
-  def reply(model, prompt_P, max_new_tokens, *args):
+  def reply(model, prompt_P, max_new_tokens, *args, eos_id=None):
     prompts.append(list(prompt_P))
+    eos_ids.append(eos_id)
     return np.asarray([4, 5, 1, 6], np.int32)  # w2 w3 </s> w4
 
   monkeypatch.setattr(sample, "generate", reply)
   assert sample.main([str(run), "--prompt", "w1 w2", "--chat"]) == 0
   assert capsys.readouterr().out.split() == ["w2", "w3"]
   assert prompts == [[0, 3, 4, 1, 0]]  # "user w1 w2 </s> assistant ", roles unknown to the words
+  assert eos_ids == [1]  # the sampler stops each sequence at </s>
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_moe_every_2"])
