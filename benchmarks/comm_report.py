@@ -86,7 +86,10 @@ def gradient_allreduce_stats(mesh, shapes, specs) -> list[dion_jax.CollectiveSta
 def transformation(optimizer: str, mesh, specs, rank_fraction: float = 0.25, **kwargs):
   if optimizer == "dion":
     return dion_jax.scale_by_dion(rank_fraction=rank_fraction, partition_specs=specs, mesh=mesh, backend="xla")
-  return dion_jax.scale_by_orthogonal(optimizer, partition_specs=specs, mesh=mesh, backend="xla", **kwargs)
+  # The family orthogonalizes the replicas' mean gradient, as training runs it (train/optim.py):
+  # no per-replica gradients.
+  return dion_jax.scale_by_orthogonal(optimizer, partition_specs=specs, mesh=mesh, backend="xla",
+                                      replicate_sync=False, **kwargs)
 
 
 def _table(rows: dict[str, list], full: int, full_wire: int, label: str) -> list[str]:

@@ -19,6 +19,14 @@ def test_family_report_beside_dion(capsys):
   assert "| muon | all |" in out and "| dion (rank 1/4) | all |" in out
 
 
+def test_family_report_with_replicas(capsys):
+  # The family takes the replicas' mean gradient (no leading rp axis): this crashed once.
+  argv = ["--optimizer", "muon", "--mesh", "rp=2,fs=2,tp=2", "--layers", "2", "--d-model", "128"]
+  assert comm_report.main(argv) == 0
+  out = capsys.readouterr().out
+  assert "| muon | all |" in out and "| dion (rank 1/4) | with rp |" in out
+
+
 def test_gpt_matrices_are_the_models_dion_kernels():
   shapes, specs = comm_report.gpt_matrices(layers=2, d_model=128, pp=1)
   names = {name.split("']['")[-2] for name in shapes}
