@@ -23,10 +23,10 @@ def mesh():
   return make_mesh("rp=2,fs=2,tp=2", devices=[devices[i] for i in (3, 0, 6, 5, 1, 7, 2, 4)])
 
 
-def _stats(mesh, f, in_specs, out_specs, *args):
+def _stats(mesh, f, in_specs, out_specs, *args, trip_counts=False):
   g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                             check_vma=False))
-  stats = comms.collective_stats(g.lower(*args).compile(), mesh)
+  stats = comms.collective_stats(g.lower(*args).compile(), mesh, trip_counts=trip_counts)
   return {(s.op, s.axes): (s.count, s.bytes) for s in stats}
 
 
@@ -100,6 +100,21 @@ def test_loop_body_counts_once(mesh):
     return lax.fori_loop(0, 3, lambda i, c: lax.psum(c, "rp") * 0.5, a)
   got = _stats(mesh, f, P("rp"), P(), _x(2 * 64))
   assert got == {("all-reduce", ("rp",)): (1, F32_64x32)}
+
+
+def test_trip_counts_count_every_iteration_of_nested_loops(mesh):
+  def f(a):
+    inner = lambda i, c: lax.fori_loop(0, 2, lambda j, d: lax.psum(d, "tp") * 0.5, c)  # noqa: E731
+    return lax.psum(lax.fori_loop(0, 3, inner, a), "rp")
+  got = _stats(mesh, f, P("rp"), P(), _x(2 * 64), trip_counts=True)
+  assert got == {("all-reduce", ("rp",)): (1, F32_64x32), ("all-reduce", ("tp",)): (6, 6 * F32_64x32)}
+
+
+def test_trip_counts_of_a_loop_of_unknown_length_raise(mesh):
+  def f(a):
+    return lax.while_loop(lambda c: c[0, 0] < 100.0, lambda c: lax.psum(c, "rp") + 1.0, a)
+  with pytest.raises(ValueError, match="no known trip count"):
+    _stats(mesh, f, P("rp"), P(), _x(2 * 64), trip_counts=True)
 
 
 def test_both_branches_of_a_conditional_count(mesh):

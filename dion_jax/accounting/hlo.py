@@ -17,7 +17,10 @@ Conventions and limits:
   (logical) ids, i.e. positions in ``mesh.devices.flat``, not ``Device.id``.
 - Each instruction counts once, where it appears in the text: a collective in a
   while-loop body counts once, not once per iteration, and both branches of a
-  conditional count.
+  conditional count. With ``trip_counts=True`` a collective counts once per run of
+  its computation instead: a loop body's as many times as the trip count XLA knows
+  (``known_trip_count``; nested loops multiply), so that bytes are per step, e.g. of
+  a scan over micro-batches.
 - Async pairs count once, at their ``-start`` (``-done`` is skipped); a collective
   wrapped in an ``async-start`` computation counts where it appears, inside.
 - Three replica-group formats are read: explicit lists ``{{0,4},{1,5}}``, iota
@@ -55,7 +58,8 @@ class CollectiveStat(NamedTuple):
   Attributes:
     op: the HLO opcode without an async suffix, one of OPS.
     axes: the mesh axes the devices of a group differ along, in mesh order.
-    count: the number of instructions (each counted once, see the module doc).
+    count: the number of instructions (each counted once, or once per run with
+      ``trip_counts``; see the module doc).
     bytes: their summed payload per device.
     wire_bytes: the bytes each device sends under the ring algorithms, for groups
       of g devices and payload N: all-reduce 2(g-1)/g·N, reduce-scatter,
@@ -144,17 +148,67 @@ def shape_bytes(shape: str) -> int:
 
 
 class _Instr(NamedTuple):
-  """A collective instruction; op without its -start suffix."""
+  """A collective instruction; op without its -start suffix; the computation it is in."""
   name: str
   op: str
   operands: list[str]
   attrs: str
+  computation: str = ""
+
+
+_COMPUTATION_RE = re.compile(r"(?P<entry>ENTRY\s+)?%?(?P<name>[^\s=(){}]+)\s.*\{\s*$")
+_CALLED_RE = re.compile(
+    r"\b(?P<key>body|condition|calls|to_apply|true_computation|false_computation)=%?(?P<name>[^\s,{}()]+)"
+    r"|\bbranch_computations=\{(?P<branches>[^}]*)\}")
+_TRIP_COUNT_RE = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
+
+
+def _runs(hlo: str) -> dict[str, int]:
+  """How many times each computation runs per run of the entry computation: a while
+  loop's body and condition its known trip count times per run of the loop."""
+  calls: dict[str, list[tuple[str, int]]] = {}  # computation -> (callee, times per run)
+  entry, current = None, None
+  for line in hlo.splitlines():
+    line = _COMMENT_RE.sub("", line)
+    if not line.startswith((" ", "\t")) and (m := _COMPUTATION_RE.match(line)):
+      current = m["name"]
+      entry = current if m["entry"] else entry
+      calls.setdefault(current, [])
+      continue
+    if current is None:
+      continue
+    for m in _CALLED_RE.finditer(line):
+      if m["branches"] is not None:
+        calls[current] += [(b.strip().lstrip("%"), 1) for b in m["branches"].split(",") if b.strip()]
+        continue
+      times = 1
+      if m["key"] in ("body", "condition"):
+        trip = _TRIP_COUNT_RE.search(line)
+        if trip is None:
+          raise ValueError(f"a while loop of {current} has no known trip count; count with trip_counts=False")
+        times = int(trip["n"])
+      calls[current].append((m["name"], times))
+  if entry is None:
+    raise ValueError("no ENTRY computation in the HLO text")
+  runs: dict[str, int] = {}
+
+  def visit(name: str, times: int) -> None:
+    runs[name] = runs.get(name, 0) + times
+    for callee, per_run in calls.get(name, []):
+      visit(callee, times * per_run)
+
+  visit(entry, 1)
+  return runs
 
 
 def _parse_instructions(hlo: str) -> tuple[dict[str, str], list[_Instr]]:
   """The shape of every named instruction, and the collectives in full."""
   shapes, collectives = {}, []
+  computation = ""
   for line in hlo.splitlines():
+    if not line.startswith((" ", "\t")) and (c := _COMPUTATION_RE.match(_COMMENT_RE.sub("", line))):
+      computation = c["name"]
+      continue
     m = _INSTR_RE.fullmatch(_COMMENT_RE.sub("", line))
     if not m:
       continue
@@ -169,7 +223,7 @@ def _parse_instructions(hlo: str) -> tuple[dict[str, str], list[_Instr]]:
     open_paren = op_m.end() - 1
     close = _closing(rest, open_paren)
     collectives.append(_Instr(m["name"], op_m["op"].removesuffix("-start"),
-                              _split_top_level(rest[open_paren + 1:close - 1]), rest[close:]))
+                              _split_top_level(rest[open_paren + 1:close - 1]), rest[close:], computation))
   return shapes, collectives
 
 
@@ -313,13 +367,16 @@ def _hlo_text(compiled_or_hlo_text: Any) -> str:
   return compiled_or_hlo_text.as_text()
 
 
-def collective_stats(compiled_or_hlo_text: Any, mesh: jax.sharding.Mesh) -> list[CollectiveStat]:
+def collective_stats(compiled_or_hlo_text: Any, mesh: jax.sharding.Mesh,
+                     trip_counts: bool = False) -> list[CollectiveStat]:
   """Counts the collectives of a compiled program and the bytes they move.
 
   Args:
     compiled_or_hlo_text: a ``jax.stages.Compiled`` (or ``Lowered``, compiled
       here), or its optimized HLO text.
     mesh: the mesh the program was compiled for.
+    trip_counts: count each collective once per run of its computation (a loop
+      body's, its trip count times), not once per instruction (module doc).
 
   Returns:
     One CollectiveStat per (op, axes), ordered by OPS and then by mesh axes;
@@ -327,7 +384,8 @@ def collective_stats(compiled_or_hlo_text: Any, mesh: jax.sharding.Mesh) -> list
 
   Raises:
     ValueError: for a replica-group format, element type or operand that cannot
-      be read, or a module partitioned for a different number of devices.
+      be read, or a module partitioned for a different number of devices; with
+      ``trip_counts``, for a loop whose trip count XLA does not know.
   """
   hlo = _hlo_text(compiled_or_hlo_text)
   n_devices = mesh.devices.size
@@ -337,16 +395,20 @@ def collective_stats(compiled_or_hlo_text: Any, mesh: jax.sharding.Mesh) -> list
         f"the HLO module has num_partitions={partitions[1]} but the mesh has {n_devices}"
         " devices; pass the mesh the function was compiled for")
   shapes, collectives = _parse_instructions(hlo)
+  runs = _runs(hlo) if trip_counts else {}
   totals: dict[tuple[str, tuple[str, ...]], list[int]] = {}
   for instr in collectives:
     groups = _replica_groups(instr.attrs, instr.op, n_devices)
     nbytes = _operand_bytes(instr, shapes)
     if instr.op == "all-gather":
       nbytes *= len(groups[0])
+    if trip_counts and instr.computation not in runs:
+      raise ValueError(f"{instr.name} is in {instr.computation!r}, which the entry computation never calls")
+    times = runs[instr.computation] if trip_counts else 1
     entry = totals.setdefault((instr.op, group_axes(groups, mesh)), [0, 0, 0])
-    entry[0] += 1
-    entry[1] += nbytes
-    entry[2] += _wire_bytes(instr.op, nbytes, len(groups[0]))
+    entry[0] += times
+    entry[1] += times * nbytes
+    entry[2] += times * _wire_bytes(instr.op, nbytes, len(groups[0]))
   order = {a: i for i, a in enumerate(mesh.axis_names)}
   keys = sorted(totals, key=lambda k: (OPS.index(k[0]), len(k[1]), [order[a] for a in k[1]]))
   return [CollectiveStat(op, axes, *totals[op, axes]) for op, axes in keys]
