@@ -8,6 +8,7 @@ import pytest
 
 import dion_jax
 import models
+from tests import model_meshes
 from train import step as step_lib
 
 CFG = models.preset("tiny", num_layers=2, d_model=32, num_heads=2, seq_len=8, mlp="swiglu", num_kv_heads=1)
@@ -34,7 +35,11 @@ def _replica_mean_sgd(lr, per_replica):
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-@pytest.mark.parametrize("spec,accum,replicas", [("rp=2,fs=2", 2, True), ("fs=2,pp=2", 1, False)])
+@pytest.mark.parametrize("spec,accum,replicas", [
+    ("rp=2,fs=2", 2, True),  # Dion's per-replica gradients
+    ("rp=2,fs=2", 2, False),  # every gradient averaged over rp once, after the micro-batches
+    ("fs=2,pp=2", 1, False),
+])
 def test_masked_mean_is_exact_over_micro_batches_and_replicas(spec, accum, replicas):
   batch = _batch()
   graphdef, params = models.init(CFG, seed=0)
@@ -84,3 +89,26 @@ def test_gradient_clipping_against_the_float64_norm():
   assert float(metrics.grad_norm) == pytest.approx(norm, rel=2e-7)
   jax.tree.map(lambda b, a, g: np.testing.assert_allclose(b - a, 0.5 * np.asarray(g), rtol=1e-4, atol=1e-7),
                before, jax.tree.map(np.asarray, new.params), grads)
+
+
+def test_replicas_reduce_gradients_once_per_step():
+  """Gradient accumulation sums unreduced gradients on each replica: the rp all-reduce
+  runs once per step (loop bodies counted per iteration), and carries one gradient
+  shard: the parameters' bytes per device, and the loss."""
+  cfg = models.preset("tiny", num_layers=2, d_model=64, num_heads=2, seq_len=16)
+  mesh = model_meshes.mesh("rp=2,fs=2,tp=2")
+  par = models.Parallelism(mesh)
+  graphdef, params = models.abstract(cfg, par)
+  batch = {k: jax.ShapeDtypeStruct((16, cfg.seq_len), jnp.int32) for k in ("inputs", "targets")}
+
+  def bytes_over_rp(accum):
+    with jax.set_mesh(mesh):
+      compiled = jax.jit(step_lib.make_gradient(graphdef, par, None, accum)).lower(params, batch).compile()
+    stats = dion_jax.collective_stats(compiled, mesh, trip_counts=True)
+    return sum(s.bytes for s in stats if "rp" in s.axes)
+
+  shard = sum(4 * np.prod(p.sharding.shard_shape(p.shape)) for p in jax.tree.leaves(params))
+  once = bytes_over_rp(1)
+  # Besides the shard, five float32 scalars (20 bytes: the loss, the targets' count, the aux's).
+  assert shard <= once <= shard + 32
+  assert bytes_over_rp(4) == once

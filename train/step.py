@@ -2,7 +2,8 @@
 
 A step: gradients of the mean loss over ``accum`` micro-batches (a scan that sums them:
 gradient accumulation when pp == 1; with pp > 1 the pipeline consumes the micro-batches
-and ``accum`` is 1), clipping by the global norm, the optimizer's update, and a guard:
+and ``accum`` is 1; the replicas' gradients are averaged over rp once, after the scan,
+as DDP's ``no_sync``), clipping by the global norm, the optimizer's update, and a guard:
 when the loss, the gradient norm, the new parameters or the new optimizer state are not
 all finite, the step changes nothing (parameters, optimizer state and the schedule's
 count come back as they were) and counts as skipped. So a step that would write NaN or
@@ -119,6 +120,60 @@ def keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
   return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
+def make_gradient(graphdef: Any, par: models.Parallelism, per_replica: Any | None, accum: int,
+                  logit_max: bool = False) -> Callable[..., tuple[tuple[jax.Array, models.LossAux], Any]]:
+  """``gradient(params, batch, scale) -> ((loss, aux), grads)``: the mean loss of a
+  global batch over ``accum`` micro-batches and its gradients (with ``per_replica``,
+  those leaves one per rp replica), ``scale`` the loss's factor (None: 1).
+
+  With rp > 1 every replica sums its micro-batches' gradients unreduced over rp, in a
+  ``shard_map`` manual over rp (``dion_jax.synced_over_replicas``), and the gradients
+  are averaged over rp once, after the scan: gradient accumulation does not repeat the
+  replicas' all-reduce. The reductions over the axes that shard the parameters (fs, cp,
+  ep: ZeRO-3's reduce-scatters) stay in the scan, so the carry is a gradient shard.
+  """
+  rp = par.size("rp")
+
+  def summed_over_micro(scale, denominator, sequences):
+    """``((loss, models.LossAux), grads)`` of one batch: summed over ``accum`` micro-batches."""
+
+    def loss_fn(params, batch):
+      return models.loss(graphdef, params, batch, par, scale, denominator, sequences, aux=True,
+                         logit_max=logit_max)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if accum == 1:
+      return grad_fn
+
+    def summed(params, batch):
+      def add(total, batch_i):
+        ((loss, aux), grads), ((loss_i, aux_i), grads_i) = total, grad_fn(params, batch_i)
+        return ((loss + loss_i, _merge(aux, aux_i)), jax.tree.map(jnp.add, grads, grads_i)), None
+
+      micro = split_micro(batch, accum)
+      first = jax.tree.map(lambda x: x[0], micro)
+      # Inside the replicas' shard_map the sums vary over rp: so must the scan's carry.
+      manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+      zeros = lambda s: jax.lax.pcast(jnp.zeros(s.shape, s.dtype), manual, to="varying")  # noqa: E731
+      (loss0, aux0), grads0 = jax.tree.map(zeros, jax.eval_shape(grad_fn, params, first))
+      if logit_max:
+        aux0 = aux0._replace(logit_max=jnp.full_like(aux0.logit_max, -jnp.inf))
+      return jax.lax.scan(add, ((loss0, aux0), grads0), micro)[0]
+
+    return summed
+
+  def gradient(params, batch, scale=None):
+    # With replicas, each divides by its share: the replicas' losses are averaged.
+    grad_fn = summed_over_micro(scale, counted(batch) / rp, batch["inputs"].shape[0] / rp)
+    if rp == 1:
+      return grad_fn(params, batch)
+    keep = jax.tree.map(lambda _: False, params) if per_replica is None else per_replica
+    (loss, aux), grads = dion_jax.synced_over_replicas(grad_fn, par.mesh, keep, has_aux=True)(params, batch)
+    return (loss, _merge(*(jax.tree.map(lambda a, i=i: a[i], aux) for i in range(rp)), replicas=rp)), grads
+
+  return gradient
+
+
 def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTransformation,
                     lr_schedule: optax.Schedule, per_replica: Any | None, accum: int,
                     clip_grad: float, scaling: Scaling | None = None,
@@ -127,41 +182,7 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
   """The jitted step; ``scaling`` None leaves the loss unscaled (the state's scale unused);
   ``qk_clip`` is (threshold, the model's config) or None."""
   logit_max = qk_clip is not None
-  rp = dict(par.mesh.shape)["rp"] if per_replica is not None else 1
-
-  def value_and_grad(scale, denominator, sequences):
-    """``((loss, models.LossAux), grads)`` of one batch."""
-
-    def loss_fn(params, batch):
-      return models.loss(graphdef, params, batch, par, scale, denominator, sequences, aux=True,
-                         logit_max=logit_max)
-
-    if per_replica is None:
-      return jax.value_and_grad(loss_fn, has_aux=True)
-    grad_fn = dion_jax.value_and_grad_per_replica(loss_fn, par.mesh, per_replica, has_aux=True)
-
-    def over_replicas(params, batch):
-      (loss, aux), grads = grad_fn(params, batch)
-      return (loss, _merge(*(jax.tree.map(lambda a, i=i: a[i], aux) for i in range(rp)), replicas=rp)), grads
-
-    return over_replicas
-
-  def mean_grads(params, batch, scale):
-    # The per-replica gradient averages its replicas' losses: each divides by its share.
-    grad_fn = value_and_grad(scale, counted(batch) / rp, batch["inputs"].shape[0] / rp)
-    if accum == 1:
-      return grad_fn(params, batch)
-    micro = split_micro(batch, accum)
-
-    def add(total, batch_i):
-      ((loss, aux), grads), ((loss_i, aux_i), grads_i) = total, grad_fn(params, batch_i)
-      return ((loss + loss_i, _merge(aux, aux_i)), jax.tree.map(jnp.add, grads, grads_i)), None
-
-    first = jax.tree.map(lambda x: x[0], micro)
-    (loss0, aux0), grads0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, params, first))
-    if logit_max:
-      aux0 = aux0._replace(logit_max=jnp.full_like(aux0.logit_max, -jnp.inf))
-    return jax.lax.scan(add, ((loss0, aux0), grads0), micro)[0]
+  mean_grads = make_gradient(graphdef, par, per_replica, accum, logit_max)
 
   def applied_norm(grads):
     if per_replica is None:

@@ -28,7 +28,12 @@ from dion_jax.parallel.mesh import (
     tree_check_divisible,
     vector,
 )
-from dion_jax.parallel.replicas import average_replicas, replica_spec, value_and_grad_per_replica
+from dion_jax.parallel.replicas import (
+    average_replicas,
+    replica_spec,
+    synced_over_replicas,
+    value_and_grad_per_replica,
+)
 
 __all__ = [
     "AXES",
@@ -49,6 +54,7 @@ __all__ = [
     "replica_spec",
     "row_parallel",
     "stacked",
+    "synced_over_replicas",
     "tree_check_divisible",
     "value_and_grad_per_replica",
     "vector",
