@@ -16,13 +16,14 @@ partitioner (``models/sharding.py``, ``train/step.py``), not an idealized one:
   * fs gathers (ZeRO-3): each layer's tp-local kernels gathered over the dense-sharding
     axes (cp, fs, ep) in the forward pass and again in the backward pass; the embedding
     and the LM head once, over those axes and pp;
-  * gradient reductions: every tp-local gradient (float32) reduced over its
-    data-parallel axes (rp, cp, fs, ep; experts without ep; Dion's per-replica matrices
-    without rp): a reduce-scatter on GPUs, an all-reduce where the group includes rp
-    (each replica keeps the whole shard; XLA's CPU backend all-reduces both, with the
-    same payload), once per micro-batch (gradient accumulation sums reduced gradients:
-    the reductions sit inside the micro-batch scan); two float32 scalars (the loss and its
-    count);
+  * gradient reductions: every tp-local gradient (float32) reduced to its shard over
+    the axes that shard the parameters (cp, fs, ep; experts without ep), a reduce-scatter
+    (XLA's CPU backend all-reduces, with the same payload), once per micro-batch
+    (ZeRO-3: the scan over micro-batches carries the shards); with rp > 1, every
+    replica's sum of its shards (Dion's per-replica matrices excepted) all-reduced over
+    rp once per step, after the scan (``train.step.make_gradient``: DDP's ``no_sync``
+    during accumulation); float32 scalars: each micro-batch's loss, its mean over rp,
+    and the targets' count;
   * expert all-to-all: six per MoE layer (out and back, forward, recomputation,
     backward), each carrying this rank's room for the assignments of its tokens;
   * cp exchange: K and V all-gathered over cp four times per layer, dK and dV
@@ -225,23 +226,25 @@ def model_collectives(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, 
     else:
       tables += local_bytes(leaf, {a: (sizes[a] if a == "tp" else 1) for a in AXES})
   add("fs gathers", "all-gather", dense + ("pp",), tables, 2, times=1 if pp > 1 else step.accum)
-  grad = {}
+  grad, over_rp = {}, 0
   for leaf in params:
     blocks = leaf.name.startswith("['blocks']")
-    axes = ("rp", "cp", "fs") if "experts" in leaf.name else ("rp", "cp", "fs", "ep")
+    axes = ("cp", "fs") if "experts" in leaf.name else ("cp", "fs", "ep")
     axes += () if blocks else ("pp",)  # the embedding, the LM head and the final norm serve every stage
-    if per_replica and leaf.label == "dion":
-      axes = axes[1:]
     nbytes = local_bytes(leaf, {**sizes, **{a: 1 for a in axes}})
     if "embed" in leaf.name and pp > 1:
       nbytes *= iterations  # each iteration's lookup gradient is reduced on its own
     grad[live(sizes, axes)] = grad.get(live(sizes, axes), 0) + nbytes
+    if not (per_replica and leaf.label == "dion"):
+      over_rp += local_bytes(leaf, sizes)
   for axes, nbytes in grad.items():
-    # A gradient stays whole on every replica: over rp it is all-reduced (on GPUs too).
-    # Accumulation sums reduced gradients: each micro-batch's are reduced in the scan.
-    add("gradient reductions", "all-reduce" if "rp" in axes else "reduce-scatter", axes, nbytes, 1,
-        times=1 if pp > 1 else step.accum)
-  add("gradient reductions", "all-reduce", ("rp", "cp", "fs", "ep", "pp"), 8, 1)
+    # Each micro-batch's gradients are reduced to the shards in the scan (ZeRO-3).
+    add("gradient reductions", "reduce-scatter", axes, nbytes, 1, times=1 if pp > 1 else step.accum)
+  batch_axes = ("cp", "fs", "ep", "pp")
+  add("gradient reductions", "all-reduce", batch_axes, 4, 1)  # each micro-batch's loss
+  add("gradient reductions", "all-reduce", ("rp",) + batch_axes, 4, 1, times=1)  # the targets' count
+  # Each replica's sums of its shards, and its loss, averaged once per step, after the scan.
+  add("gradient reductions", "all-reduce", ["rp"], over_rp + 4, 1, times=1)
   if cfg.num_experts:
     tokens_k = b * T * cfg.moe_top_k
     if cfg.moe_capacity_factor is None:
