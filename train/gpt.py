@@ -7,9 +7,8 @@ under ``runs/tiny-dion/``. ``--help`` lists the flags (``train/config.py``).
 One step, top to bottom: this loop feeds a global batch to ``train/step.py``, whose
 jitted step takes the model's loss and gradients (``models/gpt.py``, per rp replica
 through ``dion_jax.synced_over_replicas``, averaged over rp once per step), clips, and
-applies Dion
-(``dion_jax/optimizers/dion.py`` on ``optimizers/skeleton.py``; ``dion_jax/parallel/``:
-the collectives).
+applies Dion (``dion_jax/optimizers/dion.py`` on ``optimizers/skeleton.py``;
+``dion_jax/parallel/``: the collectives).
 
 Bad input (flags, mesh, batch, data, checkpoints, an unusable or busy run directory)
 ends the run before anything is written, with one ``error: ...`` line on stderr. Exit
