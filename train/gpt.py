@@ -6,7 +6,7 @@ under ``runs/tiny-dion/``. ``--help`` lists the flags (``train/config.py``).
 
 One step, top to bottom: this loop feeds a global batch to ``train/step.py``, whose
 jitted step takes the model's loss and gradients (``models/gpt.py``, per rp replica
-through ``dion_jax.synced_over_replicas``, averaged over rp once per step), clips, and
+through ``dion_jax.parallel.synced_over_replicas``, averaged over rp once per step), clips, and
 applies Dion (``dion_jax/optimizers/dion.py`` on ``optimizers/skeleton.py``;
 ``dion_jax/parallel/``: the collectives).
 

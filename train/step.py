@@ -127,7 +127,7 @@ def make_gradient(graphdef: Any, par: models.Parallelism, per_replica: Any | Non
   those leaves one per rp replica), ``scale`` the loss's factor (None: 1).
 
   With rp > 1 every replica sums its micro-batches' gradients unreduced over rp, in a
-  ``shard_map`` manual over rp (``dion_jax.synced_over_replicas``), and the gradients
+  ``shard_map`` manual over rp (``dion_jax.parallel.synced_over_replicas``), and the gradients
   are averaged over rp once, after the scan: gradient accumulation does not repeat the
   replicas' all-reduce. The reductions over the axes that shard the parameters (fs, cp,
   ep: ZeRO-3's reduce-scatters) stay in the scan, so the carry is a gradient shard.
@@ -168,7 +168,8 @@ def make_gradient(graphdef: Any, par: models.Parallelism, per_replica: Any | Non
     if rp == 1:
       return grad_fn(params, batch)
     keep = jax.tree.map(lambda _: False, params) if per_replica is None else per_replica
-    (loss, aux), grads = dion_jax.synced_over_replicas(grad_fn, par.mesh, keep, has_aux=True)(params, batch)
+    synced = dion_jax.parallel.synced_over_replicas(grad_fn, par.mesh, keep, has_aux=True)
+    (loss, aux), grads = synced(params, batch)
     return (loss, _merge(*(jax.tree.map(lambda a, i=i: a[i], aux) for i in range(rp)), replicas=rp)), grads
 
   return gradient
