@@ -40,11 +40,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import math
 import os
-import re
 import sys
 import time
 from typing import Any, Callable
@@ -60,53 +58,10 @@ import models
 from models import generate
 from models.gpt import apply_layers, rotary_tables
 from train import checkpoint as ckpt_lib
-from train import cli, grpo_objective, loop, optim, sample
+from train import cli, grpo_objective, grpo_rewards, loop, optim, rundir, sample
 from train import config as config_lib
 from train import gpt as gpt_entry
 from train.cli import UsageError
-
-MARKER = "####"
-
-
-def answer_reward(prompts: list[str], completions: list[str], answer: list[Any], **_) -> list[float]:
-  """1 where the text after the completion's last ``####`` is the row's answer, else 0."""
-  del prompts
-  return [float(MARKER in c and c.rsplit(MARKER, 1)[1].strip() == str(a).strip())
-          for c, a in zip(completions, answer)]
-
-
-def format_reward(prompts: list[str], completions: list[str], **_) -> list[float]:
-  """1 where the completion ends with ``####`` and a non-empty answer, else 0."""
-  del prompts
-  return [float(re.search(re.escape(MARKER) + r"[ \t]*\S[^\n]*\s*$", c) is not None) for c in completions]
-
-
-BUILTIN_REWARDS = {"answer": answer_reward, "format": format_reward}
-
-
-def reward_functions(specs: list[str]) -> list[tuple[str, Callable, float]]:
-  """``(name, function, weight)`` of each ``NAME[=WEIGHT]``."""
-  out = []
-  for spec in specs:
-    name, _, weight = spec.partition("=")
-    try:
-      weight = float(weight) if weight else 1.0
-    except ValueError:
-      raise UsageError(f"--reward {spec}: the weight after '=' must be a number") from None
-    if name in BUILTIN_REWARDS:
-      out.append((name, BUILTIN_REWARDS[name], weight))
-      continue
-    module, _, function = name.partition(":")
-    if not module or not function:
-      raise UsageError(f"--reward {spec}: name a built-in ({', '.join(BUILTIN_REWARDS)}) or"
-                       " module:function")
-    try:
-      fn = getattr(importlib.import_module(module), function)
-    except (ImportError, AttributeError) as e:
-      raise UsageError(f"--reward {spec}: cannot load {name} ({e}); pass an importable module:function") from None
-    out.append((name, fn, weight))
-  return out
-
 
 def read_prompts(path: str, tokenizer, limit: int) -> tuple[list[dict], list[np.ndarray]]:
   """The prompts file's rows and their tokens; each prompt at most ``limit`` tokens."""
@@ -171,9 +126,9 @@ def layered_logps(graphdef: Any, params: Any, tokens_BxT: jax.Array, pad_B: jax.
 
 def _parser() -> argparse.ArgumentParser:
   p = cli.Parser(prog="python -m train.grpo", description="GRPO fine-tuning of a train.gpt run.")
-  p.add_argument("--init-from", required=True, metavar="RUN_DIR", help="the python -m train.gpt run to start from")
-  p.add_argument("--prompts", required=True, help="JSONL file of prompts (\"prompt\" or \"messages\")")
-  p.add_argument("--reward", action="append", required=True,
+  p.add_argument("--init-from", metavar="RUN_DIR", help="the python -m train.gpt run to start from (needed)")
+  p.add_argument("--prompts", help="JSONL file of prompts (\"prompt\" or \"messages\"; needed)")
+  p.add_argument("--reward", action="append",
                  help="NAME[=WEIGHT]: a built-in (answer, format) or module:function; repeatable")
   p.add_argument("--run-dir", required=True, help="directory for config.json, metrics.jsonl and checkpoints")
   p.add_argument("--steps", type=int, default=100)
@@ -196,8 +151,50 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--save-every", type=int, default=50)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--resume", action="store_true",
-                 help="continue the run in --run-dir from its latest checkpoint (pass the same flags)")
+                 help="continue the run in --run-dir from its latest checkpoint with its saved flags"
+                      " (only --steps and --save-every may change)")
   return p
+
+
+# Flags a resumed run may change; the others fix its rollouts and updates, so they are the saved run's.
+_RESUMABLE = ("resume", "run_dir", "steps", "save_every")
+_PATHS = ("init_from", "prompts")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+  """The flags of ``argv``. With ``--resume``, the flags saved in RUN_DIR/config.json fill
+  in those not given, and a given flag other than :data:`_RESUMABLE` that differs from
+  the saved one is refused (a UsageError naming it)."""
+  parser = _parser()
+  values = vars(parser.parse_args(argv))
+  unset = object()  # not a string, so argparse passes it through no type
+  parser.set_defaults(**{**dict.fromkeys(values, unset), "reward": None})  # an appending flag starts from None
+  given = {k: v for k, v in vars(parser.parse_args(argv)).items()  # only the flags on the command line
+           if v is not unset and v is not None}
+  given.update({k: os.path.abspath(given[k]) for k in _PATHS if k in given})
+  if given.get("resume"):
+    saved = saved_flags(given["run_dir"])
+    for key, value in given.items():
+      if key not in _RESUMABLE and key in saved and saved[key] != value:
+        flag = "--" + key.replace("_", "-")
+        raise UsageError(f"--resume {flag} {value}: the run in {given['run_dir']} was saved with {flag}"
+                         f" {saved[key]}; drop the flag (the saved one is used) or start a new --run-dir")
+    values.update({k: v for k, v in saved.items() if k not in _RESUMABLE})
+  values.update(given)
+  missing = [k for k in ("init_from", "prompts", "reward") if values[k] is None]
+  if missing:
+    raise UsageError(f"{', '.join('--' + k.replace('_', '-') for k in missing)} needed (or --resume a run)")
+  return argparse.Namespace(**values)
+
+
+def saved_flags(run_dir: str) -> dict:
+  """The GRPO flags saved in ``run_dir/config.json`` (the ``"grpo"`` record)."""
+  try:
+    with open(os.path.join(run_dir, "config.json")) as f:
+      return json.load(f)["grpo"]
+  except (OSError, ValueError, KeyError, TypeError):
+    raise UsageError(f"--resume: {run_dir} holds no readable GRPO run (config.json with a \"grpo\" record);"
+                     " start it without --resume") from None
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -222,24 +219,8 @@ def _check(args: argparse.Namespace) -> None:
                      f" {args.steps}; pass a larger --steps")
   if not args.resume and os.path.exists(os.path.join(args.run_dir, "config.json")):
     raise UsageError(f"--run-dir {args.run_dir} already holds a run; choose a new directory or pass --resume")
-
-
-def _score(rewards, rows: list[dict], prompts: list[str], completions: list[str], group: int) -> np.ndarray:
-  """Rewards [B, R] of the completions (rows repeated ``group`` times)."""
-  columns = {key: [row.get(key) for row in rows for _ in range(group)] for key in {k for r in rows for k in r}}
-  columns.pop("prompt", None)
-  out = []
-  for name, fn, _ in rewards:
-    try:
-      values = np.asarray(fn(prompts=prompts, completions=completions, **columns), np.float64)
-    except Exception as e:  # a user's function: whatever it raises is its bad input
-      raise UsageError(f"--reward {name} raised {type(e).__name__}: {e}") from None
-    if values.shape != (len(completions),) or not np.all(np.isfinite(values)):
-      raise UsageError(f"--reward {name} must return one finite number per completion; got"
-                       f" {values.shape[0] if values.ndim else values} values with"
-                       f" {int(np.sum(~np.isfinite(values)))} not finite")
-    out.append(values)
-  return np.stack(out, 1)
+  rundir.check_usable(os.path.abspath(args.run_dir), "--run-dir")
+  rundir.Lock(os.path.abspath(args.run_dir)).check()
 
 
 def _make_update(graphdef: Any, tx: optax.GradientTransformation, objective: grpo_objective.Objective,
@@ -263,7 +244,7 @@ def _make_update(graphdef: Any, tx: optax.GradientTransformation, objective: grp
 
 def _setup(argv: list[str] | None) -> tuple:
   """Flags, the starting model, tokenizer, rewards and prompts; bad input raises here."""
-  args = _parser().parse_args(argv)
+  args = parse(argv)
   _check(args)
   gpt_entry.start_jax(config_lib.Config(mesh=args.mesh))  # host devices for the mesh, before JAX starts
   mesh = loop.make_mesh(args.mesh)
@@ -274,7 +255,7 @@ def _setup(argv: list[str] | None) -> tuple:
   with jax.set_mesh(mesh):
     restored = sample.restore(os.path.abspath(args.init_from), par=par)
   tokenizer = sample.run_tokenizer(os.path.abspath(args.init_from))
-  rewards = reward_functions(args.reward)
+  rewards = grpo_rewards.reward_functions(args.reward)
   M, G = args.max_new_tokens, args.group_size
   limit = restored.cfg.seq_len - M
   if limit < 1:
@@ -311,8 +292,19 @@ def _restore(checkpoints: ckpt_lib.Checkpoints, step: int, like: dict) -> dict:
 
 
 def _steps(args, par, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg) -> int:
-  with jax.set_mesh(par.mesh):
-    return _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg)
+  """The steps, holding the run directory's lock (``train.rundir``); a directory this call
+  made stays only if a step was written into it."""
+  created = not os.path.exists(train_cfg.run_path)
+  lock = rundir.Lock(train_cfg.run_path)
+  lock.acquire()
+  try:
+    with jax.set_mesh(par.mesh):
+      return _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg)
+  finally:
+    rundir.remove_partial_saves(train_cfg.ckpt_path)
+    lock.release()
+    if created and not os.listdir(train_cfg.run_path):
+      os.rmdir(train_cfg.run_path)
 
 
 def _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg) -> int:
@@ -353,7 +345,7 @@ def _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens,
                             for row, length in zip(completions_BxM, lengths_B)])
       texts = [tokenizer.decode(row[:length - int(end)]) for row, length, end in zip(completions_BxM, lengths_B, ended_B)]
       prompts_text = [rows[i].get("prompt", "") for i in picks for _ in range(G)]
-      rewards_BxR = _score(rewards, [rows[i] for i in picks], prompts_text, texts, G)
+      rewards_BxR = grpo_rewards.score(rewards, [rows[i] for i in picks], prompts_text, texts, G)
       advantages_B = grpo_objective.advantages(jnp.asarray(rewards_BxR, jnp.float32), weights_R, G,
                                                not args.no_scale_rewards)
       prompts_BxP, prompt_lengths = generate.left_pad([prompt_tokens[i] for i in picks],
