@@ -29,12 +29,15 @@ the share cut at ``--max-new-tokens``, rollout and training tokens/s) and Orbax 
 of the policy. On ``--mesh`` (train.gpt's axes but pp and cp; one device by default) the
 policy is sharded as in training and takes any optimizer of train.gpt; the rollout gathers
 it once (``models.generate.rollout_params``). ``--resume`` continues from the latest
-checkpoint (policy, optimizer state, reference) with the same rollouts as a run that never
+checkpoint (policy, optimizer state, reference) with the flags saved in config.json (only
+``--steps`` and ``--save-every`` may change) and the same rollouts as a run that never
 stopped: the prompts' order and the sampler's seed follow from ``--seed`` and the step.
+A run holds its directory's lock (``train.rundir``); a second run there is refused.
 
 Bad input prints one ``error: ...`` line and exits with code 2: a missing run, prompts
 file or reward module, an empty prompts file, G < 2, a prompt that leaves less than
-``--max-new-tokens`` of the model's ``seq_len``, a reward that raises or is not finite.
+``--max-new-tokens`` of the model's ``seq_len``, a reward that raises or is not finite, a
+pp or cp mesh, a flag ``--resume`` may not change, a run directory in use.
 """
 from __future__ import annotations
 
@@ -249,8 +252,9 @@ def _setup(argv: list[str] | None) -> tuple:
   gpt_entry.start_jax(config_lib.Config(mesh=args.mesh))  # host devices for the mesh, before JAX starts
   mesh = loop.make_mesh(args.mesh)
   if dict(mesh.shape)["pp"] > 1 or dict(mesh.shape)["cp"] > 1:
-    raise UsageError(f"--mesh {args.mesh}: GRPO runs on fs, tp, ep and rp; pipeline and context"
-                     " parallelism (pp, cp) are not supported yet")
+    raise UsageError(f"--mesh {args.mesh}: GRPO runs on the fs, tp, ep and rp axes, not pp or cp (the"
+                     " pipelined and context-parallel forward gives a summed loss, not per-token log-probs);"
+                     " spread the devices over fs and tp instead")
   par = models.Parallelism(mesh)
   with jax.set_mesh(mesh):
     restored = sample.restore(os.path.abspath(args.init_from), par=par)
