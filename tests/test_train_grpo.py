@@ -157,6 +157,9 @@ def test_resume_continues_as_if_never_stopped(base_run, prompts_file, tmp_path, 
   assert grpo.main(["--run-dir", stopped, "--steps", "2", "--resume", "--lr", "0.5"]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "--resume --lr 0.5: the run in" in err[0] and "saved with --lr 0.01" in err[0], err
+  assert grpo.main(["--run-dir", stopped, "--resume"]) == 2  # the saved --steps 1 is reached
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "the checkpoint is at step 1, which already reaches --steps 1" in err[0], err
   assert grpo.main(["--run-dir", stopped, "--steps", "2", "--resume", "--lr", "1e-2"]) == 0
   records = []
   for run_dir in (straight, stopped):
@@ -169,7 +172,8 @@ def test_resume_continues_as_if_never_stopped(base_run, prompts_file, tmp_path, 
         {k: v for k, v in b.items() if k not in timing}, abs=1e-6)
   np.testing.assert_allclose(sample.restore(stopped).params["lm_head"]["kernel"],
                              sample.restore(straight).params["lm_head"]["kernel"], atol=1e-6)
-  assert grpo.main(["--run-dir", stopped, "--steps", "2", "--resume"]) == 2  # nothing left to do
+  assert grpo.main(["--run-dir", stopped, "--resume"]) == 2  # the resumed run saved its --steps 2
+  assert "the checkpoint is at step 2, which already reaches --steps 2" in capsys.readouterr().err
 
 
 def test_a_run_directory_in_use_is_refused(base_run, prompts_file, tmp_path, capsys):

@@ -182,7 +182,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         flag = "--" + key.replace("_", "-")
         raise UsageError(f"--resume {flag} {value}: the run in {given['run_dir']} was saved with {flag}"
                          f" {saved[key]}; drop the flag (the saved one is used) or start a new --run-dir")
-    values.update({k: v for k, v in saved.items() if k not in _RESUMABLE})
+    values.update({k: v for k, v in saved.items() if k not in ("resume", "run_dir")})
   values.update(given)
   missing = [k for k in ("init_from", "prompts", "reward") if values[k] is None]
   if missing:
@@ -295,6 +295,12 @@ def _restore(checkpoints: ckpt_lib.Checkpoints, step: int, like: dict) -> dict:
   return ckpt_lib.from_saved(saved["state"], like, 1, 1)
 
 
+def _write_record(run_dir: str, record: dict) -> None:
+  os.makedirs(run_dir, exist_ok=True)
+  with open(os.path.join(run_dir, "config.json"), "w") as f:
+    json.dump(record, f, indent=2)
+
+
 def _steps(args, par, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg) -> int:
   """The steps, holding the run directory's lock (``train.rundir``); a directory this call
   made stays only if a step was written into it."""
@@ -335,6 +341,7 @@ def _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens,
     start = checkpoints.latest_step()
     state = _restore(checkpoints, start, _state(params, opt_state, reference))
     params, opt_state, reference = state["params"], state["opt_state"], state.get("reference")
+    _write_record(args.run_dir, record)  # the new --steps / --save-every for the next --resume
     metrics = open(os.path.join(args.run_dir, "metrics.jsonl"), "a")
   try:
     for step in range(start + 1, args.steps + 1):
@@ -380,9 +387,7 @@ def _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens,
                "train_tokens_per_s": float(args.updates_per_rollout * mask_BxM.sum() / train_s),
                "rollout_s": rollout_s, "train_s": train_s}
       if metrics is None:
-        os.makedirs(args.run_dir, exist_ok=True)
-        with open(os.path.join(args.run_dir, "config.json"), "w") as f:
-          json.dump(record, f, indent=2)
+        _write_record(args.run_dir, record)
         metrics = open(os.path.join(args.run_dir, "metrics.jsonl"), "w")
         checkpoints = ckpt_lib.Checkpoints(train_cfg.ckpt_path, keep=2, create=True)
       metrics.write(json.dumps(entry) + "\n")
