@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import os
+import socket
 
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +29,16 @@ def raising_reward(prompts, completions, **_):
 
 def nan_reward(prompts, completions, **_):
   return [math.nan] * len(completions)
+
+
+LOCKS_SEEN = []  # the run directory's lock file, as a reward finds it during a run (WATCHED_RUN)
+WATCHED_RUN = []
+
+
+def lock_watcher(prompts, completions, **_):
+  with open(os.path.join(WATCHED_RUN[-1], "run.lock")) as f:
+    LOCKS_SEEN.append(json.load(f))
+  return [0.0] * len(completions)
 
 
 @pytest.fixture(scope="module")
@@ -79,13 +90,6 @@ def test_token_logps_are_the_full_forwards(base_run):
     np.testing.assert_allclose(got[b], expected, atol=2e-5)
 
 
-def test_builtin_rewards():
-  completions = ["so 3 #### 3", "#### 4", "3", "#### 3\n", "####", "the answer #### 19 "]
-  answers = ["3", "3", "3", "3", "3", "19"]
-  assert grpo.answer_reward([""] * 6, completions, answer=answers) == [1, 0, 0, 1, 0, 1]
-  assert grpo.format_reward([""] * 6, completions) == [1, 1, 0, 1, 0, 1]
-
-
 def test_run_writes_metrics_and_a_checkpoint_train_sample_reads(base_run, prompts_file, tmp_path):
   """Two steps with Dion on fs=2,tp=2: finite metrics, a policy that moved, a checkpoint
   train.sample restores on one device."""
@@ -118,6 +122,8 @@ def test_run_writes_metrics_and_a_checkpoint_train_sample_reads(base_run, prompt
     (["--temperature", "0"], "--temperature must be a finite number > 0"),
     (["--reward", "tests.test_train_grpo:raising_reward"], "raised RuntimeError: no score today"),
     (["--reward", "tests.test_train_grpo:nan_reward"], "must return one finite number per completion"),
+    (["--mesh", "pp=2"], "GRPO runs on the fs, tp, ep and rp axes, not pp or cp"),
+    (["--mesh", "fs=2,cp=2"], "GRPO runs on the fs, tp, ep and rp axes, not pp or cp"),
 ])
 def test_bad_input(base_run, prompts_file, tmp_path, capsys, extra, message):
   empty = tmp_path / "empty.jsonl"
@@ -132,17 +138,29 @@ def test_bad_input(base_run, prompts_file, tmp_path, capsys, extra, message):
   assert not os.path.exists(run_dir)  # nothing half-written
 
 
-def test_resume_continues_as_if_never_stopped(base_run, prompts_file, tmp_path):
-  """One step, then --resume to step 2: the second step's rollout, rewards, loss and the
-  final policy are those of a run of two steps straight (one device, KL on, so the
-  reference is restored too)."""
+def test_resume_continues_as_if_never_stopped(base_run, prompts_file, tmp_path, capsys):
+  """One step, then --resume to step 2 with no other flags: the saved flags are reloaded,
+  and the second step's rollout, rewards, loss and the final policy are those of a run of
+  two steps straight (one device, KL on, so the reference is restored too). A flag that
+  differs from the saved run's is refused; the run holds its directory's lock while it
+  steps and lets it go at the end."""
   args = ["--init-from", base_run, "--prompts", prompts_file, "--prompts-per-step", "2", "--group-size", "4",
           "--max-new-tokens", "6", "--beta", "0.04", "--lr", "1e-2", "--save-every", "1",
-          "--reward", "tests.test_train_grpo:digits_reward"]
+          "--reward", "tests.test_train_grpo:digits_reward", "--reward", "tests.test_train_grpo:lock_watcher=0"]
   straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
+  WATCHED_RUN.append(straight)
   assert grpo.main([*args, "--run-dir", straight, "--steps", "2"]) == 0
+  assert LOCKS_SEEN[-2:] == [{"host": socket.gethostname(), "pid": os.getpid()}] * 2
+  assert not os.path.exists(os.path.join(straight, "run.lock"))
+  WATCHED_RUN.append(stopped)
   assert grpo.main([*args, "--run-dir", stopped, "--steps", "1"]) == 0
-  assert grpo.main([*args, "--run-dir", stopped, "--steps", "2", "--resume"]) == 0
+  assert grpo.main(["--run-dir", stopped, "--steps", "2", "--resume", "--lr", "0.5"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "--resume --lr 0.5: the run in" in err[0] and "saved with --lr 0.01" in err[0], err
+  assert grpo.main(["--run-dir", stopped, "--resume"]) == 2  # the saved --steps 1 is reached
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "the checkpoint is at step 1, which already reaches --steps 1" in err[0], err
+  assert grpo.main(["--run-dir", stopped, "--steps", "2", "--resume", "--lr", "1e-2"]) == 0
   records = []
   for run_dir in (straight, stopped):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -154,4 +172,18 @@ def test_resume_continues_as_if_never_stopped(base_run, prompts_file, tmp_path):
         {k: v for k, v in b.items() if k not in timing}, abs=1e-6)
   np.testing.assert_allclose(sample.restore(stopped).params["lm_head"]["kernel"],
                              sample.restore(straight).params["lm_head"]["kernel"], atol=1e-6)
-  assert grpo.main([*args, "--run-dir", stopped, "--steps", "2", "--resume"]) == 2  # nothing left to do
+  assert grpo.main(["--run-dir", stopped, "--resume"]) == 2  # the resumed run saved its --steps 2
+  assert "the checkpoint is at step 2, which already reaches --steps 2" in capsys.readouterr().err
+
+
+def test_a_run_directory_in_use_is_refused(base_run, prompts_file, tmp_path, capsys):
+  """A live process's lock in --run-dir: refused with one line before anything is written."""
+  run_dir = tmp_path / "busy"
+  run_dir.mkdir()
+  (run_dir / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+  args = ["--init-from", base_run, "--prompts", prompts_file, "--run-dir", str(run_dir), "--steps", "1",
+          "--reward", "format"]
+  assert grpo.main(args) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "is in use by another run (pid" in err[0], err
+  assert os.listdir(run_dir) == ["run.lock"]

@@ -29,22 +29,23 @@ the share cut at ``--max-new-tokens``, rollout and training tokens/s) and Orbax 
 of the policy. On ``--mesh`` (train.gpt's axes but pp and cp; one device by default) the
 policy is sharded as in training and takes any optimizer of train.gpt; the rollout gathers
 it once (``models.generate.rollout_params``). ``--resume`` continues from the latest
-checkpoint (policy, optimizer state, reference) with the same rollouts as a run that never
+checkpoint (policy, optimizer state, reference) with the flags saved in config.json (only
+``--steps`` and ``--save-every`` may change) and the same rollouts as a run that never
 stopped: the prompts' order and the sampler's seed follow from ``--seed`` and the step.
+A run holds its directory's lock (``train.rundir``); a second run there is refused.
 
 Bad input prints one ``error: ...`` line and exits with code 2: a missing run, prompts
 file or reward module, an empty prompts file, G < 2, a prompt that leaves less than
-``--max-new-tokens`` of the model's ``seq_len``, a reward that raises or is not finite.
+``--max-new-tokens`` of the model's ``seq_len``, a reward that raises or is not finite, a
+pp or cp mesh, a flag ``--resume`` may not change, a run directory in use.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import math
 import os
-import re
 import sys
 import time
 from typing import Any, Callable
@@ -60,53 +61,10 @@ import models
 from models import generate
 from models.gpt import apply_layers, rotary_tables
 from train import checkpoint as ckpt_lib
-from train import cli, grpo_objective, loop, optim, sample
+from train import cli, grpo_objective, grpo_rewards, loop, optim, rundir, sample
 from train import config as config_lib
 from train import gpt as gpt_entry
 from train.cli import UsageError
-
-MARKER = "####"
-
-
-def answer_reward(prompts: list[str], completions: list[str], answer: list[Any], **_) -> list[float]:
-  """1 where the text after the completion's last ``####`` is the row's answer, else 0."""
-  del prompts
-  return [float(MARKER in c and c.rsplit(MARKER, 1)[1].strip() == str(a).strip())
-          for c, a in zip(completions, answer)]
-
-
-def format_reward(prompts: list[str], completions: list[str], **_) -> list[float]:
-  """1 where the completion ends with ``####`` and a non-empty answer, else 0."""
-  del prompts
-  return [float(re.search(re.escape(MARKER) + r"[ \t]*\S[^\n]*\s*$", c) is not None) for c in completions]
-
-
-BUILTIN_REWARDS = {"answer": answer_reward, "format": format_reward}
-
-
-def reward_functions(specs: list[str]) -> list[tuple[str, Callable, float]]:
-  """``(name, function, weight)`` of each ``NAME[=WEIGHT]``."""
-  out = []
-  for spec in specs:
-    name, _, weight = spec.partition("=")
-    try:
-      weight = float(weight) if weight else 1.0
-    except ValueError:
-      raise UsageError(f"--reward {spec}: the weight after '=' must be a number") from None
-    if name in BUILTIN_REWARDS:
-      out.append((name, BUILTIN_REWARDS[name], weight))
-      continue
-    module, _, function = name.partition(":")
-    if not module or not function:
-      raise UsageError(f"--reward {spec}: name a built-in ({', '.join(BUILTIN_REWARDS)}) or"
-                       " module:function")
-    try:
-      fn = getattr(importlib.import_module(module), function)
-    except (ImportError, AttributeError) as e:
-      raise UsageError(f"--reward {spec}: cannot load {name} ({e}); pass an importable module:function") from None
-    out.append((name, fn, weight))
-  return out
-
 
 def read_prompts(path: str, tokenizer, limit: int) -> tuple[list[dict], list[np.ndarray]]:
   """The prompts file's rows and their tokens; each prompt at most ``limit`` tokens."""
@@ -171,9 +129,9 @@ def layered_logps(graphdef: Any, params: Any, tokens_BxT: jax.Array, pad_B: jax.
 
 def _parser() -> argparse.ArgumentParser:
   p = cli.Parser(prog="python -m train.grpo", description="GRPO fine-tuning of a train.gpt run.")
-  p.add_argument("--init-from", required=True, metavar="RUN_DIR", help="the python -m train.gpt run to start from")
-  p.add_argument("--prompts", required=True, help="JSONL file of prompts (\"prompt\" or \"messages\")")
-  p.add_argument("--reward", action="append", required=True,
+  p.add_argument("--init-from", metavar="RUN_DIR", help="the python -m train.gpt run to start from (needed)")
+  p.add_argument("--prompts", help="JSONL file of prompts (\"prompt\" or \"messages\"; needed)")
+  p.add_argument("--reward", action="append",
                  help="NAME[=WEIGHT]: a built-in (answer, format) or module:function; repeatable")
   p.add_argument("--run-dir", required=True, help="directory for config.json, metrics.jsonl and checkpoints")
   p.add_argument("--steps", type=int, default=100)
@@ -196,8 +154,50 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--save-every", type=int, default=50)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--resume", action="store_true",
-                 help="continue the run in --run-dir from its latest checkpoint (pass the same flags)")
+                 help="continue the run in --run-dir from its latest checkpoint with its saved flags"
+                      " (only --steps and --save-every may change)")
   return p
+
+
+# Flags a resumed run may change; the others fix its rollouts and updates, so they are the saved run's.
+_RESUMABLE = ("resume", "run_dir", "steps", "save_every")
+_PATHS = ("init_from", "prompts")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+  """The flags of ``argv``. With ``--resume``, the flags saved in RUN_DIR/config.json fill
+  in those not given, and a given flag other than :data:`_RESUMABLE` that differs from
+  the saved one is refused (a UsageError naming it)."""
+  parser = _parser()
+  values = vars(parser.parse_args(argv))
+  unset = object()  # not a string, so argparse passes it through no type
+  parser.set_defaults(**{**dict.fromkeys(values, unset), "reward": None})  # an appending flag starts from None
+  given = {k: v for k, v in vars(parser.parse_args(argv)).items()  # only the flags on the command line
+           if v is not unset and v is not None}
+  given.update({k: os.path.abspath(given[k]) for k in _PATHS if k in given})
+  if given.get("resume"):
+    saved = saved_flags(given["run_dir"])
+    for key, value in given.items():
+      if key not in _RESUMABLE and key in saved and saved[key] != value:
+        flag = "--" + key.replace("_", "-")
+        raise UsageError(f"--resume {flag} {value}: the run in {given['run_dir']} was saved with {flag}"
+                         f" {saved[key]}; drop the flag (the saved one is used) or start a new --run-dir")
+    values.update({k: v for k, v in saved.items() if k not in ("resume", "run_dir")})
+  values.update(given)
+  missing = [k for k in ("init_from", "prompts", "reward") if values[k] is None]
+  if missing:
+    raise UsageError(f"{', '.join('--' + k.replace('_', '-') for k in missing)} needed (or --resume a run)")
+  return argparse.Namespace(**values)
+
+
+def saved_flags(run_dir: str) -> dict:
+  """The GRPO flags saved in ``run_dir/config.json`` (the ``"grpo"`` record)."""
+  try:
+    with open(os.path.join(run_dir, "config.json")) as f:
+      return json.load(f)["grpo"]
+  except (OSError, ValueError, KeyError, TypeError):
+    raise UsageError(f"--resume: {run_dir} holds no readable GRPO run (config.json with a \"grpo\" record);"
+                     " start it without --resume") from None
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -222,24 +222,8 @@ def _check(args: argparse.Namespace) -> None:
                      f" {args.steps}; pass a larger --steps")
   if not args.resume and os.path.exists(os.path.join(args.run_dir, "config.json")):
     raise UsageError(f"--run-dir {args.run_dir} already holds a run; choose a new directory or pass --resume")
-
-
-def _score(rewards, rows: list[dict], prompts: list[str], completions: list[str], group: int) -> np.ndarray:
-  """Rewards [B, R] of the completions (rows repeated ``group`` times)."""
-  columns = {key: [row.get(key) for row in rows for _ in range(group)] for key in {k for r in rows for k in r}}
-  columns.pop("prompt", None)
-  out = []
-  for name, fn, _ in rewards:
-    try:
-      values = np.asarray(fn(prompts=prompts, completions=completions, **columns), np.float64)
-    except Exception as e:  # a user's function: whatever it raises is its bad input
-      raise UsageError(f"--reward {name} raised {type(e).__name__}: {e}") from None
-    if values.shape != (len(completions),) or not np.all(np.isfinite(values)):
-      raise UsageError(f"--reward {name} must return one finite number per completion; got"
-                       f" {values.shape[0] if values.ndim else values} values with"
-                       f" {int(np.sum(~np.isfinite(values)))} not finite")
-    out.append(values)
-  return np.stack(out, 1)
+  rundir.check_usable(os.path.abspath(args.run_dir), "--run-dir")
+  rundir.Lock(os.path.abspath(args.run_dir)).check()
 
 
 def _make_update(graphdef: Any, tx: optax.GradientTransformation, objective: grpo_objective.Objective,
@@ -263,18 +247,19 @@ def _make_update(graphdef: Any, tx: optax.GradientTransformation, objective: grp
 
 def _setup(argv: list[str] | None) -> tuple:
   """Flags, the starting model, tokenizer, rewards and prompts; bad input raises here."""
-  args = _parser().parse_args(argv)
+  args = parse(argv)
   _check(args)
   gpt_entry.start_jax(config_lib.Config(mesh=args.mesh))  # host devices for the mesh, before JAX starts
   mesh = loop.make_mesh(args.mesh)
   if dict(mesh.shape)["pp"] > 1 or dict(mesh.shape)["cp"] > 1:
-    raise UsageError(f"--mesh {args.mesh}: GRPO runs on fs, tp, ep and rp; pipeline and context"
-                     " parallelism (pp, cp) are not supported yet")
+    raise UsageError(f"--mesh {args.mesh}: GRPO runs on the fs, tp, ep and rp axes, not pp or cp (the"
+                     " pipelined and context-parallel forward gives a summed loss, not per-token log-probs);"
+                     " spread the devices over fs and tp instead")
   par = models.Parallelism(mesh)
   with jax.set_mesh(mesh):
     restored = sample.restore(os.path.abspath(args.init_from), par=par)
   tokenizer = sample.run_tokenizer(os.path.abspath(args.init_from))
-  rewards = reward_functions(args.reward)
+  rewards = grpo_rewards.reward_functions(args.reward)
   M, G = args.max_new_tokens, args.group_size
   limit = restored.cfg.seq_len - M
   if limit < 1:
@@ -310,9 +295,26 @@ def _restore(checkpoints: ckpt_lib.Checkpoints, step: int, like: dict) -> dict:
   return ckpt_lib.from_saved(saved["state"], like, 1, 1)
 
 
+def _write_record(run_dir: str, record: dict) -> None:
+  os.makedirs(run_dir, exist_ok=True)
+  with open(os.path.join(run_dir, "config.json"), "w") as f:
+    json.dump(record, f, indent=2)
+
+
 def _steps(args, par, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg) -> int:
-  with jax.set_mesh(par.mesh):
-    return _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg)
+  """The steps, holding the run directory's lock (``train.rundir``); a directory this call
+  made stays only if a step was written into it."""
+  created = not os.path.exists(train_cfg.run_path)
+  lock = rundir.Lock(train_cfg.run_path)
+  lock.acquire()
+  try:
+    with jax.set_mesh(par.mesh):
+      return _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg)
+  finally:
+    rundir.remove_partial_saves(train_cfg.ckpt_path)
+    lock.release()
+    if created and not os.listdir(train_cfg.run_path):
+      os.rmdir(train_cfg.run_path)
 
 
 def _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg) -> int:
@@ -339,6 +341,7 @@ def _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens,
     start = checkpoints.latest_step()
     state = _restore(checkpoints, start, _state(params, opt_state, reference))
     params, opt_state, reference = state["params"], state["opt_state"], state.get("reference")
+    _write_record(args.run_dir, record)  # the new --steps / --save-every for the next --resume
     metrics = open(os.path.join(args.run_dir, "metrics.jsonl"), "a")
   try:
     for step in range(start + 1, args.steps + 1):
@@ -353,7 +356,7 @@ def _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens,
                             for row, length in zip(completions_BxM, lengths_B)])
       texts = [tokenizer.decode(row[:length - int(end)]) for row, length, end in zip(completions_BxM, lengths_B, ended_B)]
       prompts_text = [rows[i].get("prompt", "") for i in picks for _ in range(G)]
-      rewards_BxR = _score(rewards, [rows[i] for i in picks], prompts_text, texts, G)
+      rewards_BxR = grpo_rewards.score(rewards, [rows[i] for i in picks], prompts_text, texts, G)
       advantages_B = grpo_objective.advantages(jnp.asarray(rewards_BxR, jnp.float32), weights_R, G,
                                                not args.no_scale_rewards)
       prompts_BxP, prompt_lengths = generate.left_pad([prompt_tokens[i] for i in picks],
@@ -384,9 +387,7 @@ def _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens,
                "train_tokens_per_s": float(args.updates_per_rollout * mask_BxM.sum() / train_s),
                "rollout_s": rollout_s, "train_s": train_s}
       if metrics is None:
-        os.makedirs(args.run_dir, exist_ok=True)
-        with open(os.path.join(args.run_dir, "config.json"), "w") as f:
-          json.dump(record, f, indent=2)
+        _write_record(args.run_dir, record)
         metrics = open(os.path.join(args.run_dir, "metrics.jsonl"), "w")
         checkpoints = ckpt_lib.Checkpoints(train_cfg.ckpt_path, keep=2, create=True)
       metrics.write(json.dumps(entry) + "\n")
