@@ -11,7 +11,7 @@ steps, the same on every process, so one copy restores on any number of processe
 (Grain's own checkpoint handler keys its files by the process count).
 """
 from data.errors import DataError, DataFileNotFoundError
-from data.loader import make_dataset, make_loader, process_batch_shard
+from data.loader import make_dataset, make_loader, ordered_rows, process_batch_shard
 from data.sft import SFTSource
 from data.sources import Blend, TokenSource, load_source
 from data.token_ids import max_token_id
@@ -19,6 +19,6 @@ from data.tokenizer import EOD, VOCAB_SIZE, decode, encode, padded_vocab_size
 
 __all__ = [
     "Blend", "DataError", "DataFileNotFoundError", "EOD", "SFTSource", "TokenSource", "VOCAB_SIZE",
-    "decode", "encode", "load_source", "max_token_id", "make_dataset", "make_loader", "padded_vocab_size",
-    "process_batch_shard",
+    "decode", "encode", "load_source", "max_token_id", "make_dataset", "make_loader", "ordered_rows",
+    "padded_vocab_size", "process_batch_shard",
 ]

@@ -16,6 +16,9 @@ global batch `perm[t·B : (t+1)·B]`, whatever their number. The iterator's stat
 (`{"next_index": step}`) therefore counts global steps: a resumed run, on the same or
 another shard count with the same global batch, sees the batches an uninterrupted run
 would have.
+
+`ordered_rows` reads the same rows unshuffled, each once, in one array: a fixed
+validation set (`train/evaluation.py`).
 """
 import grain
 import numpy as np
@@ -144,6 +147,17 @@ def make_dataset(source: TokenSource | Blend | SFTSource, *, seq_len: int, globa
   ds = ds[:steps * global_batch_size].repeat(num_epochs)
   ds = ds[shard_index::shard_count].batch(global_batch_size // shard_count)
   return ds.map(gather)
+
+
+def ordered_rows(source: TokenSource | Blend | SFTSource, *, seq_len: int, limit: int | None = None,
+                 eod: int | None = None) -> dict[str, np.ndarray]:
+  """The first ``limit`` rows (all when None) that ``make_dataset(..., shuffle=False)``
+  serves, each once, as one dict of int32 [R, seq_len] (a fixed validation set): a
+  fine-tuning file's packed rows in file order, or a token source's windows in order.
+  Raises DataError when the source holds no row."""
+  every = make_dataset(source, seq_len=seq_len, global_batch_size=1, shuffle=False, num_epochs=1, eod=eod)
+  count = len(every) if limit is None else min(limit, len(every))
+  return make_dataset(source, seq_len=seq_len, global_batch_size=count, shuffle=False, num_epochs=1, eod=eod)[0]
 
 
 def make_loader(source: TokenSource | Blend | SFTSource, *, seq_len: int, global_batch_size: int,

@@ -67,8 +67,8 @@ def test_busy_unusable_or_used_run_directories_are_refused(compile_cache, tmp_pa
   (old_log / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
   a_file = tmp_path / "a_file"
   a_file.write_text("not a directory")
-  small_valid = tmp_path / "small_valid.bin"  # 100 tokens: 6 windows of 17, batch 8
-  fineweb.write_shard(str(small_valid), np.arange(100) % 200)
+  small_valid = tmp_path / "small_valid.bin"  # 10 tokens: no window of 17 (fewer than a batch is fine)
+  fineweb.write_shard(str(small_valid), np.arange(10))
   high_ids = tmp_path / "high_ids.bin"
   fineweb.write_shard(str(high_ids), np.where(np.arange(5000) == 777, 307, np.arange(5000) % 256))
   before = snapshot(tmp_path)
@@ -83,7 +83,8 @@ def test_busy_unusable_or_used_run_directories_are_refused(compile_cache, tmp_pa
       (["--ckpt-dir", str(a_file)], fresh, f"--ckpt-dir {a_file} is a file"),
       ([], old_log, "already holds a run's metrics.jsonl but no checkpoint; choose a new --run-dir"),
       (["--valid-data", f"fineweb:{small_valid}", "--vocab-size", "257"], fresh,
-       "--valid-data: " + str(small_valid) + ": 6 windows of 17 tokens do not fill one global batch of 8"),
+       "--valid-data: " + str(small_valid) + ": seq_len 16 needs windows of 17 tokens but the longest token"
+       " stream has 10"),
       (["--vocab-size", "100"], fresh, "--data stdlib holds token id 256 but the model's vocabulary has 100 ids"),
       # padded to 384 rows, a 257-token vocabulary would train on id 307 silently
       (["--data", f"fineweb:{high_ids}", "--vocab-size", "257", "--eval-tokens", "0"], fresh,

@@ -8,7 +8,8 @@ into place when complete, so a crash mid-save leaves the previous one intact) ho
   names), in the mesh-independent layout: stacked block leaves in layer order
   ``(num_layers, ...)`` (``models.to_layers``), and Dion's per-replica momentum with its
   leading rp axis as it is;
-- ``meta`` (JSON): step, optimizer updates applied, the data iterator's state;
+- ``meta`` (JSON): step, optimizer updates applied, the data iterator's state, the
+  fine-tuning examples consumed (``train/loop.py``);
 - ``config`` (JSON): the run's Config and the model's GPTConfig.
 
 Restoring reads every array with the new mesh's sharding of its non-stacked dimensions,

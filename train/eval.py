@@ -15,7 +15,8 @@ language-model loss only: a mixture's router losses are left out).
 Fine-tuning data (``--data sft:FILE.jsonl``, prompt/completion lines or conversations) is
 read whole, with the model's tokenizer and chat template, and packed into rows as the
 trainer packs it: the loss is then the mean over the learned targets (completions,
-assistant turns) of every example, as the trainer's validation on it.
+assistant turns) of every example, each once. The trainer's validation computes the same
+number with the same function (``train/evaluation.py``).
 
 Bad input prints one ``error: ...`` line on stderr and exits with code 2.
 """
@@ -27,7 +28,6 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -35,9 +35,10 @@ from jax.sharding import PartitionSpec as P
 import data
 import models
 from models import context
-from train import cli, gpt, loop, preflight, sample
+from train import cli, evaluation, gpt, loop, preflight, sample
 from train import config as config_lib
 from train import hf as hf_io
+from train import step as step_lib
 from train.cli import UsageError
 
 
@@ -97,30 +98,6 @@ def rows(spec: str, num_tokens: int, seq_len: int, tokenizer) -> dict[str, np.nd
   return {"inputs": w[:, :-1], "targets": w[:, 1:]}
 
 
-def evaluate(graphdef, params, rows_RxT: dict[str, np.ndarray], par: models.Parallelism,
-             batch_size: int = 8) -> tuple[float, int]:
-  """``(mean next-token loss, targets)`` over the counted targets (>= 0) of ``rows_RxT``,
-  ``batch_size`` rows at a time split over ``par``'s mesh (every process holds all rows
-  and places its own)."""
-  @jax.jit
-  def loss_sum(params, batch):
-    loss, aux = models.loss(graphdef, params, batch, par, denominator=jnp.float32(1), aux=True)
-    return loss - aux.router_loss
-
-  placement = NamedSharding(par.mesh, P(models.BATCH_AXES))
-  total, count = 0.0, 0
-  for i in range(0, len(rows_RxT["inputs"]), batch_size):
-    batch = {k: v[i:i + batch_size] for k, v in rows_RxT.items()}
-    pad = batch_size - len(batch["inputs"])  # one compiled shape; padded rows count no target
-    batch = {k: np.pad(v, ((0, pad), (0, 0)), constant_values=-1 if k == "targets" else 0).astype(np.int32)
-             for k, v in batch.items()}
-    count += int(np.sum(batch["targets"] >= 0))
-    batch = {k: jax.make_array_from_callback(v.shape, placement, lambda index, v=v: v[index])
-             for k, v in batch.items()}
-    total += float(loss_sum(params, batch))
-  return total / max(count, 1), count
-
-
 def _parallelism(spec: str | None, batch_size: int) -> models.Parallelism:
   """The mesh of ``--mesh`` (one device by default), checked against the batch."""
   mesh = loop.make_mesh(spec or "fs=1")
@@ -134,7 +111,9 @@ def _parallelism(spec: str | None, batch_size: int) -> models.Parallelism:
 
 def _parser() -> argparse.ArgumentParser:
   parser = cli.Parser(prog="python -m train.eval",
-                      description="Print the validation loss of a checkpoint on a data spec.")
+                      description="Print the validation loss of a checkpoint on a data spec: the mean"
+                                  " token loss over every counted target (an sft: file's learned"
+                                  " targets), each row once, as the trainer's validation computes it.")
   parser.add_argument("model", metavar="RUN_DIR|hf:DIR",
                       help="a python -m train.gpt run directory, or hf:DIR for a Hugging Face checkpoint")
   parser.add_argument("--data", required=True, metavar="SPEC",
@@ -194,7 +173,8 @@ def _tokenizer(spec: str):
 def _report(loaded) -> int:
   graphdef, params, r, par, batch_size = loaded
   with jax.set_mesh(par.mesh):
-    loss, count = evaluate(graphdef, params, r, par, batch_size)
+    loss, count = evaluation.mean_loss(step_lib.make_eval_step(graphdef, par, 1), params, r, batch_size,
+                                       NamedSharding(par.mesh, P(models.BATCH_AXES)))
   if jax.process_index() != 0:
     return 0
   print(f"validation lm loss: {loss:.6E} | perplexity: {math.exp(min(loss, 700)):.6E} |"

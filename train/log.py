@@ -5,8 +5,10 @@
     lm loss: 5.123456E+00 | grad norm: 1.234 | skipped iterations: 0 | nan iterations: 0
 
 (one line). MFU appears where the device's peak is known, the loss scale (after the lm
-loss, as Megatron's) in float16 runs: that of the interval's last step. Only process 0
-writes; :func:`read_metrics` is the one reader of what it writes.
+loss, as Megatron's) in float16 runs: that of the interval's last step. On fine-tuning
+data (``sft:``) the line also shows the examples consumed so far and the epoch, steps
+over the steps of one pass over the data's rows (1.500: half way through the second
+pass). Only process 0 writes; :func:`read_metrics` is the one reader of what it writes.
 """
 from __future__ import annotations
 
@@ -33,8 +35,13 @@ class Logger:
   """Averages the steps of each log interval and writes them out."""
 
   def __init__(self, run_path: str, steps: int, tokens_per_step: int, flops_per_token: float,
-               num_devices: int, device_kind: str, primary: bool):
+               num_devices: int, device_kind: str, primary: bool, steps_per_epoch: int | None = None,
+               examples: int | None = 0):
+    """``steps_per_epoch`` (fine-tuning data only): steps of one pass over the data;
+    ``examples``: those consumed before this run's first step (a resumed run's; None when
+    its checkpoint did not record them: they are then not shown)."""
     self.steps, self.tokens_per_step = steps, tokens_per_step
+    self.steps_per_epoch, self.examples = steps_per_epoch, examples
     self.flops_per_token, self.num_devices = flops_per_token, num_devices
     self.peak = peak_tflops(device_kind)
     self.primary = primary
@@ -51,12 +58,15 @@ class Logger:
 
   def step(self, loss: float, grad_norm: float, lr: float, skipped: bool,
            loss_scale: float | None = None, qk_clip: tuple[float, int] | None = None,
-           routing: tuple[float, float, float] | None = None) -> None:
+           routing: tuple[float, float, float] | None = None, examples: int | None = None) -> None:
     """One step's numbers; ``loss_scale`` (the scale its loss was multiplied by) in float16
     runs; ``qk_clip``: the step's largest attention logit and the heads QK-clip shrank;
     ``routing`` (MoE models): the router's auxiliary loss, the worst layer's max/mean
-    tokens per expert, the share of assignments dropped."""
+    tokens per expert, the share of assignments dropped; ``examples``: the fine-tuning
+    examples of its batch."""
     self.count += 1
+    if self.examples is not None and examples is not None:
+      self.examples += examples
     self.skipped += skipped
     self.nan += not math.isfinite(loss)
     if not skipped:
@@ -82,9 +92,15 @@ class Logger:
               "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
               "learning_rate": self.lr, "loss": loss, "grad_norm": self.grad_norm,
               "skipped": self.skipped, "nan": self.nan}
-    fields = [f"iteration {step:8d}/{self.steps:8d}", f"consumed tokens: {record['tokens']}",
-              f"elapsed time per iteration (ms): {ms:.1f}", f"tokens/s: {tokens_per_s:.0f}",
-              f"TFLOP/s per device: {tflops:.3f}"]
+    fields = [f"iteration {step:8d}/{self.steps:8d}", f"consumed tokens: {record['tokens']}"]
+    if self.examples is not None and self.steps_per_epoch:
+      record["examples"] = self.examples
+      fields.append(f"consumed examples: {self.examples}")
+    if self.steps_per_epoch:
+      record["epoch"] = step / self.steps_per_epoch
+      fields.append(f"epoch: {record['epoch']:.3f}")
+    fields += [f"elapsed time per iteration (ms): {ms:.1f}", f"tokens/s: {tokens_per_s:.0f}",
+               f"TFLOP/s per device: {tflops:.3f}"]
     if self.peak:
       record["mfu"] = tflops / self.peak
       fields.append(f"MFU: {100 * record['mfu']:.1f}%")
@@ -104,11 +120,12 @@ class Logger:
     self._write(" | ".join(fields), record)
     self._reset(now)
 
-  def validation(self, step: int, loss: float, tokens: int, seconds: float) -> None:
-    """Logs an evaluation that took ``seconds``, which do not count as training time."""
+  def validation(self, step: int, loss: float, targets: int, seconds: float) -> None:
+    """Logs an evaluation over ``targets`` counted targets that took ``seconds``, which do
+    not count as training time."""
     ppl = math.exp(min(loss, 700.0))
     self._write(f"validation at iteration {step:8d} | validation lm loss: {loss:.6E} |"
-                f" validation lm loss PPL: {ppl:.6E} | tokens: {tokens}",
+                f" validation lm loss PPL: {ppl:.6E} | targets: {targets}",
                 {"step": step, "tokens": step * self.tokens_per_step, "val_loss": loss, "val_ppl": ppl})
     self.start += seconds
 

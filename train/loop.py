@@ -12,7 +12,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,7 @@ import models
 from dion_jax.parallel import format_mesh_spec
 from models import context
 from train import checkpoint as ckpt_lib
+from train import evaluation
 from train import hf as hf_io
 from train import optim
 from train import preflight
@@ -50,13 +51,14 @@ class Run:
   train_step: Any
   eval_step: Any
   train_batches: Any  # grain iterator of this process's rows
-  valid_source: Any
+  valid_rows: dict | None  # the validation set, int32 [R, seq_len] each (``train/evaluation.py``)
   batch_sharding: NamedSharding
-  shard: tuple[int, int]
   checkpoints: ckpt_lib.Checkpoints
   saved_config: dict
   eod: int | None  # the end-of-document token when windows carry document masks
   lock: rundir.Lock
+  steps_per_epoch: int | None  # sft: data: steps of one pass over its rows (None for token data)
+  examples: int | None  # sft: data: examples consumed before start_step (None: not recorded)
 
 
 def make_mesh(spec: str) -> jax.sharding.Mesh:
@@ -189,6 +191,15 @@ def setup(cfg: Config) -> Run:
     raise UsageError(f"--seq-len / --mesh: {e}") from None
   preflight.check_experts(model_cfg, mesh)
   preflight.check_data(cfg, model_cfg, source, valid_source, eod)
+  valid_rows = None
+  if valid_source is not None and cfg.eval_tokens > 0:
+    # Fine-tuning data is evaluated whole, as train.eval evaluates it; token data up to --eval-tokens.
+    limit = None if isinstance(valid_source, data.SFTSource) else max(1, cfg.eval_tokens // model_cfg.seq_len)
+    valid_rows = data.ordered_rows(valid_source, seq_len=model_cfg.seq_len, limit=limit, eod=eod)
+  steps_per_epoch = None
+  if isinstance(source, data.SFTSource):
+    steps_per_epoch = len(data.make_dataset(source, seq_len=model_cfg.seq_len,
+                                            global_batch_size=cfg.global_batch_size, num_epochs=1))
   existing = ckpt_lib.existing_steps(cfg.ckpt_path)
   preflight.check_resumable(cfg, existing)
   par = models.Parallelism(mesh, sequence_parallel=cfg.sequence_parallel,
@@ -216,7 +227,7 @@ def setup(cfg: Config) -> Run:
     eval_step = step_lib.make_eval_step(graphdef, par, 1 if pp > 1 else accum)
 
   checkpoints = ckpt_lib.Checkpoints(cfg.ckpt_path, cfg.keep, create=not cfg.resume)
-  start_step, record = 0, config_record(cfg, model_cfg)
+  start_step, record, examples = 0, config_record(cfg, model_cfg), 0
   if cfg.resume:
     start_step = preflight.resume_step(cfg, existing)
     try:
@@ -225,6 +236,7 @@ def setup(cfg: Config) -> Run:
       with jax.set_mesh(mesh):
         state = checkpoints.restore_state(start_step, state, pp, cfg.virtual_stages)
       train_batches.set_state(meta["data"])
+      examples = meta.get("examples")  # None: saved before examples were counted
     except UsageError:
       raise
     except Exception as e:  # noqa: BLE001  whatever Orbax or the record's reader met
@@ -245,7 +257,7 @@ def setup(cfg: Config) -> Run:
     with open(os.path.join(cfg.run_path, "config.json"), "w") as f:
       json.dump(record, f, indent=2)
   return Run(cfg, model_cfg, mesh, par, state, start_step, train_step, eval_step, train_batches,
-             valid_source, batch_sharding, shard, checkpoints, record, eod, lock)
+             valid_rows, batch_sharding, checkpoints, record, eod, lock, steps_per_epoch, examples)
 
 
 def global_batch(run: Run, local: dict) -> dict:
@@ -256,23 +268,21 @@ def global_batch(run: Run, local: dict) -> dict:
 
 
 def evaluate(run: Run, state: step_lib.TrainState) -> tuple[float, int]:
-  """Mean validation loss over the first ``--eval-tokens`` of the validation data (the
-  same batches at every evaluation), and the tokens it covered."""
-  cfg, seq_len = run.cfg, run.model_cfg.seq_len
-  batches = max(1, cfg.eval_tokens // (cfg.global_batch_size * seq_len))
-  it: Iterator = data.make_loader(run.valid_source, seq_len=seq_len,
-                                  global_batch_size=cfg.global_batch_size, seed=0,
-                                  shard_index=run.shard[0], shard_count=run.shard[1], shuffle=False,
-                                  eod=run.eod)
+  """The validation loss (``train/evaluation.py``: the mean over every counted target of
+  the validation rows, each row once) and the targets it counted."""
   with jax.set_mesh(run.mesh):
-    losses = [run.eval_step(state.params, global_batch(run, next(it))) for _ in range(batches)]
-  return float(np.mean(jax.device_get(losses))), batches * cfg.global_batch_size * seq_len
+    return evaluation.mean_loss(run.eval_step, state.params, run.valid_rows, run.cfg.global_batch_size,
+                                run.batch_sharding)
 
 
-def save(run: Run, step: int, state: step_lib.TrainState) -> None:
+# Examples in a global batch of packed rows: each row's last segment id is its count.
+count_examples = jax.jit(lambda segment_ids_BxT: jnp.sum(jnp.max(segment_ids_BxT, axis=1)))
+
+
+def save(run: Run, step: int, state: step_lib.TrainState, examples: int) -> None:
   with jax.set_mesh(run.mesh):
     tree = ckpt_lib.to_saved(state, dict(run.mesh.shape)["pp"], run.cfg.virtual_stages)
-  meta = {"step": step, "data": run.train_batches.get_state()}
+  meta = {"step": step, "data": run.train_batches.get_state(), "examples": examples}
   run.checkpoints.save(step, tree, meta, run.saved_config)
 
 
@@ -296,7 +306,8 @@ def _train(run: Run, interrupt: Interrupt) -> int:
   cfg = run.cfg
   tokens_per_step = cfg.global_batch_size * run.model_cfg.seq_len
   logger = Logger(cfg.run_path, cfg.steps, tokens_per_step, run.model_cfg.flops_per_token(),
-                  run.mesh.size, jax.devices()[0].device_kind, jax.process_index() == 0)
+                  run.mesh.size, jax.devices()[0].device_kind, jax.process_index() == 0,
+                  run.steps_per_epoch, run.examples)
   mesh_desc = format_mesh_spec(dict(run.mesh.shape))
   logger.message(f"training {cfg.init_from or cfg.preset} ({run.model_cfg.num_params() / 1e6:.2f}M parameters,"
                  f" {run.model_cfg.dtype}) with {cfg.optimizer} on mesh {mesh_desc}"
@@ -309,13 +320,14 @@ def _train(run: Run, interrupt: Interrupt) -> int:
   pending = None  # the previous step's metrics, read while the next step runs
   scaled = run.model_cfg.dtype == "float16"
 
-  def account(step: int, metrics: step_lib.StepMetrics) -> None:
+  def account(step: int, metrics: step_lib.StepMetrics, examples: jax.Array | None) -> None:
     nonlocal consecutive
     m = jax.device_get(metrics)
     logger.step(float(m.loss - m.router_loss), float(m.grad_norm), float(m.learning_rate), bool(m.skipped),
                 float(m.loss_scale) if scaled else None,
                 None if cfg.qk_clip_threshold is None else (float(m.max_logit), int(m.clipped_heads)),
-                (float(m.router_loss), float(m.expert_load), float(m.dropped)) if run.model_cfg.num_experts else None)
+                (float(m.router_loss), float(m.expert_load), float(m.dropped)) if run.model_cfg.num_experts else None,
+                None if examples is None else int(examples))
     consecutive = consecutive + 1 if m.skipped else 0
     if step % cfg.log_interval == 0 or step == cfg.steps:
       logger.flush(step)
@@ -329,18 +341,20 @@ def _train(run: Run, interrupt: Interrupt) -> int:
         logger.message("compiling the training step (the first step waits for it)")
         t0 = time.perf_counter()
       with jax.set_mesh(run.mesh):
-        state, metrics = run.train_step(state, global_batch(run, next(run.train_batches)))
+        batch = global_batch(run, next(run.train_batches))
+        state, metrics = run.train_step(state, batch)
+        examples = count_examples(batch["segment_ids"]) if run.steps_per_epoch else None
       if first:
         jax.block_until_ready(metrics)
         logger.message(f"compiled and ran step {step} in {time.perf_counter() - t0:.1f} s")
       run.checkpoints.check_for_errors()
       if pending is not None:
         account(*pending)
-      pending = (step, metrics)
+      pending = (step, metrics, examples)
       if consecutive >= cfg.max_skipped:
         break
       is_last = step == cfg.steps
-      evaluating = run.valid_source is not None and cfg.eval_tokens > 0 and (
+      evaluating = run.valid_rows is not None and (
           is_last or (cfg.eval_every and step % cfg.eval_every == 0))
       saving = is_last or interrupt.signum is not None or (cfg.save_every and step % cfg.save_every == 0)
       if evaluating or saving:
@@ -350,10 +364,10 @@ def _train(run: Run, interrupt: Interrupt) -> int:
           break
       if evaluating:
         t0 = time.perf_counter()
-        loss, tokens = evaluate(run, state)
-        logger.validation(step, loss, tokens, time.perf_counter() - t0)
+        loss, targets = evaluate(run, state)
+        logger.validation(step, loss, targets, time.perf_counter() - t0)
       if saving:
-        save(run, step, state)
+        save(run, step, state, logger.examples)
         logger.message(f"saving the checkpoint of step {step} to {cfg.ckpt_path} (in the background)")
       if interrupt.signum is not None:
         break

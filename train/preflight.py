@@ -76,7 +76,7 @@ def check_token_ids(flag: str, source, vocab_size: int, fix: str | None = None) 
 
 
 def check_data(cfg: Config, model_cfg: models.GPTConfig, source, valid_source, eod: int | None) -> None:
-  """Every data source fits the model's vocabulary, and the validation data fills a batch."""
+  """Every data source fits the model's vocabulary, and the validation data holds a row."""
   fix = ("tokenize the data with --init-from's tokenizer (python -m data.convert tokenize"
          " --tokenizer DIR)" if cfg.hf_dir else None)
   check_token_ids("--data", source, model_cfg.vocab_size, fix)
@@ -84,11 +84,10 @@ def check_data(cfg: Config, model_cfg: models.GPTConfig, source, valid_source, e
     return
   check_token_ids("--valid-data", valid_source, model_cfg.vocab_size, fix)
   try:
-    data.make_dataset(valid_source, seq_len=model_cfg.seq_len, global_batch_size=cfg.global_batch_size,
-                      shuffle=False, eod=eod)
+    data.ordered_rows(valid_source, seq_len=model_cfg.seq_len, limit=1, eod=eod)
   except data.DataError as e:
-    raise UsageError(f"--valid-data: {e}; pass more validation data, a smaller --global-batch-size"
-                     " or --seq-len, or --eval-tokens 0 for no validation") from None
+    raise UsageError(f"--valid-data: {e}; pass more validation data, a smaller --seq-len,"
+                     " or --eval-tokens 0 for no validation") from None
 
 
 def check_run_dir(cfg: Config, lock: rundir.Lock) -> None:

@@ -240,18 +240,17 @@ def _routing(router: models.moe.RouterStats) -> tuple[jax.Array, jax.Array]:
 
 
 def make_eval_step(graphdef: Any, par: models.Parallelism, accum: int) -> Callable[[Any, dict], jax.Array]:
-  """Mean loss of a global batch over its counted targets, micro-batch by micro-batch like
-  the train step; the language-model loss only (a MoE's auxiliary losses left out)."""
+  """The summed loss of a global batch over its counted targets (float32; the caller
+  divides, ``train/evaluation.py``), micro-batch by micro-batch like the train step; the
+  language-model loss only (a MoE's auxiliary losses left out)."""
 
-  def lm_loss(params, batch, denominator):
-    loss, aux = models.loss(graphdef, params, batch, par, denominator=denominator, aux=True)
+  def lm_loss_sum(params, batch):
+    loss, aux = models.loss(graphdef, params, batch, par, denominator=jnp.float32(1), aux=True)
     return loss - aux.router_loss
 
   def loss_fn(params, batch):
-    denominator = counted(batch)
     if accum == 1:
-      return lm_loss(params, batch, denominator)
-    micro = split_micro(batch, accum)
-    return jnp.sum(jax.lax.map(lambda b: lm_loss(params, b, denominator), micro))
+      return lm_loss_sum(params, batch)
+    return jnp.sum(jax.lax.map(lambda b: lm_loss_sum(params, b), split_micro(batch, accum)))
 
   return jax.jit(loss_fn)
