@@ -17,9 +17,12 @@ Stages (``--stages``); each reports, and the next runs even when one fails:
 - ``moe``: ``jax.lax.ragged_dot`` (the experts' grouped matmul) checked against a loop over
   experts, then timed forward and backward in bf16 against one dense matmul of the same
   rows, 8 and 64 experts, even and skewed groups (``benchmarks/gpu_moe.py``).
-- ``train``: the trainer (``python -m train.gpt``) on ``small`` and ``350m`` in bfloat16
-  with cuDNN attention, AdamW and Dion: tokens/s, model TFLOP/s, MFU against the
-  device's dense bf16 peak and peak memory, from the last log interval.
+- ``train``: the trainer (``python -m train.gpt``) in bfloat16 with cuDNN attention,
+  ``small`` with AdamW, Dion2, Muon and Dion and ``350m`` with AdamW and Dion: tokens/s,
+  model TFLOP/s, MFU against the device's dense bf16 peak and peak memory, from the last
+  log interval; and the optimizer's share of the step: the trainer's own optimizer
+  (update + apply, jitted alone, donated, on the model's parameters and same-shaped
+  gradients) timed as the trainer times its steps, ``optimizer_ms / ms_per_step``.
 - ``profile``: a trace of a few Dion steps of ``small`` (``jax.profiler``), summarized as
   the device's kernels by total time: where a step's time goes.
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import gzip
 import json
 import os
@@ -48,7 +52,7 @@ import optax
 import dion_jax
 from benchmarks.gpu_kernels import stage_check, stage_kernels
 from benchmarks.gpu_moe import stage_moe
-from benchmarks.harness import jitted_step, time_fn
+from benchmarks.harness import jitted_step, throughput_time, time_fn
 
 EXIT_NO_GPU = 2
 STAGES = ("check", "kernels", "optimizers", "moe", "train", "profile")
@@ -106,9 +110,32 @@ def stage_optimizers(args) -> dict:
 # --- train -------------------------------------------------------------------------
 
 
+def optimizer_seconds(run, steps: int) -> float:
+  """Seconds per call of the run's optimizer alone: update + apply, jitted with parameters
+  and state donated, on copies of the run's parameters and gradients of their shapes,
+  dtypes and shardings; timed as the trainer times its steps (chained calls, one wait)."""
+  import models
+  from train import optim
+
+  with jax.set_mesh(run.mesh):
+    params = jax.tree.map(jnp.copy, run.state.params)
+    tx = optim.optimizer(run.cfg, params, run.mesh, models.param_specs(params))
+    grads = jax.tree.map(lambda p: jax.device_put(
+        jax.random.normal(jax.random.key(1), p.shape, p.dtype) * 1e-2, p.sharding), params)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def update(params, opt_state, grads):
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    return throughput_time(lambda p, s: update(p, s, grads), (params, tx.init(params)), steps)
+
+
 def train_run(preset: str, optimizer: str, steps: int, batch: int, attention: str,
-              profile_dir: str | None = None) -> dict:
-  """The trainer's numbers of the last log interval (after the compiling first one)."""
+              profile_dir: str | None = None, optimizer_steps: int = 0) -> dict:
+  """The trainer's numbers of the last log interval (after the compiling first one); with
+  ``optimizer_steps``, also the optimizer's own time (:func:`optimizer_seconds`) and its
+  share of the step."""
   from train import config as config_lib
   from train import log, loop
 
@@ -119,6 +146,7 @@ def train_run(preset: str, optimizer: str, steps: int, batch: int, attention: st
         run_dir=run_dir, mesh="fs=1")
     cfg.check()
     run = loop.setup(cfg)
+    optimizer_ms = optimizer_seconds(run, optimizer_steps) * 1e3 if optimizer_steps else None
     if profile_dir:
       with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
         code = loop.train(run)
@@ -129,26 +157,40 @@ def train_run(preset: str, optimizer: str, steps: int, batch: int, attention: st
     intervals, _ = log.read_metrics(run_dir)
     record = intervals[max(intervals)]
   stats = jax.devices()[0].memory_stats() or {}
-  return {"preset": preset, "optimizer": optimizer, "attention": attention, "global_batch": batch,
-          "seq_len": run.model_cfg.seq_len, "params_M": run.model_cfg.num_params() / 1e6,
-          "ms_per_step": record["ms_per_step"], "tokens_per_s": record["tokens_per_s"],
-          "tflops": record["tflops_per_device"], "mfu": record.get("mfu"),
-          # The allocator's peak since the process started: runs go from small to large.
-          "process_peak_memory_GiB": stats.get("peak_bytes_in_use", 0) / 2**30}
+  row = {"preset": preset, "optimizer": optimizer, "attention": attention, "global_batch": batch,
+         "seq_len": run.model_cfg.seq_len, "params_M": run.model_cfg.num_params() / 1e6,
+         "ms_per_step": record["ms_per_step"], "tokens_per_s": record["tokens_per_s"],
+         "tflops": record["tflops_per_device"], "mfu": record.get("mfu"),
+         # The allocator's peak since the process started: runs go from small to large.
+         "process_peak_memory_GiB": stats.get("peak_bytes_in_use", 0) / 2**30}
+  if optimizer_ms is not None:
+    row.update(optimizer_ms=optimizer_ms, optimizer_share=optimizer_ms / record["ms_per_step"])
+  return row
 
 
-def stage_train(args) -> dict:
+TRAIN_RUNS = (("small", 32, ("adamw", "dion2", "muon", "dion")), ("350m", 16, ("adamw", "dion")))
+
+
+def train_line(row: dict) -> str:
+  """One run of the train stage as a line of the log."""
+  line = (f"  {row['preset']} {row['optimizer']}: {row['ms_per_step']:.1f} ms/step, {row['tokens_per_s']:.0f} tokens/s,"
+          f" {row['tflops']:.1f} TFLOP/s, MFU {100 * (row['mfu'] or 0):.1f}%,"
+          f" process peak {row['process_peak_memory_GiB']:.1f} GiB")
+  if "optimizer_ms" in row:
+    line += f"; optimizer {row['optimizer_ms']:.1f} ms ({100 * row['optimizer_share']:.1f}% of the step)"
+  return line
+
+
+def stage_train(args, runs=TRAIN_RUNS, attention: str = "cudnn") -> dict:
   rows, deadline = [], time.monotonic() + args.stage_seconds
-  for preset, batch in (("small", 32), ("350m", 16)):
-    for optimizer in ("adamw", "dion"):
+  for preset, batch, names in runs:
+    for optimizer in names:
       if time.monotonic() > deadline:
         break
-      row = train_run(preset, optimizer, args.train_steps, batch, "cudnn")
-      rows.append(row)
-      print(f"  {preset} {optimizer}: {row['ms_per_step']:.1f} ms/step, {row['tokens_per_s']:.0f} tokens/s,"
-            f" {row['tflops']:.1f} TFLOP/s, MFU {100 * (row['mfu'] or 0):.1f}%,"
-            f" process peak {row['process_peak_memory_GiB']:.1f} GiB", flush=True)
-  return {"rows": rows, "complete": len(rows) == 4}
+      rows.append(train_run(preset, optimizer, args.train_steps, batch, attention,
+                            optimizer_steps=args.train_steps))
+      print(train_line(rows[-1]), flush=True)
+  return {"rows": rows, "complete": len(rows) == sum(len(names) for _, _, names in runs)}
 
 
 def summarize_trace(path: str, top: int = 25) -> list[dict]:
@@ -188,7 +230,7 @@ def plot(results: dict, path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+  fig, (left, right, train) = plt.subplots(1, 3, figsize=(19, 5))
   steps = results.get("optimizers", {}).get("rows", [])
   for name in optimizers():
     points = [(r["n"], r[name]) for r in steps if isinstance(r.get(name), float)]
@@ -196,13 +238,22 @@ def plot(results: dict, path: str) -> None:
       left.plot(*zip(*points), marker="o", label=name)
   left.set(xscale="log", yscale="log", xlabel="matrix size n (n x n)", ylabel="ms per optimizer step",
            title="optimizer step time vs matrix size")
-  left.legend(fontsize=8)
+  if steps:
+    left.legend(fontsize=8)
   kernels = [r for r in results.get("kernels", {}).get("rows", []) if "pallas" in r]
   labels = [f"{r['kernel'].split()[0]} {'x'.join(map(str, r['shape']))} {r['dtype'][:4]}" for r in kernels]
   right.barh(range(len(kernels)), [r["xla"] / r["pallas"] for r in kernels])
   right.axvline(1.0, color="k", lw=0.8)
   right.set_yticks(range(len(kernels)), labels, fontsize=7)
   right.set(xlabel="XLA time / Pallas time (>1: Pallas faster)", title="Pallas kernels against XLA")
+  runs = results.get("train", {}).get("rows", [])
+  labels = [f"{r['preset']} {r['optimizer']}" for r in runs]
+  train.barh(range(len(runs)), [r["ms_per_step"] for r in runs], color="tab:gray", label="whole step")
+  train.barh(range(len(runs)), [r.get("optimizer_ms", 0.0) for r in runs], color="tab:orange",
+             label="optimizer alone (update + apply)")
+  train.set_yticks(range(len(runs)), labels, fontsize=8)
+  train.set(xlabel="ms per training step", title="training step and the optimizer's share")
+  train.legend(fontsize=8)
   fig.suptitle(results["device"])
   fig.tight_layout()
   fig.savefig(path, dpi=100)

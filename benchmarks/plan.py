@@ -162,7 +162,8 @@ def plan(model: str = "small", mesh: str | dict = "", optimizer: str = "dion", r
 def caveats(cfg, sizes: dict[str, int], optimizer: str) -> list[str]:
   """Where the plan is not the compiler's (tests/test_benchmarks_plan.py checks the rest)."""
   batch = [a for a in ("rp", "fs", "ep") if sizes[a] > 1]
-  out = ["activations are an estimate (not checked against the compiler)"]
+  out = ["activations are an estimate, 1.4-3.9x below the compiled step's temporary memory on CPU"
+         " (docs/planning.md): the loss's vocabulary-sized buffers and remat's recomputed layer are not counted"]
   if sizes["cp"] > 1 and (batch or sizes["tp"] > 1 or sizes["pp"] > 1):
     out.append("cp beside other axes is planned as designed; compiled on CPU, the cp region also gathers"
                " weights over tp and activations over the batch axes (much more traffic)")

@@ -9,14 +9,30 @@ compute, communication and pipeline bubble for Dion, Dion2, Muon and AdamW, 1B t
 InfiniBand), global batch 1024 sequences of 8192 tokens, micro-batches of one sequence,
 bf16 compute at 50% of peak, nothing overlapped; each size on the mesh rp·fs·tp = 1024
 with tp = 8 and the smallest fs whose AdamW run fits in HBM with remat.
+
+It also writes the Dion paper's step-time-versus-matrix-size figure on one H100 as the
+planner sees it, beside the H100's measurements (``benchmarks.gpu``'s optimizers stage,
+``MEASURED``): ``optimizer_time_by_size.png`` and ``optimizer_time_by_size.md``. One n x n
+float32 matrix on one device; the planner's update flops (``plan_optimizer.flops``) at
+50% (its default ``--mfu``) of the matmuls' peak rate, or the update's HBM traffic at the
+data sheet's bandwidth, whichever is slower (a roofline):
+
+- Dion's matmuls (B Q, Bᵀ P, P Rᵀ, P Qᵀ: 8·n²·r) run in float32 at XLA's default precision,
+  TF32 on Hopper: half the bf16 peak. Its orthonormalization of P is not counted.
+- Muon's five Newton–Schulz steps (30·n³) run in bfloat16 at the bf16 peak.
+- HBM traffic: the passes over n² elements that the update cannot avoid, in bytes per
+  element (``BYTES_PER_ELEMENT``); the n x r factors are left out.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
-from benchmarks import plan
+from jax.sharding import PartitionSpec as P
+
+from benchmarks import plan, plan_model, plan_optimizer
 
 DEVICES, BATCH, SIZES = 1024, 1024, ("1b", "8b", "70b", "405b")
 COMMON = dict(global_batch=BATCH, micro=1, gpu="h100", compare=False)
@@ -75,10 +91,81 @@ def figure(path: str) -> None:
   fig.savefig(path, dpi=120)
 
 
+MEASURED = os.path.join("benchmarks", "results", "gpu", "nvidia-h100-80gb-hbm3", "gpu.json")
+# label, the measurement's column, the planner's optimizer and rank, the matmuls' rate (of bf16 peak)
+SIZE_CURVES = (("Dion r=1", "dion r=1", "dion", 1.0, 0.5), ("Dion r=1/4", "dion r=1/4", "dion", 0.25, 0.5),
+               ("Dion r=1/16", "dion r=1/16", "dion", 1 / 16, 0.5), ("Muon", "muon", "muon", 1.0, 1.0),
+               ("AdamW", "optax adamw", "adamw", 1.0, 1.0))
+BYTES_PER_ELEMENT = {
+    # float32: momentum + gradient -> momentum (12), B Q and Bᵀ P read it (8), error feedback
+    # rewrites it (8), the weight read and written (8)
+    "dion": 36,
+    # float32 momentum as Dion's (12), its bfloat16 copy (6), five Newton–Schulz steps each
+    # reading and writing X, X Xᵀ, its square and the product in bfloat16 (5 x 18), the
+    # weight read and written with the bfloat16 update (10)
+    "muon": 118,
+    # float32 weight, gradient, first and second moments read (16); weight and moments written (12)
+    "adamw": 28,
+}
+
+
+def predicted_ms(optimizer: str, rank_fraction: float, n: int, rate: float, gpu: str = "h100",
+                 mfu: float = 0.5) -> float:
+  """The planner's time of one update of one n x n float32 matrix on one device (the
+  module docstring's roofline); ``rate`` is the matmuls' peak as a fraction of bf16's."""
+  leaf = plan_model.Leaf("w", (n, n), P(None, None), "dion")
+  flops = plan_optimizer.flops([leaf], plan_model.sizes_of(""), optimizer, rank_fraction)
+  hw = plan.GPUS[gpu]
+  return 1e3 * max(flops / (hw.peak_flops * rate * mfu), BYTES_PER_ELEMENT[optimizer] * n * n / hw.hbm_bandwidth)
+
+
+def size_rows(measured: dict) -> list[dict]:
+  """Predicted and measured ms per (optimizer, n) where the measurement has a number."""
+  rows = []
+  for label, column, optimizer, rank, rate in SIZE_CURVES:
+    for row in measured["optimizers"]["rows"]:
+      if isinstance(row.get(column), float):
+        predicted = predicted_ms(optimizer, rank, row["n"], rate)
+        rows.append({"optimizer": label, "n": row["n"], "predicted_ms": predicted, "measured_ms": row[column],
+                     "ratio": row[column] / predicted})
+  return rows
+
+
+def size_table(rows: list[dict], measured: dict) -> str:
+  lines = [f"One n x n float32 matrix, one update + apply on one {measured['device']} (ms): the planner's"
+           f" roofline against `benchmarks.gpu`'s optimizers stage ({measured['date']}, jax {measured['jax']}).", "",
+           "| optimizer | n | planned ms | measured ms | measured / planned |", "| --- | --- | --- | --- | --- |"]
+  lines += [f"| {r['optimizer']} | {r['n']} | {r['predicted_ms']:.3g} | {r['measured_ms']:.3g} | {r['ratio']:.2f} |"
+            for r in rows]
+  return "\n".join(lines)
+
+
+def size_figure(rows: list[dict], measured: dict, path: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(8, 5.5))
+  for (label, *_), color in zip(SIZE_CURVES, ("tab:blue", "tab:cyan", "tab:green", "tab:red", "tab:gray")):
+    mine = [r for r in rows if r["optimizer"] == label]
+    ns = [r["n"] for r in mine]
+    ax.plot(ns, [r["predicted_ms"] for r in mine], "--", color=color, label=f"{label}, planned")
+    ax.plot(ns, [r["measured_ms"] for r in mine], "o-", color=color, label=f"{label}, measured")
+  ax.set(xscale="log", yscale="log", xlabel="matrix size n (n x n, float32)", ylabel="ms per optimizer update")
+  ax.set_title(f"Optimizer update vs matrix size, one {measured['device']}\n"
+               "planned (dashed): 50% of peak flops (Dion TF32, Muon bf16) or HBM traffic", fontsize=10)
+  sizes = sorted({r["n"] for r in rows})
+  ax.set_xticks(sizes, [str(n) for n in sizes])
+  ax.minorticks_off()
+  ax.legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m benchmarks.plan_figures", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--out", required=True, help="directory for llama405b_table.md and step_time_by_size.png")
+  parser.add_argument("--out", required=True, help="directory for the tables (.md) and figures (.png)")
   args = parser.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
   table = table_405b(mesh_for("405b"))
@@ -86,6 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     f.write(table + "\n")
   print(table)
   figure(os.path.join(args.out, "step_time_by_size.png"))
+  with open(MEASURED) as f:
+    measured = json.load(f)
+  rows = size_rows(measured)
+  table = size_table(rows, measured)
+  with open(os.path.join(args.out, "optimizer_time_by_size.md"), "w") as f:
+    f.write(table + "\n")
+  print(table)
+  size_figure(rows, measured, os.path.join(args.out, "optimizer_time_by_size.png"))
   return 0
 
 

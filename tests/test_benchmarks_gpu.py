@@ -42,3 +42,16 @@ def test_moe_stage_runs_and_checks_the_grouped_product():
   for row in out["rows"]:
     assert row["max_relative_error"] < 1e-2  # bfloat16 inputs, float32 reference
     assert np.isfinite(row["grouped_ms"]) and row["grouped_ms"] > 0
+
+
+def test_train_stage_reports_the_optimizers_share_of_the_step(tmp_path):
+  # tiny on CPU, so that the stage's code runs before a GPU's minutes are spent on it.
+  args = argparse.Namespace(stage_seconds=float("inf"), train_steps=2)
+  out = gpu.stage_train(args, runs=(("tiny", 8, ("adamw",)),), attention="xla")
+  assert out["complete"] and [r["optimizer"] for r in out["rows"]] == ["adamw"]
+  for row in out["rows"]:
+    assert row["preset"] == "tiny" and row["ms_per_step"] > 0 and row["optimizer_ms"] > 0
+    assert row["optimizer_share"] == row["optimizer_ms"] / row["ms_per_step"]
+    assert "% of the step)" in gpu.train_line(row)
+  gpu.plot({"device": "cpu", "train": out}, str(tmp_path / "gpu.png"))
+  assert (tmp_path / "gpu.png").stat().st_size > 0
