@@ -217,7 +217,8 @@ def scale_by_dion(
   def step_args(count):
     return sketch.mix_seed(seed, count), count > cqr_warmup_steps
 
-  rule = MatrixRule(ScaleByDionState, ("momentum", "q"), views, init_leaf, _placement, local_step, step_args)
+  rule = MatrixRule(ScaleByDionState, ("momentum", "q"), views, init_leaf, _placement, local_step, step_args,
+                    megabatch=True)
   return scale_by_matrix_rule(rule, scale_rule, mesh, replicate_sync)
 
 
