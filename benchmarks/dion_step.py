@@ -3,7 +3,8 @@
     python -m benchmarks.dion_step --layers 6 --d-model 512 --repeats 5
 
 Parameters: per layer qkv (d, 3d), out (d, d), fc1 (d, 4d), fc2 (4d, d) as Flax kernels,
-stacked over layers as (L, fan_in, fan_out). Every optimizer step is jitted and timed as
+stacked over layers as (L, fan_in, fan_out); ``--split-qkv``: query, key and value apart,
+which with out form one megabatch of Dion (``dion_jax.optimizers.skeleton``). Every optimizer step is jitted and timed as
 the median over ``--rounds`` rounds of the median of ``--repeats`` calls, every case
 (the plain matmul included) timed in every round, all in one process, and reported as
 a ratio to Muon. Dion's achieved GFLOP/s counts 8·m·n·r per matrix (P = B Q, R = Bᵀ P,
@@ -131,10 +132,11 @@ def main():
                       help="matmuls per timed call of the baseline (one call lasts about one Dion step)")  # fmt: skip
   parser.add_argument("--profile", type=float, default=None, metavar="RANK_FRACTION",
                       help="also time the pieces of a Dion step at this rank fraction")  # fmt: skip
+  parser.add_argument("--split-qkv", action="store_true", help="query, key and value as three kernels")
   args = parser.parse_args()
   harness.setup_process(platform="cpu")
   fractions = [float(f) for f in args.rank_fractions.split(",")]
-  params = harness.gpt_matrices(args.layers, args.d_model)
+  params = harness.gpt_matrices(args.layers, args.d_model, fused_qkv=not args.split_qkv)
   all_dion = lambda p: jax.tree.map(lambda _: "dion", p)
   muon_dims = optax.contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2)
 

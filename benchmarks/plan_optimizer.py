@@ -1,8 +1,10 @@
 """What one optimizer update moves and holds per device, on paper (``python -m benchmarks.plan``).
 
-Per Dion matrix (a stack of b local matrices, rows over the row axes R, here always
-tp, columns over the column axes C, here cp·fs·ep; r the rank; compressed sync adds rp,
-``dion_jax.optimizers.dion``):
+Every matrix optimizer steps the parameters of one geometry (shape and PartitionSpec) as
+one stacked megabatch (``dion_jax.optimizers.skeleton``). Per Dion megabatch (b local
+matrices: the stacked parameters times each one's local batch, rows over the row axes R,
+here always tp, columns over the column axes C, here cp·fs·ep; r the rank; compressed
+sync adds rp, ``dion_jax.optimizers.dion``):
 
     P = B Q     (b, rows/R, r) float32 summed over C (+rp): an all-reduce, or, when b
                 divides the group, a reduce-scatter along the batch and an all-gather
@@ -14,9 +16,8 @@ tp, columns over the column axes C, here cp·fs·ep; r the rank; compressed sync
 
 Without compression on rp > 1 the matrix's gradient is averaged over rp first.
 
-Muon and NorMuon (``dion_jax.parallel.megabatch``): the parameters of one geometry (shape
-and PartitionSpec) are stacked into one megabatch (``dion_jax.optimizers.skeleton``); each
-megabatch, padded to a multiple of the N devices sharing a matrix and cast to bfloat16, goes whole to one device by an
+Muon and NorMuon (``dion_jax.parallel.megabatch``): each megabatch, padded to a multiple
+of the N devices sharing a matrix and cast to bfloat16, goes whole to one device by an
 all-to-all over each sharded matrix axis, and back: four all-to-alls of the block.
 NorMuon adds its per-neuron sums over fan_in and two Frobenius norms. Dion2/NorDion2 move only their selected fraction of
 the block (an estimate: their selection's norms and ownership are not modelled).
@@ -38,11 +39,12 @@ from dion_jax.optimizers.frame import DionDimensionNumbers, matrix_frame
 OPTIMIZERS = ("dion", "dion2", "nordion2", "muon", "normuon", "adamw")
 
 
-def _dion(leaf: Leaf, sizes: dict[str, int], rank_fraction: float, per_replica: bool):
+def _dion(leaf: Leaf, sizes: dict[str, int], rank_fraction: float, per_replica: bool, stacked: int):
+  """One megabatch: ``stacked`` parameters of ``leaf``'s geometry."""
   fr = matrix_frame(leaf.shape, DionDimensionNumbers(), rank_fraction, 1, leaf.spec, leaf.name)
   rows_ax, cols_ax = live(sizes, [leaf.spec[fr.row_axis]]), live(sizes, [leaf.spec[fr.col_axis]])
   shape = local_shape(leaf, sizes)
-  b = math.prod(shape[a] for a in fr.batch_axes)
+  b = stacked * math.prod(shape[a] for a in fr.batch_axes)
   rows, cols, r = shape[fr.row_axis], shape[fr.col_axis], fr.rank
   compressed = per_replica and sizes["rp"] > 1 and (fr.rows + fr.cols) * r < fr.rows * fr.cols
   replica = ("rp",) if compressed else ()
@@ -71,7 +73,7 @@ def _dion(leaf: Leaf, sizes: dict[str, int], rank_fraction: float, per_replica: 
   add("dion R", "all-reduce", rows_ax + replica, b * cols * r * 4)
   add("dion column norms", "all-reduce", cols_ax, b * r * 4)
   add("dion column norms", "all-reduce", rows_ax + cols_ax + replica, b * 4)
-  state = local_bytes(leaf, sizes) + b * cols * r * 4
+  state = stacked * local_bytes(leaf, sizes) + b * cols * r * 4
   return out, state
 
 
@@ -110,14 +112,13 @@ def update(params: Sequence[Leaf], sizes: dict[str, int], optimizer: str, rank_f
   for leaf in params:
     if optimizer == "adamw" or leaf.label != "dion":
       state += 2 * local_bytes(leaf, sizes)
-    elif optimizer == "dion":
-      c, s = _dion(leaf, sizes, rank_fraction, per_replica)
-      collectives += c
-      state += s
     else:
       megabatches.setdefault((leaf.shape, leaf.spec), []).append(leaf)
   for same in megabatches.values():
-    c, s = _orthogonal(same[0], sizes, optimizer, fraction, len(same))
+    if optimizer == "dion":
+      c, s = _dion(same[0], sizes, rank_fraction, per_replica, len(same))
+    else:
+      c, s = _orthogonal(same[0], sizes, optimizer, fraction, len(same))
     collectives += c
     state += s
   return collectives, state

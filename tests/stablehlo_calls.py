@@ -8,6 +8,7 @@ counts as in the loop.
 """
 from __future__ import annotations
 
+import collections
 from typing import NamedTuple
 
 import jax
@@ -54,6 +55,33 @@ def reached_ops(lowered: jax.stages.Lowered) -> list[Reached]:
 
   walk(functions["main"], ())
   return found
+
+
+def factorization_calls(lowered: jax.stages.Lowered) -> collections.Counter:
+  """How many times each factorization op is called from ``main``: every call site of a
+  function counts its ops again (a loop's body counts once)."""
+  module = lowered.compiler_ir("stablehlo").operation
+  functions, per_function = _functions(module), {}
+
+  def count(op: ir.Operation) -> collections.Counter:
+    calls = collections.Counter()
+    for region in op.regions:
+      for block in region.blocks:
+        for inner in block.operations:
+          name = inner.operation.name
+          if name == "stablehlo.custom_call":
+            name = ir.StringAttr(inner.attributes["call_target_name"]).value
+          if is_factorization(name):
+            calls[name] += 1
+          if name == "func.call":
+            callee = ir.FlatSymbolRefAttr(inner.attributes["callee"]).value
+            if callee not in per_function:
+              per_function[callee] = count(functions[callee])
+            calls += per_function[callee]
+          calls += count(inner)
+    return calls
+
+  return count(functions["main"])
 
 
 def factorizations_in_loops(reached: list[Reached]) -> set[str]:

@@ -3,18 +3,21 @@ and the whole optimizer ``dion`` (Dion for matrices, AdamW or Lion for the rest)
 
 The matrix algebra is ``dion_jax.optimizers.dion_math``; this module adds the state
 (M in the parameter's layout, Q of shape (*batch, cols, r)), the step seeds, and the
-placement on a mesh. With B's rows sharded over ``rows`` axes and its columns over
-``cols`` axes (docs/design.md §3), each parameter's step runs on its local block and
-reduces
+placement on a mesh. Parameters of one geometry (shape, frame, PartitionSpec, dtypes)
+are stepped as one stacked megabatch (``dion_jax.optimizers.skeleton``): each matrix's
+step is its own, so the result is each parameter's alone, with one orthonormalization
+chain and one set of reductions per group. With B's rows sharded over ``rows`` axes and
+its columns over ``cols`` axes (docs/design.md §3), each megabatch's step runs on its
+local block and reduces
 
     P = B Q            psum over cols           (rows/tp x r)
     PᵀP, ‖P‖_F²        psum over rows           (r x r), (1,); rcqr's S P (k x r)
     R = Bᵀ P           psum over rows           (cols/fs x r)
     ‖R‖_col            psum over cols           (r,)
 
-while batch axes (layers, stages on ``pp``) never communicate. After the sum over
-``cols`` every device of a column group holds the same P; when the local batch of
-matrices (stacked layers) divides the group, the sum is a reduce-scatter along the
+while batch axes (layers, stages on ``pp``, the megabatch) never communicate. After the sum
+over ``cols`` every device of a column group holds the same P; when the local batch of
+matrices (stacked parameters and layers) divides the group, the sum is a reduce-scatter along the
 batch instead, each device orthonormalizes its share, and an all-gather restores P
 (as the reference does): the same bytes on the wire, 1/group of the work.
 
@@ -217,7 +220,8 @@ def scale_by_dion(
   def step_args(count):
     return sketch.mix_seed(seed, count), count > cqr_warmup_steps
 
-  rule = MatrixRule(ScaleByDionState, ("momentum", "q"), views, init_leaf, _placement, local_step, step_args)
+  rule = MatrixRule(ScaleByDionState, ("momentum", "q"), views, init_leaf, _placement, local_step, step_args,
+                    megabatch=True)
   return scale_by_matrix_rule(rule, scale_rule, mesh, replicate_sync)
 
 

@@ -12,14 +12,16 @@ A rule's per-step arguments (Dion's sketch seed) come from the step count, which
 state keeps when its type has a ``count`` field.
 
 Megabatches (microsoft/dion's megabatching). A rule whose step treats every matrix of a
-batch on its own (``MatrixRule.megabatch``: Muon, NorMuon, Dion2, NorDion2) runs once per
+batch on its own (``MatrixRule.megabatch``: Dion, Muon, NorMuon, Dion2, NorDion2) runs once per
 group of parameters of one geometry instead of once per parameter: leaves with equal
 views but for their names (shape, dimension numbers, heads, PartitionSpec) and equal
 dtypes are stacked along a new leading axis, stepped as one parameter, and unstacked. A
 GPT's query, key, value and out kernels of all layers are then one batch of
 orthogonalizations on one device (out apart where tensor parallelism shards it the
 other way), its up and gate kernels another, its down kernels a third; on a mesh the
-batch is split over the devices of each group (``dion_jax.parallel.megabatch``).
+batch is split over the devices of each group (``dion_jax.parallel.megabatch``; Dion's
+P over its column and replica group, ``dion_jax.optimizers.dion``). The state stays per
+parameter: only the step stacks.
 """
 from __future__ import annotations
 
