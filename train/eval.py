@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 import data
 import models
 from models import context
-from train import cli, gpt, loop, preflight, sample
+from train import cli, flags, gpt, loop, preflight, sample
 from train import config as config_lib
 from train import hf as hf_io
 from train.cli import UsageError
@@ -151,8 +151,8 @@ def _parser() -> argparse.ArgumentParser:
                            " --batch-size must split over rp x fs x ep x pp)")
   for name in ("coordinator", "num_processes", "process_id"):
     parser.add_argument(f"--{name.replace('_', '-')}", type=int if name != "coordinator" else str,
-                        default=None, help=config_lib.HELP[name])
-  parser.add_argument("--distributed", action="store_true", help=config_lib.HELP["distributed"])
+                        default=None, help=flags.HELP[name])
+  parser.add_argument("--distributed", action="store_true", help=flags.HELP["distributed"])
   return parser
 
 
