@@ -166,29 +166,42 @@ def test_a_second_signal_exits_at_once_without_partial_saves(tmp_path):
   assert os.listdir(tmp_path) == ["6"]
 
 
-def test_a_failed_save_stops_the_run_and_keeps_the_previous_checkpoint(compile_cache, tmp_path,  # noqa: F811
-                                                                       capsys, monkeypatch):
-  """The background write of step 2's checkpoint fails as on a full disk: the run stops at
-  the next step with one line naming the directory and the cause (exit 1); step 1's
-  checkpoint stays complete, nothing partial is left."""
+def test_a_failed_save_stops_the_run_at_the_next_step_and_keeps_the_previous_checkpoint(  # noqa: F811
+    compile_cache, tmp_path, capsys, monkeypatch):  # noqa: F811
+  """The background write of step 4's checkpoint fails as on a full disk: the run stops at
+  step 5, the first step after the write ended (not at the next save, step 6), with one line
+  naming the directory and the cause (exit 1); step 2's checkpoint stays complete, nothing
+  partial is left."""
   from orbax.checkpoint._src.path import atomicity
+
+  from train import loop
 
   finalize = atomicity.AtomicRenameTemporaryPath.finalize
 
   async def disk_full(self, *args, **kwargs):
-    if os.path.basename(str(self._final_path)) == "2":
+    if os.path.basename(str(self._final_path)) == "4":
       raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self._tmp_path))
     return await finalize(self, *args, **kwargs)
 
+  global_batch = loop.global_batch
+
+  def after_the_save(run, local):  # as on a model whose step outlasts the background write
+    while run.checkpoints.manager.is_saving_in_progress():
+      time.sleep(0.01)
+    return global_batch(run, local)
+
   monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", disk_full)
+  monkeypatch.setattr(loop, "global_batch", after_the_save)
   run_dir = tmp_path / "run"
-  assert train(run_dir, "--steps", "4", "--save-every", "1", "--keep", "5") == 1
+  assert train(run_dir, "--steps", "8", "--save-every", "2", "--keep", "5") == 1
   err = one_error_line(capsys)
-  assert err.startswith(f"error: saving the checkpoint of step 2 to {run_dir / 'checkpoints'} failed:"
+  assert err.startswith(f"error: saving the checkpoint of step 4 to {run_dir / 'checkpoints'} failed:"
                         " No space left on device")
-  assert "the checkpoint of step 1 is intact" in err
-  assert steps_saved(run_dir) == ["1"]
-  assert (run_dir / "checkpoints" / "1" / "commit_success.txt").exists()
+  assert "the checkpoint of step 2 is intact" in err
+  logged = [r["step"] for r in map(json.loads, open(run_dir / "metrics.jsonl")) if "loss" in r]
+  assert logged == [1, 2, 3, 4]  # step 5 ran and found the error before it was logged
+  assert steps_saved(run_dir) == ["2"]
+  assert (run_dir / "checkpoints" / "2" / "commit_success.txt").exists()
   assert not (run_dir / rundir.LOCK_NAME).exists()
 
 
