@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import sys
 import time
 from typing import Any, Iterator
@@ -33,7 +34,7 @@ from train import rundir
 from train import step as step_lib
 from train.cli import UsageError
 from train.config import Config
-from train.interrupt import Interrupt
+from train.interrupt import Agreement, Interrupt
 from train.log import Logger
 
 EXIT_FAILED = 1
@@ -322,6 +323,7 @@ def _train(run: Run, interrupt: Interrupt) -> int:
 
   start = time.perf_counter()
   step = run.start_step
+  agreement = Agreement()
   try:
     for step in range(run.start_step + 1, cfg.steps + 1):
       first = step == run.start_step + 1
@@ -334,6 +336,7 @@ def _train(run: Run, interrupt: Interrupt) -> int:
         jax.block_until_ready(metrics)
         logger.message(f"compiled and ran step {step} in {time.perf_counter() - t0:.1f} s")
       run.checkpoints.check_for_errors()
+      stop = agreement(interrupt.signum or 0)  # a signal to any process stops all after this step
       if pending is not None:
         account(*pending)
       pending = (step, metrics)
@@ -342,7 +345,7 @@ def _train(run: Run, interrupt: Interrupt) -> int:
       is_last = step == cfg.steps
       evaluating = run.valid_source is not None and cfg.eval_tokens > 0 and (
           is_last or (cfg.eval_every and step % cfg.eval_every == 0))
-      saving = is_last or interrupt.signum is not None or (cfg.save_every and step % cfg.save_every == 0)
+      saving = is_last or stop or (cfg.save_every and step % cfg.save_every == 0)
       if evaluating or saving:
         account(*pending)
         pending = None
@@ -355,7 +358,7 @@ def _train(run: Run, interrupt: Interrupt) -> int:
       if saving:
         save(run, step, state)
         logger.message(f"saving the checkpoint of step {step} to {cfg.ckpt_path} (in the background)")
-      if interrupt.signum is not None:
+      if stop:
         break
     if pending is not None:
       account(*pending)
@@ -375,10 +378,12 @@ def _train(run: Run, interrupt: Interrupt) -> int:
   finally:
     logger.close()
   last_saved = run.checkpoints.saving or run.start_step
-  if interrupt.signum is not None:
-    print(f"error: stopped by {interrupt.name} after step {step}; the checkpoint of step {last_saved}"
-          f" is saved in {cfg.ckpt_path}; continue with --resume", file=sys.stderr)
-    return interrupt.exit_code
+  signum = agreement.latest()
+  if signum:
+    where = "" if interrupt.signum == signum else " sent to another process"
+    print(f"error: stopped by {signal.Signals(signum).name}{where} after step {step}; the checkpoint of"
+          f" step {last_saved} is saved in {cfg.ckpt_path}; continue with --resume", file=sys.stderr)
+    return 128 + signum
   if consecutive >= cfg.max_skipped:
     kept = (f"the last good checkpoint is step {last_saved} in {cfg.ckpt_path}" if last_saved
             else "no checkpoint was written")
