@@ -9,6 +9,7 @@ compiled step, which the tests then share through the persistent compilation cac
 import errno
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,7 +23,7 @@ import pytest
 from data import fineweb
 from tests.test_train_gpt import compile_cache, snapshot, subprocess_env  # noqa: F401  fixture
 from train import config as config_lib
-from train import gpt, preflight, rundir
+from train import cli, gpt, preflight, rundir, sample
 
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-len", "16",
         "--global-batch-size", "8", "--eval-tokens", "128", "--log-interval", "1", "--mesh", "fs=1",
@@ -271,12 +272,43 @@ def test_resume_reads_the_checkpoint_config_and_refuses_damaged_checkpoints(comp
   assert gpt.main(["--run-dir", str(run_dir), "--resume", "--step", "2", "--steps", "3"]) == 0
   assert steps_saved(run_dir) == ["1", "2", "3"]
   assert "deleting the newer checkpoints of steps 3" in capsys.readouterr().err
+  # A truncated tensor file: TensorStore's read error (a ValueError here; a bare Exception from Orbax's sharded reads).
+  files = [p for p in (run_dir / "checkpoints" / "3" / "state").rglob("*") if p.is_file()]
+  largest = max(files, key=lambda p: p.stat().st_size)
+  largest.write_bytes(largest.read_bytes()[:largest.stat().st_size // 2])
+  with pytest.raises(cli.UsageError, match="^" + re.escape(damaged) + r"ValueError: OUT_OF_RANGE: .*\); use an older one with --step 2$"):
+    sample.restore(str(run_dir))
 
   broken = tmp_path / "broken"
   broken.mkdir()
   (broken / "config.json").write_text("{}")
   assert gpt.main(["--run-dir", str(broken), "--resume"]) == 2
   assert "config.json is damaged" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("error, damage", [
+    (KeyError('Item "state" was not found in the checkpoint'), True),  # an emptied step directory
+    (json.JSONDecodeError("Expecting value", "{trunc", 6), True),  # a truncated _METADATA
+    (FileNotFoundError(errno.ENOENT, "No such file or directory"), True),
+    (Exception("Encountered error while reading array index"), True),  # TensorStore's, via Orbax
+    (TypeError("unsupported operand type(s)"), False), (AttributeError("no attribute 'pp'"), False),
+    (RuntimeError("a bug"), False)])
+def test_only_the_errors_of_damage_read_as_a_damaged_checkpoint(tmp_path, error, damage):
+  """A damaged checkpoint is one line; any other error while reading it (a bug) keeps its type and traceback."""
+  for step in (1, 2):
+    (tmp_path / str(step)).mkdir()
+
+  def read():
+    with preflight.reading("--step", str(tmp_path), 2):
+      raise error
+
+  if damage:
+    with pytest.raises(cli.UsageError, match=f"^the checkpoint of step 2 in {re.escape(str(tmp_path))} is damaged"
+                                             f" \\({type(error).__name__}: .*\\); use an older one with --step 1$"):
+      read()
+  else:
+    with pytest.raises(type(error)):
+      read()
 
 
 def test_an_imported_model_is_checked_on_the_data_ids_and_its_positions(tmp_path, capsys):

@@ -57,12 +57,7 @@ def load_model(spec: str, step: int | None, par: models.Parallelism) -> tuple[mo
       raise UsageError(f"--mesh: {e}") from None
     return cfg, graphdef, params
   run_dir = os.path.abspath(spec)
-  try:
-    restored = sample.restore(run_dir, step, par)
-  except UsageError:
-    raise
-  except Exception as e:  # noqa: BLE001  whatever Orbax met in a damaged checkpoint
-    raise preflight.damaged("--step", sample.checkpoint_path(run_dir), step, e) from None
+  restored = sample.restore(run_dir, step, par)
   return restored.cfg, restored.graphdef, restored.params
 
 

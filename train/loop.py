@@ -220,16 +220,12 @@ def setup(cfg: Config) -> Run:
   start_step, record = 0, config_record(cfg, model_cfg)
   if cfg.resume:
     start_step = preflight.resume_step(cfg, existing)
-    try:
+    with preflight.reading("--resume --step", cfg.ckpt_path, start_step):
       meta, saved = checkpoints.read_json(start_step)
       preflight.check_same_model(saved, model_cfg, cfg, cfg.ckpt_path)
       with jax.set_mesh(mesh):
         state = checkpoints.restore_state(start_step, state, pp, cfg.virtual_stages)
       train_batches.set_state(meta["data"])
-    except UsageError:
-      raise
-    except Exception as e:  # noqa: BLE001  whatever Orbax or the record's reader met
-      raise preflight.damaged("--resume --step", cfg.ckpt_path, start_step, e) from None
     if saved["model"]["dtype"] != model_cfg.dtype:  # a scale belongs to the dtype it was found for
       state = state._replace(loss_scale=fresh_scale)
     if start_step >= cfg.steps:

@@ -5,9 +5,11 @@ Each check raises ``UsageError`` with one line that names the problem and the fi
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 
 import jax
 
@@ -119,6 +121,25 @@ def damaged(command: str, ckpt_path: str, step: int | None, error: BaseException
   fix = (f"use an older one with {command} {max(older)}" if older
          else "no older checkpoint exists: start a new --run-dir")
   return UsageError(f"the checkpoint of step {step} in {ckpt_path} is damaged ({cause}); {fix}")
+
+
+@contextlib.contextmanager
+def reading(command: str, ckpt_path: str, step: int | None) -> Iterator[None]:
+  """Reads of checkpoint ``step`` (Orbax's restores and metadata, the saved records): the
+  errors damage gives them become :func:`damaged`'s one line; any other error (a bug)
+  keeps its traceback. Damage is a missing item or file (KeyError, OSError), bytes or
+  JSON that do not parse (ValueError), or a failed TensorStore read, which Orbax re-raises
+  as a bare ``Exception``."""
+  try:
+    yield
+  except UsageError:
+    raise
+  except (KeyError, ValueError, OSError) as e:
+    raise damaged(command, ckpt_path, step, e) from None
+  except Exception as e:
+    if type(e) is not Exception:
+      raise
+    raise damaged(command, ckpt_path, step, e) from None
 
 
 def drop_newer(cfg: Config, step: int, existing: list[int]) -> bool:
