@@ -216,7 +216,7 @@ def setup(cfg: Config) -> Run:
                                           (cfg.qk_clip_threshold, model_cfg))
     eval_step = step_lib.make_eval_step(graphdef, par, 1 if pp > 1 else accum)
 
-  checkpoints = ckpt_lib.Checkpoints(cfg.ckpt_path, cfg.keep, create=not cfg.resume)
+  checkpoints = ckpt_lib.Checkpoints(cfg.ckpt_path, cfg.keep, create=False)  # made below, once checked
   start_step, record = 0, config_record(cfg, model_cfg)
   if cfg.resume:
     start_step = preflight.resume_step(cfg, existing)
@@ -231,8 +231,21 @@ def setup(cfg: Config) -> Run:
     if start_step >= cfg.steps:
       raise UsageError(f"--resume: the checkpoint is at step {start_step}, which already reaches"
                        f" --steps {cfg.steps}; pass a larger --steps to train further")
+  # Compiled now (the first step reuses it) to refuse a step the devices cannot hold before
+  # anything is written; the first batch is read and put back.
+  position = train_batches.get_state()
+  first = _global_batch(batch_sharding, (cfg.global_batch_size, model_cfg.seq_len), next(train_batches))
+  train_batches.set_state(position)
   if primary:
+    print("compiling the training step", flush=True)
+  t0 = time.perf_counter()
+  with jax.set_mesh(mesh):
+    compiled = train_step.lower(state, first).compile()
+  preflight.check_memory(compiled.memory_analysis(), mesh, model_cfg)
+  if primary:
+    print(f"compiled the training step in {time.perf_counter() - t0:.1f} s", flush=True)
     lock.acquire()
+    os.makedirs(cfg.ckpt_path, exist_ok=True)
     if cfg.hf_dir is not None and os.path.isdir(cfg.hf_dir):
       hf_io.copy_tokenizer(cfg.hf_dir, cfg.run_path)
     if preflight.drop_newer(cfg, start_step, existing):
@@ -247,9 +260,11 @@ def setup(cfg: Config) -> Run:
 
 def global_batch(run: Run, local: dict) -> dict:
   """This process's rows of a batch (the loader's output) as one global array per key."""
-  shape = (run.cfg.global_batch_size, run.model_cfg.seq_len)
-  return {k: jax.make_array_from_process_local_data(run.batch_sharding, np.asarray(v), shape)
-          for k, v in local.items()}
+  return _global_batch(run.batch_sharding, (run.cfg.global_batch_size, run.model_cfg.seq_len), local)
+
+
+def _global_batch(sharding: NamedSharding, shape: tuple[int, int], local: dict) -> dict:
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v), shape) for k, v in local.items()}
 
 
 def evaluate(run: Run, state: step_lib.TrainState) -> tuple[float, int]:
@@ -322,15 +337,8 @@ def _train(run: Run, interrupt: Interrupt) -> int:
   agreement = Agreement()
   try:
     for step in range(run.start_step + 1, cfg.steps + 1):
-      first = step == run.start_step + 1
-      if first:
-        logger.message("compiling the training step (the first step waits for it)")
-        t0 = time.perf_counter()
       with jax.set_mesh(run.mesh):
         state, metrics = run.train_step(state, global_batch(run, next(run.train_batches)))
-      if first:
-        jax.block_until_ready(metrics)
-        logger.message(f"compiled and ran step {step} in {time.perf_counter() - t0:.1f} s")
       run.checkpoints.check_for_errors()
       stop = agreement(interrupt.signum or 0)  # a signal to any process stops all after this step
       if pending is not None:

@@ -142,6 +142,30 @@ def reading(command: str, ckpt_path: str, step: int | None) -> Iterator[None]:
     raise damaged(command, ckpt_path, step, e) from None
 
 
+def check_memory(stats, mesh: jax.sharding.Mesh, model_cfg: models.GPTConfig) -> None:
+  """Refuses a compiled training step whose memory (XLA's ``memory_analysis``: arguments,
+  outputs and temporaries of one device) exceeds a device's memory, or, on CPU, whose
+  devices together exceed the host's; a backend that reports neither is not checked."""
+  if stats is None:
+    return
+  local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  device = local[0]  # memory_stats answers for this process's devices only
+  need = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+          + stats.temp_size_in_bytes)
+  limit = (device.memory_stats() or {}).get("bytes_limit")
+  if limit is not None:
+    where = f"the {limit / 2**30:.1f} GiB of a {device.device_kind}"
+  elif device.platform == "cpu":
+    need, limit = need * len(local), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    where = f"the host's {limit / 2**30:.1f} GiB" + (f" ({len(local)} CPU devices)" if len(local) > 1 else "")
+  else:
+    return
+  if need > limit:
+    raise UsageError(f"a training step needs {need / 2**30:,.1f} GiB, more than {where}"
+                     f" (--seq-len {model_cfg.seq_len}); lower --seq-len or --micro-batch-size, add"
+                     " --remat, or shard over more devices (--mesh)")
+
+
 def drop_newer(cfg: Config, step: int, existing: list[int]) -> bool:
   """Deletes the checkpoints after ``step`` when ``--step`` went back to it (the run will
   save those steps anew), with one line saying so; whether there were any."""
