@@ -22,7 +22,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -54,28 +54,25 @@ class Interrupt:
 class Agreement:
   """The largest of one int per process (a signal number, 0 for none), the same on every
   process. With one process it is the value itself, at once. With several, each call starts the
-  all-reduce of this step's value over one device of each process and returns the previous
+  all-reduce of this step's value over the run's mesh and returns the previous
   call's result (0 at the first): that result is ready once the step dispatched before it
   has run, so reading it waits no longer than reading that step's metrics."""
 
-  def __init__(self):
+  def __init__(self, mesh: jax.sharding.Mesh):
     self._pending: jax.Array | int | None = None
-    if jax.process_count() > 1:
-      firsts = {}
-      for d in sorted(jax.devices(), key=lambda d: d.id):
-        firsts.setdefault(d.process_index, d)
-      mesh = Mesh(np.array([firsts[p] for p in sorted(firsts)]), ("processes",))
-      self._values = NamedSharding(mesh, P("processes"))
-      self._max = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, P()))
+    self._mesh = mesh
+    # Over the step's own devices: a collective over other ones could run beside the
+    # step's (on CPU, gloo then mixed the two).
+    self._values = NamedSharding(mesh, P(mesh.axis_names))
+    self._max = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, P()))
 
   def __call__(self, value: int) -> int:
     if jax.process_count() == 1:
       self._pending = value
       return value
     previous = self.latest()
-    local = np.array([value], np.int32)
-    self._pending = self._max(jax.make_array_from_process_local_data(self._values, local,
-                                                                     (jax.process_count(),)))
+    local = np.full(sum(d.process_index == jax.process_index() for d in self._mesh.devices.flat), value, np.int32)
+    self._pending = self._max(jax.make_array_from_process_local_data(self._values, local, (self._mesh.size,)))
     return previous
 
   def latest(self) -> int:

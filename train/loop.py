@@ -334,7 +334,7 @@ def _train(run: Run, interrupt: Interrupt) -> int:
 
   start = time.perf_counter()
   step = run.start_step
-  agreement = Agreement()
+  agreement = Agreement(run.mesh)
   try:
     for step in range(run.start_step + 1, cfg.steps + 1):
       with jax.set_mesh(run.mesh):
