@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> None:
   rng = np.random.default_rng(0)
   print(f"model {LLAMA}; prompt {args.prompt}, {args.new} new tokens, greedy; {jax.devices()[0]},"
         f" torch threads {torch.get_num_threads()}")
-  print(f"| batch | case | seconds | new tokens/s |")
-  print(f"|---|---|---|---|")
+  print("| batch | case | seconds | new tokens/s |")
+  print("|---|---|---|---|")
   for batch in args.batch:
     prompts_BxP = rng.integers(1, LLAMA["vocab_size"], (batch, args.prompt)).astype(np.int32)
     ours = np.asarray(cached(prompts_BxP))

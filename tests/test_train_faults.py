@@ -9,6 +9,7 @@ compiled step, which the tests then share through the persistent compilation cac
 import errno
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,7 +23,7 @@ import pytest
 from data import fineweb
 from tests.test_train_gpt import compile_cache, snapshot, subprocess_env  # noqa: F401  fixture
 from train import config as config_lib
-from train import gpt, preflight, rundir
+from train import cli, gpt, preflight, rundir, sample
 
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-len", "16",
         "--global-batch-size", "8", "--eval-tokens", "128", "--log-interval", "1", "--mesh", "fs=1",
@@ -138,6 +139,39 @@ def test_a_signal_finishes_the_step_saves_and_exits(compile_cache, tmp_path, cap
       signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}[signum]
 
 
+@pytest.mark.slow
+def test_a_signal_to_one_of_two_processes_stops_both_after_the_same_step(compile_cache, tmp_path):  # noqa: F811
+  """Two processes (gloo on 127.0.0.1, one CPU device each): SIGTERM reaches process 0 only,
+  once step 3 is logged; both agree on it, save the same step together and exit 143."""
+  run_dir = tmp_path / "run"
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  procs = [subprocess.Popen([sys.executable, "-m", "train.gpt", *TINY, "--mesh", "fs=2", "--run-dir", str(run_dir),
+                             "--steps", "1000", "--save-every", "0", "--coordinator", f"127.0.0.1:{port}",
+                             "--num-processes", "2", "--process-id", str(i)],
+                            env=subprocess_env(compile_cache), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+           for i in range(2)]
+  try:
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.exists() and any(json.loads(line)["step"] == 3 for line in open(metrics) if "loss" in line)):
+      assert procs[0].poll() is None, procs[0].stderr.read()[-3000:]
+      time.sleep(0.05)
+    procs[0].send_signal(signal.SIGTERM)
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  assert [p.returncode for p in procs] == [143, 143], errs[0][-3000:] + errs[1][-3000:]
+  saved = steps_saved(run_dir)
+  assert len(saved) == 1 and 3 <= int(saved[0]) < 1000, saved
+  last = [e.strip().splitlines()[-1] for e in errs]
+  assert last[0].startswith(f"error: stopped by SIGTERM after step {saved[0]}; the checkpoint of step {saved[0]}"), last
+  assert last[1].startswith(f"error: stopped by SIGTERM sent to another process after step {saved[0]};"
+                            f" the checkpoint of step {saved[0]}"), last
+
+
 SECOND_SIGNAL = """
 import sys, time
 from train import rundir
@@ -167,29 +201,42 @@ def test_a_second_signal_exits_at_once_without_partial_saves(tmp_path):
   assert os.listdir(tmp_path) == ["6"]
 
 
-def test_a_failed_save_stops_the_run_and_keeps_the_previous_checkpoint(compile_cache, tmp_path,  # noqa: F811
-                                                                       capsys, monkeypatch):
-  """The background write of step 2's checkpoint fails as on a full disk: the run stops at
-  the next step with one line naming the directory and the cause (exit 1); step 1's
-  checkpoint stays complete, nothing partial is left."""
+def test_a_failed_save_stops_the_run_at_the_next_step_and_keeps_the_previous_checkpoint(  # noqa: F811
+    compile_cache, tmp_path, capsys, monkeypatch):  # noqa: F811
+  """The background write of step 4's checkpoint fails as on a full disk: the run stops at
+  step 5, the first step after the write ended (not at the next save, step 6), with one line
+  naming the directory and the cause (exit 1); step 2's checkpoint stays complete, nothing
+  partial is left."""
   from orbax.checkpoint._src.path import atomicity
+
+  from train import loop
 
   finalize = atomicity.AtomicRenameTemporaryPath.finalize
 
   async def disk_full(self, *args, **kwargs):
-    if os.path.basename(str(self._final_path)) == "2":
+    if os.path.basename(str(self._final_path)) == "4":
       raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self._tmp_path))
     return await finalize(self, *args, **kwargs)
 
+  global_batch = loop.global_batch
+
+  def after_the_save(run, local):  # as on a model whose step outlasts the background write
+    while run.checkpoints.manager.is_saving_in_progress():
+      time.sleep(0.01)
+    return global_batch(run, local)
+
   monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", disk_full)
+  monkeypatch.setattr(loop, "global_batch", after_the_save)
   run_dir = tmp_path / "run"
-  assert train(run_dir, "--steps", "4", "--save-every", "1", "--keep", "5") == 1
+  assert train(run_dir, "--steps", "8", "--save-every", "2", "--keep", "5") == 1
   err = one_error_line(capsys)
-  assert err.startswith(f"error: saving the checkpoint of step 2 to {run_dir / 'checkpoints'} failed:"
+  assert err.startswith(f"error: saving the checkpoint of step 4 to {run_dir / 'checkpoints'} failed:"
                         " No space left on device")
-  assert "the checkpoint of step 1 is intact" in err
-  assert steps_saved(run_dir) == ["1"]
-  assert (run_dir / "checkpoints" / "1" / "commit_success.txt").exists()
+  assert "the checkpoint of step 2 is intact" in err
+  logged = [r["step"] for r in map(json.loads, open(run_dir / "metrics.jsonl")) if "loss" in r]
+  assert logged == [1, 2, 3, 4]  # step 5 ran and found the error before it was logged
+  assert steps_saved(run_dir) == ["2"]
+  assert (run_dir / "checkpoints" / "2" / "commit_success.txt").exists()
   assert not (run_dir / rundir.LOCK_NAME).exists()
 
 
@@ -226,12 +273,42 @@ def test_resume_reads_the_checkpoint_config_and_refuses_damaged_checkpoints(comp
   assert gpt.main(["--run-dir", str(run_dir), "--resume", "--step", "2", "--steps", "3"]) == 0
   assert steps_saved(run_dir) == ["1", "2", "3"]
   assert "deleting the newer checkpoints of steps 3" in capsys.readouterr().err
+  # Truncated tensor files: TensorStore's read error (a ValueError here; a bare Exception from Orbax's sharded reads).
+  for path in (run_dir / "checkpoints" / "3" / "state").rglob("d/*"):  # OCDBT's data files
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+  with pytest.raises(cli.UsageError, match="^" + re.escape(damaged) + r"ValueError: OUT_OF_RANGE: .*\); use an older one with --step 2$"):
+    sample.restore(str(run_dir))
 
   broken = tmp_path / "broken"
   broken.mkdir()
   (broken / "config.json").write_text("{}")
   assert gpt.main(["--run-dir", str(broken), "--resume"]) == 2
   assert "config.json is damaged" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("error, damage", [
+    (KeyError('Item "state" was not found in the checkpoint'), True),  # an emptied step directory
+    (json.JSONDecodeError("Expecting value", "{trunc", 6), True),  # a truncated _METADATA
+    (FileNotFoundError(errno.ENOENT, "No such file or directory"), True),
+    (Exception("Encountered error while reading array index"), True),  # TensorStore's, via Orbax
+    (TypeError("unsupported operand type(s)"), False), (AttributeError("no attribute 'pp'"), False),
+    (RuntimeError("a bug"), False)])
+def test_only_the_errors_of_damage_read_as_a_damaged_checkpoint(tmp_path, error, damage):
+  """A damaged checkpoint is one line; any other error while reading it (a bug) keeps its type and traceback."""
+  for step in (1, 2):
+    (tmp_path / str(step)).mkdir()
+
+  def read():
+    with preflight.reading("--step", str(tmp_path), 2):
+      raise error
+
+  if damage:
+    with pytest.raises(cli.UsageError, match=f"^the checkpoint of step 2 in {re.escape(str(tmp_path))} is damaged"
+                                             f" \\({type(error).__name__}: .*\\); use an older one with --step 1$"):
+      read()
+  else:
+    with pytest.raises(type(error)):
+      read()
 
 
 def test_an_imported_model_is_checked_on_the_data_ids_and_its_positions(tmp_path, capsys):
@@ -341,3 +418,19 @@ def test_out_of_memory_is_one_line(compile_cache, tmp_path, capsys):  # noqa: F8
   assert err.startswith("error: out of device memory at step 3 (RESOURCE_EXHAUSTED: Out of memory while"
                         " trying to allocate 1.00TiB.); no checkpoint was written; lower --micro-batch-size")
   assert not (tmp_path / "run" / rundir.LOCK_NAME).exists()
+
+
+def test_a_step_larger_than_memory_is_refused_before_anything_is_written(compile_cache, tmp_path, capsys):  # noqa: F811
+  """--seq-len 10^6: XLA's memory analysis of the compiled step exceeds the host's memory; one
+  line naming both, exit 2, no run directory. The need is checked against the attention
+  probabilities of the one layer, batch 8 x 2 heads x T x T float32 (64 TB): the step stores
+  them for the backward pass (about 2x that was reached at 10^7 on the 4-layer preset)."""
+  run_dir = tmp_path / "run"
+  assert train(run_dir, "--seq-len", "1000000", "--eval-tokens", "0", "--steps", "1") == 2
+  err = one_error_line(capsys)
+  match = re.match(r"error: a training step needs ([\d,.]+) GiB, more than the host's [\d.]+ GiB"
+                   r" \(--seq-len 1000000\); lower --seq-len", err)
+  assert match, err
+  probabilities = 8 * 2 * 1e6 ** 2 * 4 / 2**30
+  assert probabilities <= float(match.group(1).replace(",", "")) <= 10 * probabilities, err
+  assert not run_dir.exists()

@@ -10,7 +10,6 @@ import pytest
 
 import models
 from train import loop, optim
-from train import step as step_lib
 from train.config import Config
 
 

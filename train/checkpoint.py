@@ -192,7 +192,7 @@ _QUIET = _QuietSaveThreads()
 class Checkpoints:
   """The run's ``CheckpointManager``: async saves, the newest ``keep`` kept, unfinished
   saves of a killed run removed on start. A failed save raises :class:`SaveError` at the
-  next call (:meth:`check_for_errors` after each step)."""
+  first :meth:`check_for_errors` (after each step) once its background write has ended."""
 
   def __init__(self, directory: str, keep: int, create: bool):
     self.directory = directory
@@ -226,8 +226,11 @@ class Checkpoints:
         config=ocp.args.JsonSave(config))))
 
   def check_for_errors(self) -> None:
-    """Raises SaveError if the last asynchronous save failed."""
-    self._guarded(self.manager.check_for_errors)
+    """Raises SaveError if the last asynchronous save has ended and failed; never waits for
+    one still running. (Orbax's own ``check_for_errors`` misses the error: its finalize
+    thread takes it first and keeps it for the next ``wait_until_finished``.)"""
+    if self.saving is not None and not self.manager.is_saving_in_progress():
+      self._guarded(self.manager.wait_until_finished)  # the save's threads are ending: no wait
 
   def read_json(self, step: int) -> tuple[dict, dict]:
     """The ``meta`` and ``config`` of checkpoint ``step``."""

@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 import data
 import models
 from models import context
-from train import cli, evaluation, gpt, loop, preflight, sample
+from train import cli, evaluation, flags, gpt, loop, sample
 from train import config as config_lib
 from train import hf as hf_io
 from train import step as step_lib
@@ -58,12 +58,7 @@ def load_model(spec: str, step: int | None, par: models.Parallelism) -> tuple[mo
       raise UsageError(f"--mesh: {e}") from None
     return cfg, graphdef, params
   run_dir = os.path.abspath(spec)
-  try:
-    restored = sample.restore(run_dir, step, par)
-  except UsageError:
-    raise
-  except Exception as e:  # noqa: BLE001  whatever Orbax met in a damaged checkpoint
-    raise preflight.damaged("--step", sample.checkpoint_path(run_dir), step, e) from None
+  restored = sample.restore(run_dir, step, par)
   return restored.cfg, restored.graphdef, restored.params
 
 
@@ -130,8 +125,8 @@ def _parser() -> argparse.ArgumentParser:
                            " --batch-size must split over rp x fs x ep x pp)")
   for name in ("coordinator", "num_processes", "process_id"):
     parser.add_argument(f"--{name.replace('_', '-')}", type=int if name != "coordinator" else str,
-                        default=None, help=config_lib.HELP[name])
-  parser.add_argument("--distributed", action="store_true", help=config_lib.HELP["distributed"])
+                        default=None, help=flags.HELP[name])
+  parser.add_argument("--distributed", action="store_true", help=flags.HELP["distributed"])
   return parser
 
 

@@ -38,21 +38,17 @@ def export(run_dir: str, output: str, step: int | None = None,
   run_dir = os.path.abspath(run_dir)
   if os.path.exists(output):
     raise UsageError(f"{output} already exists; choose a new --output directory")
-  try:
-    with sample.open_checkpoint(run_dir, step) as (manager, step, cfg):
-      try:
-        hf_map.to_hf_config(cfg)
-      except hf_map.UnsupportedCheckpoint as e:
-        raise UsageError(str(e)) from None
-      # The record saved with the step itself: config.json may be newer, damaged or gone.
+  with sample.open_checkpoint(run_dir, step) as (manager, step, cfg):
+    try:
+      hf_map.to_hf_config(cfg)
+    except hf_map.UnsupportedCheckpoint as e:
+      raise UsageError(str(e)) from None
+    # The record saved with the step itself: config.json may be newer, damaged or gone.
+    with preflight.reading("--step", str(manager.directory), step):
       record = config_lib.checkpoint_record(str(manager.directory), step)
       tokenizer_from = hf_io.tokenizer_dir(run_dir, record["train"].get("init_from"))
-      return hf_io.save(output, cfg, _Leaves(manager, step).tree(), record.get("hf_config"),
-                        tokenizer_from, max_shard_bytes)
-  except UsageError:
-    raise
-  except Exception as e:  # noqa: BLE001  whatever Orbax met in a damaged checkpoint
-    raise preflight.damaged("--step", sample.checkpoint_path(run_dir), step, e) from None
+      leaves = _Leaves(manager, step)
+    return hf_io.save(output, cfg, leaves.tree(), record.get("hf_config"), tokenizer_from, max_shard_bytes)
 
 
 class _Leaves:
@@ -79,8 +75,9 @@ class _Leaves:
       self._path, self._leaf = None, None  # free the last leaf before reading the next
       item = ckpt_lib.nest([(path, ckpt_lib.lookup(self._shapes, path))])
       args = ckpt_lib.nest([(path, ocp.RestoreArgs(restore_type=np.ndarray))])
-      state = self._manager.restore(self._step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-          item={"params": item}, restore_args={"params": args}, partial_restore=True)))["state"]
+      with preflight.reading("--step", str(self._manager.directory), self._step):
+        state = self._manager.restore(self._step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item={"params": item}, restore_args={"params": args}, partial_restore=True)))["state"]
       self._path, self._leaf = path, ckpt_lib.lookup(state["params"], path)
     return self._leaf
 

@@ -2,7 +2,7 @@
 
 With no arguments it trains the ``tiny`` preset with Dion on the embedded corpus on
 every device there is, and writes ``config.json``, ``metrics.jsonl`` and checkpoints
-under ``runs/tiny-dion/``. ``--help`` lists the flags (``train/config.py``).
+under ``runs/tiny-dion/``. ``--help`` lists the flags (``train/flags.py``).
 
 One step, top to bottom: this loop feeds a global batch to ``train/step.py``, whose
 jitted step takes the model's loss and gradients (``models/gpt.py``, per rp replica

@@ -61,7 +61,7 @@ import models
 from models import generate
 from models.gpt import apply_layers, rotary_tables
 from train import checkpoint as ckpt_lib
-from train import cli, grpo_objective, grpo_rewards, loop, optim, rundir, sample
+from train import cli, flags, grpo_objective, grpo_rewards, loop, optim, rundir, sample
 from train import config as config_lib
 from train import gpt as gpt_entry
 from train.cli import UsageError
@@ -147,7 +147,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--epsilon-high", type=float, default=0.28)
   p.add_argument("--beta", type=float, default=0.0, help="weight of the KL to the starting policy")
   p.add_argument("--no-scale-rewards", action="store_true", help="center advantages without dividing by the std")
-  p.add_argument("--optimizer", choices=config_lib.OPTIMIZERS, default="adamw")
+  p.add_argument("--optimizer", choices=flags.OPTIMIZERS, default="adamw")
   p.add_argument("--mesh", default="fs=1", help="mesh axes as for train.gpt, without pp and cp (default fs=1)")
   p.add_argument("--lr", type=float, default=1e-5)
   p.add_argument("--clip-grad", type=float, default=1.0)
@@ -260,7 +260,7 @@ def _setup(argv: list[str] | None) -> tuple:
     restored = sample.restore(os.path.abspath(args.init_from), par=par)
   tokenizer = sample.run_tokenizer(os.path.abspath(args.init_from))
   rewards = grpo_rewards.reward_functions(args.reward)
-  M, G = args.max_new_tokens, args.group_size
+  M = args.max_new_tokens
   limit = restored.cfg.seq_len - M
   if limit < 1:
     raise UsageError(f"--max-new-tokens {M} leaves no room for a prompt in seq_len {restored.cfg.seq_len}")

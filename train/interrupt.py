@@ -5,12 +5,25 @@ As Megatron's ``--exit-signal-handler``: the first SIGINT or SIGTERM only sets
 waits for the pending saves and exits with ``128 + signum`` (130, 143). A second signal
 runs ``on_second`` (which removes unfinished saves and the run's lock) and exits at
 once with the same code: the user asked twice.
+
+With several processes a signal may reach only one of them (a scheduler's SIGTERM to one
+host, a Ctrl-C in one terminal), yet all must stop after the same step and save it
+together. :class:`Agreement` takes the largest signal number over the processes with one
+small all-reduce per step, as Megatron's handler all-gathers its flag every iteration;
+it is read a step later, with that step's metrics, so it never stalls the device queue
+(the processes then stop one step after the signal, all after the same one).
 """
 from __future__ import annotations
 
 import os
 import signal
 from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -22,14 +35,6 @@ class Interrupt:
     self.signum: int | None = None
     self._on_second = on_second
     self._previous: dict = {}
-
-  @property
-  def exit_code(self) -> int:
-    return 128 + self.signum
-
-  @property
-  def name(self) -> str:
-    return signal.Signals(self.signum).name
 
   def _handle(self, signum, frame) -> None:
     if self.signum is not None:
@@ -44,3 +49,32 @@ class Interrupt:
   def __exit__(self, *exc) -> None:
     for s, handler in self._previous.items():
       signal.signal(s, handler)
+
+
+class Agreement:
+  """The largest of one int per process (a signal number, 0 for none), the same on every
+  process. With one process it is the value itself, at once. With several, each call starts the
+  all-reduce of this step's value over the run's mesh and returns the previous
+  call's result (0 at the first): that result is ready once the step dispatched before it
+  has run, so reading it waits no longer than reading that step's metrics."""
+
+  def __init__(self, mesh: jax.sharding.Mesh):
+    self._pending: jax.Array | int | None = None
+    self._mesh = mesh
+    # Over the step's own devices: a collective over other ones could run beside the
+    # step's (on CPU, gloo then mixed the two).
+    self._values = NamedSharding(mesh, P(mesh.axis_names))
+    self._max = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, P()))
+
+  def __call__(self, value: int) -> int:
+    if jax.process_count() == 1:
+      self._pending = value
+      return value
+    previous = self.latest()
+    local = np.full(sum(d.process_index == jax.process_index() for d in self._mesh.devices.flat), value, np.int32)
+    self._pending = self._max(jax.make_array_from_process_local_data(self._values, local, (self._mesh.size,)))
+    return previous
+
+  def latest(self) -> int:
+    """The result of the last call, waiting for it (0 before any)."""
+    return 0 if self._pending is None else int(self._pending)

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -34,7 +35,7 @@ from train import rundir
 from train import step as step_lib
 from train.cli import UsageError
 from train.config import Config
-from train.interrupt import Interrupt
+from train.interrupt import Agreement, Interrupt
 from train.log import Logger
 
 EXIT_FAILED = 1
@@ -226,28 +227,37 @@ def setup(cfg: Config) -> Run:
                                           (cfg.qk_clip_threshold, model_cfg))
     eval_step = step_lib.make_eval_step(graphdef, par, 1 if pp > 1 else accum)
 
-  checkpoints = ckpt_lib.Checkpoints(cfg.ckpt_path, cfg.keep, create=not cfg.resume)
+  checkpoints = ckpt_lib.Checkpoints(cfg.ckpt_path, cfg.keep, create=False)  # made below, once checked
   start_step, record, examples = 0, config_record(cfg, model_cfg), 0
   if cfg.resume:
     start_step = preflight.resume_step(cfg, existing)
-    try:
+    with preflight.reading("--resume --step", cfg.ckpt_path, start_step):
       meta, saved = checkpoints.read_json(start_step)
       preflight.check_same_model(saved, model_cfg, cfg, cfg.ckpt_path)
       with jax.set_mesh(mesh):
         state = checkpoints.restore_state(start_step, state, pp, cfg.virtual_stages)
       train_batches.set_state(meta["data"])
       examples = meta.get("examples")  # None: saved before examples were counted
-    except UsageError:
-      raise
-    except Exception as e:  # noqa: BLE001  whatever Orbax or the record's reader met
-      raise preflight.damaged("--resume --step", cfg.ckpt_path, start_step, e) from None
     if saved["model"]["dtype"] != model_cfg.dtype:  # a scale belongs to the dtype it was found for
       state = state._replace(loss_scale=fresh_scale)
     if start_step >= cfg.steps:
       raise UsageError(f"--resume: the checkpoint is at step {start_step}, which already reaches"
                        f" --steps {cfg.steps}; pass a larger --steps to train further")
+  # Compiled now (the first step reuses it) to refuse a step the devices cannot hold before
+  # anything is written; the first batch is read and put back.
+  position = train_batches.get_state()
+  first = _global_batch(batch_sharding, (cfg.global_batch_size, model_cfg.seq_len), next(train_batches))
+  train_batches.set_state(position)
   if primary:
+    print("compiling the training step", flush=True)
+  t0 = time.perf_counter()
+  with jax.set_mesh(mesh):
+    compiled = train_step.lower(state, first).compile()
+  preflight.check_memory(compiled.memory_analysis(), mesh, model_cfg)
+  if primary:
+    print(f"compiled the training step in {time.perf_counter() - t0:.1f} s", flush=True)
     lock.acquire()
+    os.makedirs(cfg.ckpt_path, exist_ok=True)
     if cfg.hf_dir is not None and os.path.isdir(cfg.hf_dir):
       hf_io.copy_tokenizer(cfg.hf_dir, cfg.run_path)
     if preflight.drop_newer(cfg, start_step, existing):
@@ -262,9 +272,11 @@ def setup(cfg: Config) -> Run:
 
 def global_batch(run: Run, local: dict) -> dict:
   """This process's rows of a batch (the loader's output) as one global array per key."""
-  shape = (run.cfg.global_batch_size, run.model_cfg.seq_len)
-  return {k: jax.make_array_from_process_local_data(run.batch_sharding, np.asarray(v), shape)
-          for k, v in local.items()}
+  return _global_batch(run.batch_sharding, (run.cfg.global_batch_size, run.model_cfg.seq_len), local)
+
+
+def _global_batch(sharding: NamedSharding, shape: tuple[int, int], local: dict) -> dict:
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v), shape) for k, v in local.items()}
 
 
 def evaluate(run: Run, state: step_lib.TrainState) -> tuple[float, int]:
@@ -334,20 +346,15 @@ def _train(run: Run, interrupt: Interrupt) -> int:
 
   start = time.perf_counter()
   step = run.start_step
+  agreement = Agreement(run.mesh)
   try:
     for step in range(run.start_step + 1, cfg.steps + 1):
-      first = step == run.start_step + 1
-      if first:
-        logger.message("compiling the training step (the first step waits for it)")
-        t0 = time.perf_counter()
       with jax.set_mesh(run.mesh):
         batch = global_batch(run, next(run.train_batches))
         state, metrics = run.train_step(state, batch)
         examples = count_examples(batch["segment_ids"]) if run.steps_per_epoch else None
-      if first:
-        jax.block_until_ready(metrics)
-        logger.message(f"compiled and ran step {step} in {time.perf_counter() - t0:.1f} s")
       run.checkpoints.check_for_errors()
+      stop = agreement(interrupt.signum or 0)  # a signal to any process stops all after this step
       if pending is not None:
         account(*pending)
       pending = (step, metrics, examples)
@@ -356,7 +363,7 @@ def _train(run: Run, interrupt: Interrupt) -> int:
       is_last = step == cfg.steps
       evaluating = run.valid_rows is not None and (
           is_last or (cfg.eval_every and step % cfg.eval_every == 0))
-      saving = is_last or interrupt.signum is not None or (cfg.save_every and step % cfg.save_every == 0)
+      saving = is_last or stop or (cfg.save_every and step % cfg.save_every == 0)
       if evaluating or saving:
         account(*pending)
         pending = None
@@ -369,7 +376,7 @@ def _train(run: Run, interrupt: Interrupt) -> int:
       if saving:
         save(run, step, state, logger.examples)
         logger.message(f"saving the checkpoint of step {step} to {cfg.ckpt_path} (in the background)")
-      if interrupt.signum is not None:
+      if stop:
         break
     if pending is not None:
       account(*pending)
@@ -389,10 +396,12 @@ def _train(run: Run, interrupt: Interrupt) -> int:
   finally:
     logger.close()
   last_saved = run.checkpoints.saving or run.start_step
-  if interrupt.signum is not None:
-    print(f"error: stopped by {interrupt.name} after step {step}; the checkpoint of step {last_saved}"
-          f" is saved in {cfg.ckpt_path}; continue with --resume", file=sys.stderr)
-    return interrupt.exit_code
+  signum = agreement.latest()
+  if signum:
+    where = "" if interrupt.signum == signum else " sent to another process"
+    print(f"error: stopped by {signal.Signals(signum).name}{where} after step {step}; the checkpoint of"
+          f" step {last_saved} is saved in {cfg.ckpt_path}; continue with --resume", file=sys.stderr)
+    return 128 + signum
   if consecutive >= cfg.max_skipped:
     kept = (f"the last good checkpoint is step {last_saved} in {cfg.ckpt_path}" if last_saved
             else "no checkpoint was written")

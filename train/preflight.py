@@ -5,9 +5,11 @@ Each check raises ``UsageError`` with one line that names the problem and the fi
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 
 import jax
 
@@ -118,6 +120,49 @@ def damaged(command: str, ckpt_path: str, step: int | None, error: BaseException
   fix = (f"use an older one with {command} {max(older)}" if older
          else "no older checkpoint exists: start a new --run-dir")
   return UsageError(f"the checkpoint of step {step} in {ckpt_path} is damaged ({cause}); {fix}")
+
+
+@contextlib.contextmanager
+def reading(command: str, ckpt_path: str, step: int | None) -> Iterator[None]:
+  """Reads of checkpoint ``step`` (Orbax's restores and metadata, the saved records): the
+  errors damage gives them become :func:`damaged`'s one line; any other error (a bug)
+  keeps its traceback. Damage is a missing item or file (KeyError, OSError), bytes or
+  JSON that do not parse (ValueError), or a failed TensorStore read, which Orbax re-raises
+  as a bare ``Exception``."""
+  try:
+    yield
+  except UsageError:
+    raise
+  except (KeyError, ValueError, OSError) as e:
+    raise damaged(command, ckpt_path, step, e) from None
+  except Exception as e:
+    if type(e) is not Exception:
+      raise
+    raise damaged(command, ckpt_path, step, e) from None
+
+
+def check_memory(stats, mesh: jax.sharding.Mesh, model_cfg: models.GPTConfig) -> None:
+  """Refuses a compiled training step whose memory (XLA's ``memory_analysis``: arguments,
+  outputs and temporaries of one device) exceeds a device's memory, or, on CPU, whose
+  devices together exceed the host's; a backend that reports neither is not checked."""
+  if stats is None:
+    return
+  local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  device = local[0]  # memory_stats answers for this process's devices only
+  need = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+          + stats.temp_size_in_bytes)
+  limit = (device.memory_stats() or {}).get("bytes_limit")
+  if limit is not None:
+    where = f"the {limit / 2**30:.1f} GiB of a {device.device_kind}"
+  elif device.platform == "cpu":
+    need, limit = need * len(local), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    where = f"the host's {limit / 2**30:.1f} GiB" + (f" ({len(local)} CPU devices)" if len(local) > 1 else "")
+  else:
+    return
+  if need > limit:
+    raise UsageError(f"a training step needs {need / 2**30:,.1f} GiB, more than {where}"
+                     f" (--seq-len {model_cfg.seq_len}); lower --seq-len or --micro-batch-size, add"
+                     " --remat, or shard over more devices (--mesh)")
 
 
 def drop_newer(cfg: Config, step: int, existing: list[int]) -> bool:

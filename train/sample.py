@@ -41,6 +41,7 @@ from train import checkpoint as ckpt_lib
 from train import cli
 from train import config as config_lib
 from train import hf as hf_io
+from train import preflight
 from train.cli import UsageError
 
 
@@ -89,9 +90,11 @@ def open_checkpoint(run_dir: str, step: int | None = None
     elif step not in steps:
       raise UsageError(f"--step {step}: {where} has checkpoints at steps"
                        f" {', '.join(map(str, sorted(steps)))}; pass one of them")
-    record = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
-    # XLA's attention runs on any device; the run may have trained with cuDNN's on a GPU.
-    yield manager, step, models.GPTConfig(**{**record["model"], "attention": "xla"})
+    with preflight.reading("--step", where, step):
+      record = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+      # XLA's attention runs on any device; the run may have trained with cuDNN's on a GPU.
+      cfg = models.GPTConfig(**{**record["model"], "attention": "xla"})
+    yield manager, step, cfg
   finally:
     manager.close()
 
@@ -101,7 +104,8 @@ def restore(run_dir: str, step: int | None = None, par: models.Parallelism | Non
   or, given ``par``, sharded on its mesh like ``models.init(cfg, par)`` (call it under
   ``jax.set_mesh(par.mesh)``; each process reads only its devices' slices)."""
   with open_checkpoint(run_dir, step) as (manager, step, cfg):
-    shapes = manager.item_metadata(step)["state"]["params"]
+    with preflight.reading("--step", checkpoint_path(run_dir), step):
+      shapes = manager.item_metadata(step)["state"]["params"]
     if par is None:
       graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.GPT(cfg, rngs=nnx.Rngs(0))))
       target = shapes
@@ -114,8 +118,9 @@ def restore(run_dir: str, step: int | None = None, par: models.Parallelism | Non
       target = ckpt_lib.saved_structs(shapes, like)
       restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape,
                                                                  dtype=s.dtype), target)
-    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item={"params": target}, restore_args={"params": restore_args}, partial_restore=True)))["state"]
+    with preflight.reading("--step", checkpoint_path(run_dir), step):
+      state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+          item={"params": target}, restore_args={"params": restore_args}, partial_restore=True)))["state"]
   if par is None:
     return Restored(cfg, graphdef, jax.device_put(state["params"]), step)
   return Restored(cfg, graphdef, ckpt_lib.from_saved(state["params"], like, par.pp, par.virtual_stages), step)

@@ -1,0 +1,150 @@
+"""The words of ``python -m train.gpt``'s command line: the values each choice flag accepts
+and the ``--help`` text of every flag, keyed by its :class:`train.config.Config` field.
+
+Kept apart from ``train/config.py`` (which imports it) so the dataclass and its checks
+stay short; nothing here imports jax or the config.
+"""
+from __future__ import annotations
+
+PRESET_NAMES = ("tiny", "tiny-moe", "small", "350m", "1b")
+OPTIMIZERS = ("dion", "dion2", "nordion2", "normuon", "muon", "adamw", "lion")
+# Base learning rates; --lr overrides. The orthogonal family's is the reference's own
+# (microsoft/dion's 160m configs); on tiny, 200 steps, the best of a 2x grid was 0.04
+# for all four (benchmarks/results/optimizer_comparison.md).
+DEFAULT_LR = {"dion": 0.02, "dion2": 0.02, "nordion2": 0.02, "normuon": 0.02, "muon": 0.02, "adamw": 3e-3, "lion": 3e-4}
+DECAY_STYLES = ("constant", "linear", "cosine", "wsd")
+# The values of each flag with a fixed set of them (argparse's choices=).
+CHOICES = {"preset": PRESET_NAMES, "dtype": ("float32", "bfloat16", "float16"),
+           "attention": ("auto", "xla", "cudnn"), "optimizer": OPTIMIZERS,
+           "qk_norm": ("none", "rms", "rms_scale"),
+           "lr_decay_style": DECAY_STYLES, "dion_qr_method": ("auto", "shifted_cqr", "cqr", "rcqr", "qr"),
+           "dion_scale_rule": ("fan_ratio", "spectral", "max_one", "none"),
+           "dion_scalar_optimizer": ("adamw", "lion"), "ortho_dtype": ("bfloat16", "float32")}
+
+HELP = {
+    "preset": "model size: %s (default tiny: 4 layers x 128, seq 128)" % "|".join(PRESET_NAMES),
+    "qk_norm": "none|rms|rms_scale: QK-norm of the preset's attention (default rms, the reference's;"
+               " none as Llama, rms_scale as Qwen3)",
+    "init_from": "hf:DIR: start from a Hugging Face Llama, Qwen3 or Qwen3-MoE checkpoint in the local"
+                 " folder DIR (config.json + safetensors; not a Hub id: huggingface-cli download"
+                 " ORG/NAME --local-dir DIR first) instead of a random preset; --seq-len sets the"
+                 " training length (default min(max_position_embeddings, 1024)); the run is"
+                 " runs/BASENAME(DIR)-OPTIMIZER unless --name/--run-dir",
+    "num_layers": "override the preset's number of transformer layers",
+    "hidden_size": "override the preset's model width d_model",
+    "num_attention_heads": "override the preset's attention heads (must divide the hidden size)",
+    "seq_len": "override the preset's tokens per sequence",
+    "dtype": "compute dtype float32|bfloat16|float16 (default: bfloat16 on GPU, float32 on"
+             " CPU); parameters and optimizer state stay float32; float16 scales the loss"
+             " dynamically (Megatron's --fp16)",
+    "attention": "auto|xla|cudnn: implementation of attention (default auto: cuDNN's fused"
+                 " attention on an NVIDIA GPU in bfloat16 or float16, XLA's otherwise)",
+    "remat": "recompute each layer's activations in the backward pass (less memory)",
+    "sequence_parallel": "shard activations along the sequence over tp between layers",
+    "virtual_stages": "stages per pp device of a circular (interleaved) pipeline (default 1)",
+    "num_experts": "mixture of experts: the MLP of every layer (every --moe-every-th) becomes"
+                   " this many experts of the preset's MLP width, split over the mesh's ep axis"
+                   " (default: the preset's; tiny-moe has 8; 0 for a dense MLP)",
+    "moe_ffn_hidden_size": "hidden width of each expert (default: the preset's MLP width; the"
+                           " dense layers of --moe-every keep it)",
+    "moe_every": "experts on every n-th layer only (layers n-1, 2n-1, ...; Qwen3-MoE's"
+                 " decoder_sparse_step), dense MLPs between; n divides the layers (default 1:"
+                 " every layer)",
+    "moe_top_k": "experts per token (default 2)",
+    "moe_capacity_factor": "cap each expert at ceil(c x seq_len x top_k / experts) tokens per"
+                           " sequence and drop the overflow, counted in the log (default:"
+                           " dropless, every token routed)",
+    "moe_shared_expert": "add a dense shared expert of the MLP width that every token goes through",
+    "moe_aux_loss_coeff": "weight of each MoE layer's load-balancing loss (default 0.01)",
+    "moe_z_loss_coeff": "weight of each MoE layer's router z-loss (default 0.001)",
+    "data": "training data: stdlib (the embedded corpus, default) | fineweb:GLOB |"
+            " megatron:PREFIX | sft:FILE.jsonl (lines {\"prompt\", \"completion\"}, loss on the"
+            " completion, or {\"messages\": [...]}, rendered by --init-from's chat template,"
+            " loss on the assistant turns; tokenized with --init-from's tokenizer, else bytes) | a blend W1 SRC1 W2 SRC2 ... (e.g. 0.7 fineweb:'d/*.bin' 0.3 stdlib)",
+    "valid_data": "validation data spec (default: stdlib:val for the embedded corpus, none otherwise)",
+    "pack": "sft: data: pack several examples per sequence, attention kept within each"
+            " (default on; --no-pack: one example per sequence)",
+    "document_mask": "pretraining data: attention within each document of a window and"
+                     " positions restarting at each end-of-document token (Megatron's"
+                     " --reset-attention-mask --reset-position-ids; default off)",
+    "vocab_size": "tokenizer vocabulary size, where the data does not record it (Megatron datasets)",
+    "optimizer": "%s (default dion: Dion on matrices, --dion-scalar-optimizer on the rest;"
+                 " dion2 (fraction 1/4), nordion2 (fraction 1/4), normuon and muon: dion_jax's,"
+                 " sharded like Dion, with"
+                 " the same scalar optimizer on the rest; adamw, lion: optax's on everything)"
+                 % "|".join(OPTIMIZERS),
+    "lr": "peak learning rate (default: %s)" % ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items()),
+    "min_lr": "learning rate at the end of the decay (default 0)",
+    "lr_warmup_steps": "linear warmup to --lr over this many steps (default: 5%% of the decay steps)",
+    "lr_decay_style": "%s after warmup (default cosine; wsd: constant, then linear decay over"
+                      " --lr-wsd-decay-steps)" % "|".join(DECAY_STYLES),
+    "lr_decay_steps": "steps over which warmup and decay run (default --steps); set it when a"
+                      " run is split over several invocations",
+    "lr_wsd_decay_steps": "final decay steps of wsd (default: a fifth of the decay steps)",
+    "weight_decay": "decoupled weight decay of the matrices, times the learning rate (default 0.01)",
+    "qk_clip_threshold": "QK-clip (MuonClip): after each step, shrink the query and key kernels of every"
+                         " attention head whose largest logit exceeded this, to it (default off;"
+                         " needs --qk-norm none or a Llama checkpoint); the log shows the largest"
+                         " logit and the clipped heads",
+    "scalar_weight_decay": "weight decay of everything else: embeddings, LM head, norms (default 0,"
+                           " microsoft/dion's recipe; runs saved before this flag resume with"
+                           " --weight-decay's value)",
+    "clip_grad": "clip the gradient to this global norm, 0 for none (default 1.0); with Dion's"
+                 " per-replica gradients the norm of their mean",
+    "max_skipped": "stop after this many consecutive skipped steps (default 10): steps whose"
+                   " loss, gradient, new parameters or optimizer state would not be finite,"
+                   " float16 overflows included; skipped steps change nothing",
+    "initial_loss_scale": "--dtype float16: the loss scale a run starts from (default 65536 ="
+                          " 2^16, as torch.amp's; each halving is a skipped step: from Megatron's"
+                          " 2^32, tiny skips 16, past the default --max-skipped); a resumed run"
+                          " continues from its saved scale",
+    "loss_scale_window": "--dtype float16: double the loss scale after this many finite steps"
+                         " in a row (default 1000, as Megatron's)",
+    "min_loss_scale": "--dtype float16: never halve the loss scale below this (default 1, as"
+                      " Megatron's)",
+    "dion_rank_fraction": "Dion's rank r / min(m, n), in (0, 1] (default 1; 0.25 cuts"
+                          " its compute and data-parallel traffic)",
+    "dion_momentum": "Dion's error-feedback momentum mu (default 0.95)",
+    "dion_qr_method": "auto|shifted_cqr|cqr|rcqr|qr orthonormalization of Dion's power iteration"
+                      " (default auto: shifted_cqr, batched Cholesky QR with no loop over"
+                      " matrices, on a GPU; rcqr on a CPU)",
+    "dion_scale_rule": "fan_ratio|spectral|max_one|none shape scale of Dion's update"
+                       " (default fan_ratio, the reference's sqrt(fan_out/fan_in))",
+    "dion_scalar_optimizer": "adamw|lion for embeddings, LM head and norms (default adamw)",
+    "ortho_dtype": "bfloat16|float32: dtype of dion2/normuon/muon's orthogonalization (default"
+                   " bfloat16, as the reference; float32 replays exactly on every mesh)",
+    "dion_mixed_precision": "keep Dion's momentum and Q in bfloat16 (microsoft/dion's"
+                            " mixed_precision: true; default off: the parameter's dtype)",
+    "dion_replicate_sync": "with rp > 1 keep per-replica momentum and average only Dion's"
+                           " low-rank factors over rp (default on)",
+    "global_batch_size": "sequences per optimizer step over all devices (default 16)",
+    "micro_batch_size": "sequences per data-parallel rank per micro-step (default: all of"
+                        " them); micro-batches = global / (micro x rp x fs) feed gradient"
+                        " accumulation, or the pipeline when pp > 1",
+    "steps": "optimizer steps of the run, counted from its start (default 200)",
+    "seed": "seed of the initialization, Dion's sketches and the data order (default 0)",
+    "mesh": "device mesh, e.g. rp=1,fs=2,tp=2, over the axes rp (replicas: data parallel, Dion's"
+            " momentum per replica), fs (fully sharded data parallel), ep (experts), cp (context:"
+            " the sequence split), tp (tensor parallel), pp (pipeline stages); missing ones are 1;"
+            " default fs=<all devices>; on CPU the trainer creates the host devices it needs",
+    "log_interval": "steps between log lines (default 10)",
+    "eval_every": "steps between validation evaluations, 0 for only at the end (default 100)",
+    "eval_tokens": "validation tokens per evaluation (default 16384)",
+    "name": "run name: the run directory is runs/NAME (default PRESET-OPTIMIZER, or"
+            " BASENAME(DIR)-OPTIMIZER with --init-from hf:DIR)",
+    "run_dir": "run directory for config.json, metrics.jsonl and checkpoints (default runs/NAME)",
+    "ckpt_dir": "checkpoint directory (default RUN_DIR/checkpoints)",
+    "save_every": "steps between checkpoints, 0 for only at the end (default 100)",
+    "keep": "checkpoints to keep, newest first (default 2)",
+    "resume": "continue from the latest complete checkpoint; flags left off keep the values"
+              " saved in the run's config.json (or, without it, in the checkpoint); a new --steps"
+              " keeps the saved lr schedule unless --lr-decay-steps is given",
+    "step": "with --resume: continue from this checkpoint step instead of the latest (to go"
+            " back past a damaged or unwanted one); the newer checkpoints are deleted",
+    "coordinator": "multi-host: HOST:PORT of process 0's coordinator",
+    "num_processes": "multi-host: number of processes",
+    "process_id": "multi-host: this process's index in [0, --num-processes)",
+    "distributed": "multi-host with jax.distributed.initialize's auto-detection (SLURM, Open MPI, TPU)",
+    "distributed_timeout": "multi-host: seconds to wait for every process to join the coordinator"
+                           " (default 300)",
+}
