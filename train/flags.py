@@ -129,7 +129,8 @@ HELP = {
             " default fs=<all devices>; on CPU the trainer creates the host devices it needs",
     "log_interval": "steps between log lines (default 10)",
     "eval_every": "steps between validation evaluations, 0 for only at the end (default 100)",
-    "eval_tokens": "validation tokens per evaluation (default 16384)",
+    "eval_tokens": ("validation tokens per evaluation (default 16384); an sft: validation file is"
+                    " evaluated whole, each example once; 0 turns validation off"),
     "name": "run name: the run directory is runs/NAME (default PRESET-OPTIMIZER, or"
             " BASENAME(DIR)-OPTIMIZER with --init-from hf:DIR)",
     "run_dir": "run directory for config.json, metrics.jsonl and checkpoints (default runs/NAME)",
