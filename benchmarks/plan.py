@@ -170,9 +170,6 @@ def caveats(cfg, sizes: dict[str, int], optimizer: str) -> list[str]:
   if sizes["pp"] > 1 and batch:
     out.append("pp beside batch axes: compiled on CPU, the pipeline also reshards the batch and the"
                " embedding's gradient over them (tiny, pp=2,fs=2: 1.5x the planned bytes over fs)")
-  if cfg.num_experts and sizes["tp"] > 1:
-    out.append("experts with tp > 1: compiled on CPU, expert kernels are gathered over tp where used"
-               " (4.4x the planned tp bytes on tiny-moe, ep=2,tp=2)")
   if optimizer in ("dion2", "nordion2"):
     out.append(f"{optimizer}: its selection's traffic is estimated as the fraction of Muon's")
   return out

@@ -12,7 +12,9 @@ partitioner (``models/sharding.py``, ``train/step.py``), not an idealized one:
     layer (forward, the backward pass's recomputation, which keeps only matrix
     products, and the column-parallel inputs' gradients), one for the vocab-parallel
     embedding and one for the LM head's input gradient, three float32 (b, T/cp) vectors
-    for the vocab-parallel softmax;
+    for the vocab-parallel softmax; an MoE layer's experts are tensor-parallel like the
+    dense MLP (each rank a slice of every expert), whose outputs are reduced per token, and
+    its gates' gradient (float32, b·T/cp·k) reduced too;
   * fs gathers (ZeRO-3): each layer's tp-local kernels gathered over the dense-sharding
     axes (cp, fs, ep) in the forward pass and again in the backward pass; the embedding
     and the LM head once, over those axes and pp;
@@ -254,6 +256,10 @@ def model_collectives(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, 
     counts = 2 * cfg.num_experts * 4
     add("expert all-to-all", "all-to-all", ["ep"], _moe_layers(cfg) * (6 * rows * d * act_bytes + counts),
         8 * _moe_layers(cfg))
+    # Each tp rank's experts give partial sums of the expert outputs, which meet the gates
+    # before the reduction: the gates' gradient (float32, b·T·k) is reduced over tp.
+    add("tp activations", "all-reduce", ["tp"], _moe_layers(cfg) * tokens_k * 4, _moe_layers(cfg),
+        times=iterations)
   kv = b * cfg.seq_len * cfg.kv_heads * cfg.head_dim * act_bytes // sizes["tp"]
   add("cp exchange", "all-gather", ["cp"], L * 4 * kv, 4 * L)
   add("cp exchange", "reduce-scatter", ["cp"], L * 2 * kv, 2 * L)

@@ -41,8 +41,12 @@ How ep composes: ep ranks are data-parallel ranks (the batch is split over rp·f
 holding E/ep experts; every other parameter is fully sharded over cp·fs·ep (ZeRO-3 over all
 of them: ``models.sharding.DENSE_SHARDS``). Inside the dispatch the experts' D axis is
 gathered over fs (and the router's over fs and ep; reduce-scattered back in the backward
-pass) and F stays split over tp, whose partial products XLA reduces as for the dense MLP;
-sequence parallelism gathers the sequence before the MLP as before. Pipeline stages stack
+pass) and F stays split over tp (Megatron's expert TP): every tp rank routes the same
+tokens, exchanges the same rows, multiplies them with its F/tp slice of each expert and
+sends back partial sums, which meet the gates and are reduced over tp once per token, as
+the dense MLP's; in the backward pass the tokens' gradient is reduced likewise, and the
+gates' (``B·T·k`` floats). Sequence parallelism gathers the sequence before the MLP as
+before. Pipeline stages stack
 experts like every other weight. With context parallelism a rank routes its T/cp tokens of
 every sequence; the per-sequence sums behind the balance loss (and the z-loss, the load)
 are summed over cp first, so every cp layout reproduces one device. Router and experts are
@@ -51,7 +55,8 @@ limit counts places in each expert's queue across the whole sequence: a rank add
 own running counts those of the sequence's earlier chunks, all-gathered over cp (one
 ``[cp, 2, B, E]`` integer gather per layer), so it drops what one device would.
 
-The dispatch runs in a ``shard_map`` manual over the data-parallel axes (tp left to XLA),
+The dispatch runs in a ``shard_map`` manual over the data-parallel axes and tp (left to
+XLA's partitioner, tp gathered each layer's experts whole for the grouped matmuls),
 under a ``custom_vjp`` whose backward pass re-runs the dispatch under ``jax.vjp`` in a
 second ``shard_map``: on jax 0.10 a ``shard_map`` differentiated inside another one (the
 per-replica gradient's) fails to lower. The cost is one more forward
@@ -75,6 +80,7 @@ from models.sharding import (BATCH_AXES, EXPERT_LAYOUTS, KERNEL_LAYOUTS, Paralle
 
 EXPERT_AXIS = "ep"
 CONTEXT_AXIS = "cp"
+TENSOR_AXIS = "tp"
 
 
 class RouterStats(NamedTuple):
@@ -185,6 +191,11 @@ def _cp() -> int:
   return dict(mesh.shape)[CONTEXT_AXIS] if CONTEXT_AXIS in mesh.manual_axes else 1
 
 
+def _tp_manual() -> bool:
+  """Whether the experts run tp-sharded by hand: inside a ``shard_map`` manual over tp."""
+  return TENSOR_AXIS in jax.sharding.get_abstract_mesh().manual_axes
+
+
 def _over_cp(x: jax.Array) -> jax.Array:
   """``x`` summed over cp, whose ranks hold the other parts of the same sequences."""
   return jax.lax.psum(x, CONTEXT_AXIS) if _cp() > 1 else x
@@ -237,8 +248,12 @@ def _local(x_BxTxD: jax.Array, weights: dict[str, jax.Array], cfg: GPTConfig, ep
   experts_A, gates_A, stats = route(x_BxTxD, weights["router"], cfg)
   order = jnp.argsort(experts_A, stable=True)
   sorted_experts_A = experts_A[order]
-  sorted_AxD = x_BxTxD.reshape(B * T, D)[order // k]
   counts_E = jnp.sum(jax.nn.one_hot(experts_A, cfg.num_experts, dtype=jnp.int32), 0)
+  if _tp_manual():
+    # Each tp rank's experts give partial sums of the rows: marking the tokens varying here
+    # puts the transposed reduction on the tokens' gradient, [B·T, D], not on the rows.
+    x_BxTxD = jax.lax.pcast(x_BxTxD, TENSOR_AXIS, to="varying")
+  sorted_AxD = x_BxTxD.reshape(B * T, D)[order // k]
   if ep == 1:
     out_AxD = _expert_mlp(sorted_AxD, weights, counts_E, cfg.mlp)
   else:
@@ -247,25 +262,22 @@ def _local(x_BxTxD: jax.Array, weights: dict[str, jax.Array], cfg: GPTConfig, ep
     out_AxD = _exchange(sorted_AxD, sorted_experts_A, counts_E, weights, cfg, slots, ep)
   out_NxKxD = out_AxD[jnp.argsort(order)].reshape(B * T, k, D).astype(jnp.float32)
   y_NxD = jnp.einsum("nk,nkd->nd", gates_A.reshape(B * T, k), out_NxKxD)
-  return y_NxD.reshape(B, T, D).astype(x_BxTxD.dtype), stats
+  y_BxTxD = y_NxD.reshape(B, T, D).astype(x_BxTxD.dtype)
+  # The row-parallel down product's partial sums, reduced once per token as in the dense MLP.
+  return (jax.lax.psum(y_BxTxD, TENSOR_AXIS) if _tp_manual() else y_BxTxD), stats
 
 
 def _stored_layout(name: str) -> P:
   return KERNEL_LAYOUTS["router"][0] if name == "router" else EXPERT_LAYOUTS[layout_of([name])]
 
 
-def _split_layout(name: str) -> tuple[P, P, int]:
-  """A dispatch weight's stored layout (``models.sharding``) split in two: its data-parallel
-  part, the dispatch's ``in_specs``, and its tp part, left to XLA; and the dimension sharded
-  over fs, gathered inside (the router's D over fs·ep, the experts' over fs: ep keeps
-  whole experts)."""
-  stored = _stored_layout(name)
-
-  def only(axes):
-    return P(*(tuple(a for a in parallel.axis_names(e) if a in axes) or None for e in stored))
-
-  data, tp = only(BATCH_AXES), only(("tp",))  # the axes the dispatch is manual over; tp
-  return data, tp, next(i for i, e in enumerate(data) if "fs" in parallel.axis_names(e))
+def _split_layout(name: str, axes: set[str]) -> tuple[P, int]:
+  """A dispatch weight's stored layout (``models.sharding``) over ``axes``, those the dispatch
+  is manual over (data-parallel and tp): its ``in_specs``; and the dimension sharded over fs,
+  gathered inside (the router's D over fs·ep, the experts' over fs: ep keeps whole experts,
+  tp its slice of each)."""
+  spec = P(*(tuple(a for a in parallel.axis_names(e) if a in axes) or None for e in _stored_layout(name)))
+  return spec, next(i for i, e in enumerate(spec) if "fs" in parallel.axis_names(e))
 
 
 def _dispatch(x_BxTxD: jax.Array, weights: dict[str, jax.Array], cfg: GPTConfig, par: Parallelism
@@ -278,22 +290,23 @@ def _dispatch(x_BxTxD: jax.Array, weights: dict[str, jax.Array], cfg: GPTConfig,
   manual = set(mesh.manual_axes)
   region = tuple(a for a in BATCH_AXES if a not in manual)
   data = P(region)
-  layouts = {name: _split_layout(name) for name in weights}
+  # tp too: each rank multiplies its slice of every expert (Megatron's expert TP).
+  axes = set(region) | ({TENSOR_AXIS} - manual)
+  layouts = {name: _split_layout(name, axes) for name in weights}
   # Inside the shard_map manual over cp, the weights entered as their cp blocks.
   weights = {name: gathered_over_manual(w, _stored_layout(name)) for name, w in weights.items()}
-  w_specs = {name: data_spec for name, (data_spec, _, _) in layouts.items()}
+  w_specs = {name: spec for name, (spec, _) in layouts.items()}
 
   def body(x, weights):
     full = {}
     for name, w in weights.items():
-      data_spec, tp_spec, dim = layouts[name]
-      gathered = jax.lax.all_gather(w, data_spec[dim], axis=dim, tiled=True)
-      full[name] = jax.lax.with_sharding_constraint(gathered, tp_spec)
+      spec, dim = layouts[name]
+      full[name] = jax.lax.all_gather(w, spec[dim], axis=dim, tiled=True)
     y, stats = _local(x, full, cfg, ep)
     return y, jax.tree.map(lambda s: jax.lax.psum(s, region), stats)
 
   def shard_map(f, in_specs, out_specs):
-    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(region))
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=axes)
 
   stat_specs = RouterStats(P(), P(), P(), P())
 

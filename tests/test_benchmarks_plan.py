@@ -98,6 +98,7 @@ def update(name, spec, optimizer):
 @pytest.mark.parametrize("name,spec,microbatches", [
     ("tiny", "fs=2,ep=2,tp=2", 1),  # tp activations, fs gathers, gradients over fs·ep
     ("tiny-moe", "fs=2,ep=2", 1),  # expert all-to-all, experts gathered over fs only
+    ("tiny-moe", "fs=2,ep=2,tp=2", 1),  # tensor-parallel experts: outputs reduced per token
     ("tiny", "pp=2,tp=2", 2),  # pipeline sends, the embedding's gradient per iteration
     ("tiny", "cp=2", 1),  # K and V gathered over cp, weights sharded over it
     ("small", "fs=4,tp=2", 1),
