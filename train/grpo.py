@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -59,7 +60,6 @@ from flax import nnx
 
 import models
 from models import generate
-from models.gpt import apply_layers, rotary_tables
 from train import checkpoint as ckpt_lib
 from train import cli, grpo_objective, grpo_rewards, loop, optim, rundir, sample
 from train import config as config_lib
@@ -100,31 +100,46 @@ def read_prompts(path: str, tokenizer, limit: int) -> tuple[list[dict], list[np.
   return rows, tokens
 
 
-def token_logps(graphdef: Any, params: Any, tokens_BxT: jax.Array, pad_B: jax.Array, completion: int,
-                temperature: float) -> jax.Array:
-  """log softmax(logits / temperature) of the last ``completion`` tokens of left-padded
-  sequences, float32 [B, completion], with the training forward (``apply_layers``): the
-  padding is a segment of its own, the tokens' rotary positions start at 0."""
-  par = models.Parallelism()
-  model = nnx.merge(graphdef, params)
+def sequence_batch(tokens_BxT: jax.Array, pad_B: jax.Array, completion: int, multiple: int = 1
+                   ) -> dict[str, jax.Array]:
+  """``models.loss``'s batch of left-padded sequences [B, T] whose last ``completion``
+  tokens count: inputs the tokens (right-padded with 0 to a multiple of ``multiple``, as
+  cp's 2·cp chunks need), targets the next token at the T − completion − 1 … T − 2 that
+  predict a completion token (-1 elsewhere), rotary positions from 0 at the first real
+  token, the padding a segment of its own."""
   B, T = tokens_BxT.shape
-  slots_BxT = jnp.arange(T)[None, :] - pad_B[:, None]
-  rope = rotary_tables(model.cfg, jnp.maximum(slots_BxT, 0))
-  x_BxTxD = model.embed_tokens(tokens_BxT, par)
-  x_BxTxD, _ = apply_layers(nnx.graphdef(model.blocks), params["blocks"], x_BxTxD, rope, par, model.cfg,
-                            segment_ids_BxT=(slots_BxT >= 0).astype(jnp.int32))
-  logits_BxMxV = model.logits(x_BxTxD[:, T - completion - 1:T - 1], par)
-  real_V = jnp.arange(logits_BxMxV.shape[-1]) < model.cfg.vocab_size
-  logps_BxMxV = jax.nn.log_softmax(jnp.where(real_V, logits_BxMxV, -jnp.inf) / temperature, -1)
-  return jnp.take_along_axis(logps_BxMxV, tokens_BxT[:, T - completion:, None], -1)[..., 0]
+  T_padded = -(-T // multiple) * multiple
+  inputs_BxT = jnp.pad(jnp.asarray(tokens_BxT, jnp.int32), ((0, 0), (0, T_padded - T)))
+  slots_BxT = jnp.arange(T_padded)[None, :] - jnp.asarray(pad_B)[:, None]
+  predicts_T = (jnp.arange(T_padded) >= T - completion - 1) & (jnp.arange(T_padded) < T - 1)
+  return {"inputs": inputs_BxT, "targets": jnp.where(predicts_T, jnp.roll(inputs_BxT, -1, 1), -1),
+          "positions": jnp.maximum(slots_BxT, 0), "segment_ids": (slots_BxT >= 0).astype(jnp.int32)}
 
 
-def layered_logps(graphdef: Any, params: Any, tokens_BxT: jax.Array, pad_B: jax.Array, completion: int,
-                  temperature: float) -> jax.Array:
-  """:func:`token_logps` of parameters laid out as on the training mesh (blocks in one
-  pipeline stage, ``[1, L, ...]``); XLA partitions it from their shardings."""
-  return token_logps(graphdef, dict(params, blocks=models.to_layers(params["blocks"], 1)), tokens_BxT, pad_B,
-                     completion, temperature)
+def token_logps(graphdef: Any, params: Any, tokens_BxT: jax.Array, pad_B: jax.Array, completion: int,
+                temperature: float, par: models.Parallelism = models.Parallelism()) -> jax.Array:
+  """log softmax(logits / ``temperature``) of the last ``completion`` tokens of left-padded
+  sequences, float32 [B, completion], by the training forward on ``par``'s mesh
+  (``models.token_logps``: pipelined on pp, split on cp); parameters laid out as there
+  (blocks in stages)."""
+  T = tokens_BxT.shape[1]
+  batch = sequence_batch(tokens_BxT, pad_B, completion, 2 * par.cp)
+  return models.token_logps(graphdef, params, batch, par, temperature)[:, T - completion - 1:T - 1]
+
+
+def update_batch(tokens_BxT: jax.Array, pad_B: jax.Array, old_BxM: jax.Array, ref_BxM: jax.Array | None,
+                 advantages_B: jax.Array, mask_BxM: jax.Array, objective: grpo_objective.Objective,
+                 num_items: jax.Array, cp: int = 1) -> dict[str, jax.Array]:
+  """:func:`sequence_batch` with ``grpo_objective.weighted``'s fields, each [B, M] value at
+  the position that predicts its completion token (0 elsewhere)."""
+  T, M = tokens_BxT.shape[1], old_BxM.shape[1]
+  batch = sequence_batch(tokens_BxT, pad_B, M, 2 * cp)
+  weights_BxM, stat_weights_BxM = grpo_objective.token_weights(mask_BxM, objective, num_items)
+  per_token = {"old": old_BxM, "advantages": jnp.broadcast_to(advantages_B[:, None], old_BxM.shape),
+               "weights": weights_BxM, "stat_weights": stat_weights_BxM,
+               **({"ref": ref_BxM} if ref_BxM is not None else {})}
+  zeros_BxT = jnp.zeros(batch["inputs"].shape, jnp.float32)
+  return {**batch, **{k: zeros_BxT.at[:, T - M - 1:T - 1].set(v) for k, v in per_token.items()}}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -227,12 +242,13 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _make_update(graphdef: Any, tx: optax.GradientTransformation, objective: grpo_objective.Objective,
-                 temperature: float, clip_grad: float) -> Callable:
-  def loss_fn(params, batch):
-    logps_BxM = layered_logps(graphdef, params, batch["tokens"], batch["pad"], objective.max_completion_length,
-                              temperature)
-    return grpo_objective.policy_loss(logps_BxM, batch["old"], batch["advantages"], batch["mask"], objective,
-                                      batch.get("ref"), batch["num_items"])
+                 temperature: float, clip_grad: float, par: models.Parallelism) -> Callable:
+  terms = functools.partial(grpo_objective.weighted, objective)
+
+  def loss_fn(params, batch):  # batch: update_batch's
+    loss, aux = models.loss(graphdef, params, batch, par, denominator=jnp.float32(1), aux=True,
+                            objective=terms, temperature=temperature)
+    return loss, aux.stats
 
   @jax.jit
   def update(params, opt_state, batch):
@@ -251,11 +267,12 @@ def _setup(argv: list[str] | None) -> tuple:
   _check(args)
   gpt_entry.start_jax(config_lib.Config(mesh=args.mesh))  # host devices for the mesh, before JAX starts
   mesh = loop.make_mesh(args.mesh)
-  if dict(mesh.shape)["pp"] > 1 or dict(mesh.shape)["cp"] > 1:
-    raise UsageError(f"--mesh {args.mesh}: GRPO runs on the fs, tp, ep and rp axes, not pp or cp (the"
-                     " pipelined and context-parallel forward gives a summed loss, not per-token log-probs);"
-                     " spread the devices over fs and tp instead")
-  par = models.Parallelism(mesh)
+  pp = dict(mesh.shape)["pp"]
+  if (args.prompts_per_step * args.group_size) % pp:
+    raise UsageError(f"--mesh {args.mesh}: the pipeline splits the {args.prompts_per_step * args.group_size}"
+                     f" completions of a step (--prompts-per-step x --group-size) into pp={pp} micro-batches;"
+                     " choose sizes whose product pp divides")
+  par = models.Parallelism(mesh, microbatches=pp)
   with jax.set_mesh(mesh):
     restored = sample.restore(os.path.abspath(args.init_from), par=par)
   tokenizer = sample.run_tokenizer(os.path.abspath(args.init_from))
@@ -323,8 +340,9 @@ def _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens,
   tx = optim.optimizer(train_cfg, params, par.mesh, models.param_specs(params))
   opt_state = tx.init(params)
   objective = grpo_objective.Objective(args.epsilon_low, args.epsilon_high, args.beta, args.loss_type, M)
-  update = _make_update(graphdef, tx, objective, args.temperature, args.clip_grad)
-  logps = jax.jit(layered_logps, static_argnums=(0, 4, 5))
+  update = _make_update(graphdef, tx, objective, args.temperature, args.clip_grad, par)
+  logps = jax.jit(functools.partial(token_logps, par=par), static_argnums=(0, 4, 5))
+  make_batch = jax.jit(functools.partial(update_batch, objective=objective, cp=par.cp))
   reference = params if args.beta > 0 else None
   sampling = generate.Sampling(args.temperature, args.top_k, args.top_p)
   weights_R = jnp.asarray([w for _, _, w in rewards], jnp.float32)
@@ -365,11 +383,10 @@ def _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens,
       tokens_BxT = np.concatenate([prompts_BxP, completions_BxM], 1)
       pad_B = jnp.asarray(prompts_BxP.shape[1] - prompt_lengths)
       mask_BxM = (np.arange(M)[None] < lengths_B[:, None]).astype(np.float32)
-      batch = {"tokens": jnp.asarray(tokens_BxT), "pad": pad_B, "mask": jnp.asarray(mask_BxM),
-               "advantages": advantages_B, "num_items": jnp.float32(mask_BxM.sum()),
-               "old": logps(graphdef, params, tokens_BxT, pad_B, M, args.temperature)}
-      if reference is not None:
-        batch["ref"] = logps(graphdef, reference, tokens_BxT, pad_B, M, args.temperature)
+      old_BxM = logps(graphdef, params, tokens_BxT, pad_B, M, args.temperature)
+      ref_BxM = None if reference is None else logps(graphdef, reference, tokens_BxT, pad_B, M, args.temperature)
+      batch = make_batch(tokens_BxT, pad_B, old_BxM, ref_BxM, advantages_B, jnp.asarray(mask_BxM),
+                         num_items=jnp.float32(mask_BxM.sum()))
       t1 = time.perf_counter()
       for _ in range(args.updates_per_rollout):
         params, opt_state, loss, stats, grad_norm = update(params, opt_state, batch)
