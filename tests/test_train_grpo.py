@@ -192,68 +192,82 @@ def test_a_run_directory_in_use_is_refused(base_run, prompts_file, tmp_path, cap
   assert os.listdir(run_dir) == ["run.lock"]
 
 
+TEMPERATURE = 0.7
+AGGREGATIONS = ("grpo", "dr_grpo")
+# The clip range and KL weight of the objective's terms; the aggregation enters by the
+# batch's weights alone (grpo.update_batch), so one compiled loss serves every aggregation.
+TERMS = functools.partial(grpo_objective.weighted, grpo_objective.Objective(0.2, 0.28, beta=0.04))
+
+
+def _value_and_grad(graphdef, params, batch, par):
+  def loss_fn(params):
+    loss, aux = models.loss(graphdef, params, batch, par, denominator=jnp.float32(1), aux=True, objective=TERMS,
+                            temperature=TEMPERATURE)
+    return loss, aux.stats
+  return jax.value_and_grad(loss_fn, has_aux=True)(params)
+
+
 @pytest.fixture(scope="module")
-def update_inputs():
-  """A 4-layer model and one rollout's update inputs: 8 left-padded sequences (prompts of
-  3 to 8 tokens, 6 completion tokens, T = 14, which cp = 2 pads to 16), old and reference
+def one_device_update():
+  """A 4-layer model, one rollout's update inputs and their loss, statistics and gradient on
+  one device for each of AGGREGATIONS. The rollout: 8 left-padded sequences (prompts of 3
+  to 8 tokens, 6 completion tokens, T = 14, which cp = 2 pads to 16), old and reference
   log-probs off the policy's by noise (ratios clipped both ways), advantages, a mask of
-  varied lengths."""
+  varied lengths. One device's loss is checked against policy_loss's on its log-probs
+  (TRL-checked in tests/test_train_grpo_objective.py)."""
   cfg = models.preset("tiny", num_layers=4, d_model=32, num_heads=2, seq_len=SEQ_LEN)
   graphdef, params = models.init(cfg, seed=0)
   rng = np.random.default_rng(1)
   B, P, M = 8, 8, 6
   pad_B = jnp.asarray(rng.integers(0, P - 2, B))
   tokens_BxT = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, P + M)), jnp.int32)
-  logps_BxM = grpo.token_logps(graphdef, params, tokens_BxT, pad_B, M, 0.7)
+  logps_BxM = jax.jit(grpo.token_logps, static_argnums=(0, 4, 5))(graphdef, params, tokens_BxT, pad_B, M, TEMPERATURE)
   old_BxM, ref_BxM = (logps_BxM + jnp.asarray(rng.normal(0, 0.3, (B, M)), jnp.float32) for _ in range(2))
   mask_BxM = jnp.asarray(np.arange(M)[None] < rng.integers(1, M + 1, B)[:, None], jnp.float32)
   advantages_B = jnp.asarray(rng.normal(size=B), jnp.float32)
-  return cfg, graphdef, params, (tokens_BxT, pad_B, old_BxM, ref_BxM, advantages_B, mask_BxM)
+  inputs = (tokens_BxT, pad_B, old_BxM, ref_BxM, advantages_B, mask_BxM)
+  step = jax.jit(functools.partial(_value_and_grad, graphdef, par=models.Parallelism()))
+  results = {}
+  for aggregation in AGGREGATIONS:
+    objective = grpo_objective.Objective(0.2, 0.28, 0.04, aggregation, M)
+    (loss, stats), grads = step(params, grpo.update_batch(*inputs, objective, mask_BxM.sum()))
+    expected, expected_stats = grpo_objective.policy_loss(logps_BxM, old_BxM, advantages_B, mask_BxM, objective,
+                                                          ref_BxM)
+    np.testing.assert_allclose(loss, expected, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(stats), np.asarray(expected_stats), atol=1e-6)
+    assert float(stats.clip_low) > 0 and float(stats.clip_high) > 0 and float(stats.kl) > 0
+    results[aggregation] = (objective, loss, stats, grads)
+  return cfg, graphdef, params, inputs, logps_BxM, results
 
 
 @pytest.mark.parametrize("mesh_spec, microbatches", [("fs=2,pp=2", 4), ("fs=2,cp=2", 1)])
-def test_pipelined_and_context_parallel_loss_and_gradient_are_one_devices(update_inputs, mesh_spec, microbatches):
+def test_pipelined_and_context_parallel_loss_and_gradient_are_one_devices(one_device_update, mesh_spec,
+                                                                          microbatches):
   """GRPO's objective through models.loss's pp and cp forward (shard_map, custom_vjp):
   the log-probs, loss, statistics and gradient equal one device's, for the grpo and
-  dr_grpo aggregations with beta > 0; one device's loss is policy_loss's on its log-probs
-  (TRL-checked in tests/test_train_grpo_objective.py). Achieved: log-probs and loss
-  within 1e-6, gradients within 2e-7 of their largest entry (checked at 10x that)."""
-  cfg, graphdef, params_one, inputs = update_inputs
-  tokens_BxT, pad_B, old_BxM, ref_BxM, advantages_B, mask_BxM = inputs
-  temperature, M = 0.7, old_BxM.shape[1]
-  terms = functools.partial(grpo_objective.weighted, grpo_objective.Objective(0.2, 0.28, beta=0.04))
-
-  def value_and_grad(params, batch, par):
-    def loss_fn(params):
-      loss, aux = models.loss(graphdef, params, batch, par, denominator=jnp.float32(1), aux=True,
-                              objective=terms, temperature=temperature)
-      return loss, aux.stats
-    return jax.value_and_grad(loss_fn, has_aux=True)(params)
-
+  dr_grpo aggregations with beta > 0. Achieved: log-probs within 1e-6, loss and
+  statistics within 1e-7, gradients within 2e-7 of their largest entry (checked at
+  about 10x those)."""
+  cfg, graphdef, params_one, inputs, logps_one, results = one_device_update
+  tokens_BxT, pad_B, old_BxM, *_, mask_BxM = inputs
   mesh = loop.make_mesh(mesh_spec)
   par = models.Parallelism(mesh, microbatches=microbatches)
+  _, shapes = models.abstract(cfg, par)
+  params_mesh = jax.device_put(dict(params_one, blocks=models.to_stages(models.to_layers(params_one["blocks"], 1),
+                                                                       par.pp)),
+                               jax.tree.map(lambda s: s.sharding, shapes))
+  step = jax.jit(functools.partial(_value_and_grad, graphdef, par=par))
   with jax.set_mesh(mesh):
-    _, params_mesh = models.init(cfg, par, seed=0)
-    logps_mesh = grpo.token_logps(graphdef, params_mesh, tokens_BxT, pad_B, M, temperature, par)
-  logps_one = grpo.token_logps(graphdef, params_one, tokens_BxT, pad_B, M, temperature)
-  np.testing.assert_allclose(logps_mesh, logps_one, atol=1e-5)
-  one = jax.jit(functools.partial(value_and_grad, par=models.Parallelism()))
-  on_mesh = jax.jit(functools.partial(value_and_grad, par=par))
-  for aggregation in ("grpo", "dr_grpo"):
-    objective = grpo_objective.Objective(0.2, 0.28, 0.04, aggregation, M)
-    make = functools.partial(grpo.update_batch, tokens_BxT, pad_B, old_BxM, ref_BxM, advantages_B, mask_BxM,
-                             objective, mask_BxM.sum())
-    (loss_one, stats_one), grads_one = one(params_one, make())
-    expected, expected_stats = grpo_objective.policy_loss(logps_one, old_BxM, advantages_B, mask_BxM, objective,
-                                                          ref_BxM)
-    np.testing.assert_allclose(loss_one, expected, atol=1e-6)
-    assert float(expected_stats.clip_low) > 0 and float(expected_stats.clip_high) > 0
-    with jax.set_mesh(mesh):
-      (loss_mesh, stats_mesh), grads_mesh = on_mesh(params_mesh, make(cp=par.cp))
-    np.testing.assert_allclose(loss_mesh, loss_one, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(stats_mesh), np.asarray(stats_one), atol=1e-6)
-    grads_mesh = dict(grads_mesh, blocks=models.to_layers(grads_mesh["blocks"], par.pp))
-    grads_one = dict(grads_one, blocks=models.to_layers(grads_one["blocks"], 1))
-    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads_one))
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads_mesh), jax.tree.leaves(grads_one)):
-      np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6 * scale, err_msg=jax.tree_util.keystr(path))
+    logps_mesh = jax.jit(functools.partial(grpo.token_logps, par=par), static_argnums=(0, 4, 5))(
+        graphdef, params_mesh, tokens_BxT, pad_B, old_BxM.shape[1], TEMPERATURE)
+    np.testing.assert_allclose(logps_mesh, logps_one, atol=1e-5)
+    for objective, loss_one, stats_one, grads_one in results.values():
+      (loss, stats), grads = step(params_mesh, grpo.update_batch(*inputs, objective, mask_BxM.sum(), cp=par.cp))
+      np.testing.assert_allclose(loss, loss_one, atol=1e-6)
+      np.testing.assert_allclose(np.asarray(stats), np.asarray(stats_one), atol=1e-6)
+      grads = dict(grads, blocks=models.to_layers(grads["blocks"], par.pp))
+      grads_one = dict(grads_one, blocks=models.to_layers(grads_one["blocks"], 1))
+      scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads_one))
+      for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_one)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6 * scale,
+                                   err_msg=jax.tree_util.keystr(path))
