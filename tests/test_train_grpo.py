@@ -125,8 +125,7 @@ def test_run_writes_metrics_and_a_checkpoint_train_sample_reads(base_run, prompt
     (["--temperature", "0"], "--temperature must be a finite number > 0"),
     (["--reward", "tests.test_train_grpo:raising_reward"], "raised RuntimeError: no score today"),
     (["--reward", "tests.test_train_grpo:nan_reward"], "must return one finite number per completion"),
-    (["--mesh", "pp=2"], "GRPO runs on the fs, tp, ep and rp axes, not pp or cp"),
-    (["--mesh", "fs=2,cp=2"], "GRPO runs on the fs, tp, ep and rp axes, not pp or cp"),
+    (["--mesh", "pp=2", "--prompts-per-step", "1", "--group-size", "3"], "into pp=2 micro-batches"),
 ])
 def test_bad_input(base_run, prompts_file, tmp_path, capsys, extra, message):
   empty = tmp_path / "empty.jsonl"

@@ -26,9 +26,12 @@ The run directory holds ``config.json`` (the starting run's, so ``train.sample``
 ``train.export`` read the result as a run), ``metrics.jsonl`` (one record per step: reward
 mean/std overall and per function, advantage std, KL, clip fractions, completion lengths,
 the share cut at ``--max-new-tokens``, rollout and training tokens/s) and Orbax checkpoints
-of the policy. On ``--mesh`` (train.gpt's axes but pp and cp; one device by default) the
-policy is sharded as in training and takes any optimizer of train.gpt; the rollout gathers
-it once (``models.generate.rollout_params``). ``--resume`` continues from the latest
+of the policy. On ``--mesh`` (train.gpt's axes; one device by default) the policy is
+sharded as in training and takes any optimizer of train.gpt; the rollout gathers it once
+(``models.generate.rollout_params``). The log-probabilities and the loss take training's
+forward (``models.token_logps``, ``models.loss`` with GRPO's per-token objective): on pp
+pipelined in pp micro-batches, on cp split over the sequence (padded on the right to
+2·cp chunks). ``--resume`` continues from the latest
 checkpoint (policy, optimizer state, reference) with the flags saved in config.json (only
 ``--steps`` and ``--save-every`` may change) and the same rollouts as a run that never
 stopped: the prompts' order and the sampler's seed follow from ``--seed`` and the step.
@@ -37,7 +40,8 @@ A run holds its directory's lock (``train.rundir``); a second run there is refus
 Bad input prints one ``error: ...`` line and exits with code 2: a missing run, prompts
 file or reward module, an empty prompts file, G < 2, a prompt that leaves less than
 ``--max-new-tokens`` of the model's ``seq_len``, a reward that raises or is not finite, a
-pp or cp mesh, a flag ``--resume`` may not change, a run directory in use.
+pp that does not divide a step's completions, a flag ``--resume`` may not change, a run
+directory in use.
 """
 from __future__ import annotations
 
@@ -163,7 +167,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--beta", type=float, default=0.0, help="weight of the KL to the starting policy")
   p.add_argument("--no-scale-rewards", action="store_true", help="center advantages without dividing by the std")
   p.add_argument("--optimizer", choices=config_lib.OPTIMIZERS, default="adamw")
-  p.add_argument("--mesh", default="fs=1", help="mesh axes as for train.gpt, without pp and cp (default fs=1)")
+  p.add_argument("--mesh", default="fs=1", help="mesh axes as for train.gpt (default fs=1)")
   p.add_argument("--lr", type=float, default=1e-5)
   p.add_argument("--clip-grad", type=float, default=1.0)
   p.add_argument("--save-every", type=int, default=50)
@@ -304,12 +308,12 @@ def _state(params: Any, opt_state: Any, reference: Any | None) -> dict:
   return {"params": params, "opt_state": opt_state, **({"reference": reference} if reference is not None else {})}
 
 
-def _restore(checkpoints: ckpt_lib.Checkpoints, step: int, like: dict) -> dict:
+def _restore(checkpoints: ckpt_lib.Checkpoints, step: int, like: dict, par: models.Parallelism) -> dict:
   """Checkpoint ``step``'s state laid out like the live ``like`` (``train.checkpoint``)."""
   shapes = checkpoints.manager.item_metadata(step)["state"]
   saved = checkpoints.manager.restore(step, args=ocp.args.Composite(
       state=ocp.args.StandardRestore(ckpt_lib.saved_structs(shapes, like))))
-  return ckpt_lib.from_saved(saved["state"], like, 1, 1)
+  return ckpt_lib.from_saved(saved["state"], like, par.pp, par.virtual_stages)
 
 
 def _write_record(run_dir: str, record: dict) -> None:
@@ -357,7 +361,7 @@ def _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens,
   if args.resume:
     checkpoints = ckpt_lib.Checkpoints(train_cfg.ckpt_path, keep=2, create=False)
     start = checkpoints.latest_step()
-    state = _restore(checkpoints, start, _state(params, opt_state, reference))
+    state = _restore(checkpoints, start, _state(params, opt_state, reference), par)
     params, opt_state, reference = state["params"], state["opt_state"], state.get("reference")
     _write_record(args.run_dir, record)  # the new --steps / --save-every for the next --resume
     metrics = open(os.path.join(args.run_dir, "metrics.jsonl"), "a")
@@ -413,7 +417,7 @@ def _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens,
             f" kl {entry['kl']:.3e} | clip {entry['clip_low'] + entry['clip_high']:.3f} | length"
             f" {entry['completion_length_mean']:.1f} | rollout {rollout_s:.2f}s, train {train_s:.2f}s", flush=True)
       if step % args.save_every == 0 or step == args.steps:
-        checkpoints.save(step, ckpt_lib.to_saved(_state(params, opt_state, reference), 1, 1), {"step": step},
+        checkpoints.save(step, ckpt_lib.to_saved(_state(params, opt_state, reference), par.pp, par.virtual_stages), {"step": step},
                          record)
   finally:
     if metrics is not None:
