@@ -82,7 +82,7 @@ def test_token_logps_are_the_full_forwards(base_run):
   tokens_BxT = np.stack([np.concatenate([np.zeros(T - len(s), np.int32), s]) for s in sequences])
   pad_B = jnp.asarray([T - len(s) for s in sequences])
   staged = dict(restored.params, blocks=models.to_stages(restored.params["blocks"], 1))
-  got = np.asarray(grpo.token_logps(restored.graphdef, staged, jnp.asarray(tokens_BxT), pad_B, completion,
+  got = np.asarray(grpo_objective.token_logps(restored.graphdef, staged, jnp.asarray(tokens_BxT), pad_B, completion,
                                     temperature))
   for b, s in enumerate(sequences):
     logits_TxV = np.asarray(sample.logits(restored.graphdef, restored.params, s[None]), np.float64)[0, :, :restored.cfg.vocab_size]
@@ -194,7 +194,7 @@ def test_a_run_directory_in_use_is_refused(base_run, prompts_file, tmp_path, cap
 TEMPERATURE = 0.7
 AGGREGATIONS = ("grpo", "dr_grpo")
 # The clip range and KL weight of the objective's terms; the aggregation enters by the
-# batch's weights alone (grpo.update_batch), so one compiled loss serves every aggregation.
+# batch's weights alone (grpo_objective.update_batch), so one compiled loss serves every aggregation.
 TERMS = functools.partial(grpo_objective.weighted, grpo_objective.Objective(0.2, 0.28, beta=0.04))
 
 
@@ -220,7 +220,7 @@ def one_device_update():
   B, P, M = 8, 8, 6
   pad_B = jnp.asarray(rng.integers(0, P - 2, B))
   tokens_BxT = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, P + M)), jnp.int32)
-  logps_BxM = jax.jit(grpo.token_logps, static_argnums=(0, 4, 5))(graphdef, params, tokens_BxT, pad_B, M, TEMPERATURE)
+  logps_BxM = jax.jit(grpo_objective.token_logps, static_argnums=(0, 4, 5))(graphdef, params, tokens_BxT, pad_B, M, TEMPERATURE)
   old_BxM, ref_BxM = (logps_BxM + jnp.asarray(rng.normal(0, 0.3, (B, M)), jnp.float32) for _ in range(2))
   mask_BxM = jnp.asarray(np.arange(M)[None] < rng.integers(1, M + 1, B)[:, None], jnp.float32)
   advantages_B = jnp.asarray(rng.normal(size=B), jnp.float32)
@@ -229,7 +229,7 @@ def one_device_update():
   results = {}
   for aggregation in AGGREGATIONS:
     objective = grpo_objective.Objective(0.2, 0.28, 0.04, aggregation, M)
-    (loss, stats), grads = step(params, grpo.update_batch(*inputs, objective, mask_BxM.sum()))
+    (loss, stats), grads = step(params, grpo_objective.update_batch(*inputs, objective, mask_BxM.sum()))
     expected, expected_stats = grpo_objective.policy_loss(logps_BxM, old_BxM, advantages_B, mask_BxM, objective,
                                                           ref_BxM)
     np.testing.assert_allclose(loss, expected, atol=1e-6)
@@ -257,11 +257,11 @@ def test_pipelined_and_context_parallel_loss_and_gradient_are_one_devices(one_de
                                jax.tree.map(lambda s: s.sharding, shapes))
   step = jax.jit(functools.partial(_value_and_grad, graphdef, par=par))
   with jax.set_mesh(mesh):
-    logps_mesh = jax.jit(functools.partial(grpo.token_logps, par=par), static_argnums=(0, 4, 5))(
+    logps_mesh = jax.jit(functools.partial(grpo_objective.token_logps, par=par), static_argnums=(0, 4, 5))(
         graphdef, params_mesh, tokens_BxT, pad_B, old_BxM.shape[1], TEMPERATURE)
     np.testing.assert_allclose(logps_mesh, logps_one, atol=1e-5)
     for objective, loss_one, stats_one, grads_one in results.values():
-      (loss, stats), grads = step(params_mesh, grpo.update_batch(*inputs, objective, mask_BxM.sum(), cp=par.cp))
+      (loss, stats), grads = step(params_mesh, grpo_objective.update_batch(*inputs, objective, mask_BxM.sum(), cp=par.cp))
       np.testing.assert_allclose(loss, loss_one, atol=1e-6)
       np.testing.assert_allclose(np.asarray(stats), np.asarray(stats_one), atol=1e-6)
       grads = dict(grads, blocks=models.to_layers(grads["blocks"], par.pp))

@@ -104,48 +104,6 @@ def read_prompts(path: str, tokenizer, limit: int) -> tuple[list[dict], list[np.
   return rows, tokens
 
 
-def sequence_batch(tokens_BxT: jax.Array, pad_B: jax.Array, completion: int, multiple: int = 1
-                   ) -> dict[str, jax.Array]:
-  """``models.loss``'s batch of left-padded sequences [B, T] whose last ``completion``
-  tokens count: inputs the tokens (right-padded with 0 to a multiple of ``multiple``, as
-  cp's 2·cp chunks need), targets the next token at the T − completion − 1 … T − 2 that
-  predict a completion token (-1 elsewhere), rotary positions from 0 at the first real
-  token, the padding a segment of its own."""
-  B, T = tokens_BxT.shape
-  T_padded = -(-T // multiple) * multiple
-  inputs_BxT = jnp.pad(jnp.asarray(tokens_BxT, jnp.int32), ((0, 0), (0, T_padded - T)))
-  slots_BxT = jnp.arange(T_padded)[None, :] - jnp.asarray(pad_B)[:, None]
-  predicts_T = (jnp.arange(T_padded) >= T - completion - 1) & (jnp.arange(T_padded) < T - 1)
-  return {"inputs": inputs_BxT, "targets": jnp.where(predicts_T, jnp.roll(inputs_BxT, -1, 1), -1),
-          "positions": jnp.maximum(slots_BxT, 0), "segment_ids": (slots_BxT >= 0).astype(jnp.int32)}
-
-
-def token_logps(graphdef: Any, params: Any, tokens_BxT: jax.Array, pad_B: jax.Array, completion: int,
-                temperature: float, par: models.Parallelism = models.Parallelism()) -> jax.Array:
-  """log softmax(logits / ``temperature``) of the last ``completion`` tokens of left-padded
-  sequences, float32 [B, completion], by the training forward on ``par``'s mesh
-  (``models.token_logps``: pipelined on pp, split on cp); parameters laid out as there
-  (blocks in stages)."""
-  T = tokens_BxT.shape[1]
-  batch = sequence_batch(tokens_BxT, pad_B, completion, 2 * par.cp)
-  return models.token_logps(graphdef, params, batch, par, temperature)[:, T - completion - 1:T - 1]
-
-
-def update_batch(tokens_BxT: jax.Array, pad_B: jax.Array, old_BxM: jax.Array, ref_BxM: jax.Array | None,
-                 advantages_B: jax.Array, mask_BxM: jax.Array, objective: grpo_objective.Objective,
-                 num_items: jax.Array, cp: int = 1) -> dict[str, jax.Array]:
-  """:func:`sequence_batch` with ``grpo_objective.weighted``'s fields, each [B, M] value at
-  the position that predicts its completion token (0 elsewhere)."""
-  T, M = tokens_BxT.shape[1], old_BxM.shape[1]
-  batch = sequence_batch(tokens_BxT, pad_B, M, 2 * cp)
-  weights_BxM, stat_weights_BxM = grpo_objective.token_weights(mask_BxM, objective, num_items)
-  per_token = {"old": old_BxM, "advantages": jnp.broadcast_to(advantages_B[:, None], old_BxM.shape),
-               "weights": weights_BxM, "stat_weights": stat_weights_BxM,
-               **({"ref": ref_BxM} if ref_BxM is not None else {})}
-  zeros_BxT = jnp.zeros(batch["inputs"].shape, jnp.float32)
-  return {**batch, **{k: zeros_BxT.at[:, T - M - 1:T - 1].set(v) for k, v in per_token.items()}}
-
-
 def _parser() -> argparse.ArgumentParser:
   p = cli.Parser(prog="python -m train.grpo", description="GRPO fine-tuning of a train.gpt run.")
   p.add_argument("--init-from", metavar="RUN_DIR", help="the python -m train.gpt run to start from (needed)")
@@ -249,7 +207,7 @@ def _make_update(graphdef: Any, tx: optax.GradientTransformation, objective: grp
                  temperature: float, clip_grad: float, par: models.Parallelism) -> Callable:
   terms = functools.partial(grpo_objective.weighted, objective)
 
-  def loss_fn(params, batch):  # batch: update_batch's
+  def loss_fn(params, batch):  # batch: grpo_objective.update_batch's
     loss, aux = models.loss(graphdef, params, batch, par, denominator=jnp.float32(1), aux=True,
                             objective=terms, temperature=temperature)
     return loss, aux.stats
@@ -345,8 +303,8 @@ def _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens,
   opt_state = tx.init(params)
   objective = grpo_objective.Objective(args.epsilon_low, args.epsilon_high, args.beta, args.loss_type, M)
   update = _make_update(graphdef, tx, objective, args.temperature, args.clip_grad, par)
-  logps = jax.jit(functools.partial(token_logps, par=par), static_argnums=(0, 4, 5))
-  make_batch = jax.jit(functools.partial(update_batch, objective=objective, cp=par.cp))
+  logps = jax.jit(functools.partial(grpo_objective.token_logps, par=par), static_argnums=(0, 4, 5))
+  make_batch = jax.jit(functools.partial(grpo_objective.update_batch, objective=objective, cp=par.cp))
   reference = params if args.beta > 0 else None
   sampling = generate.Sampling(args.temperature, args.top_k, args.top_p)
   weights_R = jnp.asarray([w for _, _, w in rewards], jnp.float32)

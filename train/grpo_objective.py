@@ -23,13 +23,22 @@ mask m (1 on completion tokens up to and including eos):
 
 ``num_items`` is the active tokens of the rollout batch the update belongs to (TRL's
 ``num_items_in_batch``); it equals Σ m when one update takes the whole rollout batch.
+
+On the model. Every aggregation is Σ w·ℓ with weights w of the mask alone
+(:func:`token_weights`), so ``models.loss`` sums :func:`weighted`'s terms token by token in
+training's forward, pipelined on pp and split on cp as the cross-entropy is: the
+completions go in as :func:`sequence_batch`'s left-padded sequences, with the old and
+reference log-probs (:func:`token_logps`, by the same forward), advantages and weights as
+per-token fields (:func:`update_batch`).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+import models
 
 AGGREGATIONS = ("grpo", "bnpo", "dr_grpo", "dapo")
 
@@ -125,3 +134,45 @@ def policy_loss(logps_BxM: jax.Array, old_logps_BxM: jax.Array, advantages_B: ja
             **({"ref": ref_logps_BxM} if ref_logps_BxM is not None else {})}
   terms_BxM, stats = weighted(objective, logps_BxM, fields)
   return jnp.sum(terms_BxM), LossStats(*map(jnp.sum, stats))
+
+
+def sequence_batch(tokens_BxT: jax.Array, pad_B: jax.Array, completion: int, multiple: int = 1
+                   ) -> dict[str, jax.Array]:
+  """``models.loss``'s batch of left-padded sequences [B, T] whose last ``completion``
+  tokens count: inputs the tokens (right-padded with 0 to a multiple of ``multiple``, as
+  cp's 2·cp chunks need), targets the next token at the T − completion − 1 … T − 2 that
+  predict a completion token (-1 elsewhere), rotary positions from 0 at the first real
+  token, the padding a segment of its own."""
+  B, T = tokens_BxT.shape
+  T_padded = -(-T // multiple) * multiple
+  inputs_BxT = jnp.pad(jnp.asarray(tokens_BxT, jnp.int32), ((0, 0), (0, T_padded - T)))
+  slots_BxT = jnp.arange(T_padded)[None, :] - jnp.asarray(pad_B)[:, None]
+  predicts_T = (jnp.arange(T_padded) >= T - completion - 1) & (jnp.arange(T_padded) < T - 1)
+  return {"inputs": inputs_BxT, "targets": jnp.where(predicts_T, jnp.roll(inputs_BxT, -1, 1), -1),
+          "positions": jnp.maximum(slots_BxT, 0), "segment_ids": (slots_BxT >= 0).astype(jnp.int32)}
+
+
+def token_logps(graphdef: Any, params: Any, tokens_BxT: jax.Array, pad_B: jax.Array, completion: int,
+                temperature: float, par: models.Parallelism = models.Parallelism()) -> jax.Array:
+  """log softmax(logits / ``temperature``) of the last ``completion`` tokens of left-padded
+  sequences, float32 [B, completion], by the training forward on ``par``'s mesh
+  (``models.token_logps``: pipelined on pp, split on cp); parameters laid out as there
+  (blocks in stages)."""
+  T = tokens_BxT.shape[1]
+  batch = sequence_batch(tokens_BxT, pad_B, completion, 2 * par.cp)
+  return models.token_logps(graphdef, params, batch, par, temperature)[:, T - completion - 1:T - 1]
+
+
+def update_batch(tokens_BxT: jax.Array, pad_B: jax.Array, old_BxM: jax.Array, ref_BxM: jax.Array | None,
+                 advantages_B: jax.Array, mask_BxM: jax.Array, objective: Objective,
+                 num_items: jax.Array, cp: int = 1) -> dict[str, jax.Array]:
+  """:func:`sequence_batch` with :func:`weighted`'s fields, each [B, M] value at
+  the position that predicts its completion token (0 elsewhere)."""
+  T, M = tokens_BxT.shape[1], old_BxM.shape[1]
+  batch = sequence_batch(tokens_BxT, pad_B, M, 2 * cp)
+  weights_BxM, stat_weights_BxM = token_weights(mask_BxM, objective, num_items)
+  per_token = {"old": old_BxM, "advantages": jnp.broadcast_to(advantages_B[:, None], old_BxM.shape),
+               "weights": weights_BxM, "stat_weights": stat_weights_BxM,
+               **({"ref": ref_BxM} if ref_BxM is not None else {})}
+  zeros_BxT = jnp.zeros(batch["inputs"].shape, jnp.float32)
+  return {**batch, **{k: zeros_BxT.at[:, T - M - 1:T - 1].set(v) for k, v in per_token.items()}}
