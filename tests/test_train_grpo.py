@@ -220,7 +220,8 @@ def one_device_update():
   B, P, M = 8, 8, 6
   pad_B = jnp.asarray(rng.integers(0, P - 2, B))
   tokens_BxT = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, P + M)), jnp.int32)
-  logps_BxM = jax.jit(grpo_objective.token_logps, static_argnums=(0, 4, 5))(graphdef, params, tokens_BxT, pad_B, M, TEMPERATURE)
+  logps = jax.jit(grpo_objective.token_logps, static_argnums=(0, 4, 5))
+  logps_BxM = logps(graphdef, params, tokens_BxT, pad_B, M, TEMPERATURE)
   old_BxM, ref_BxM = (logps_BxM + jnp.asarray(rng.normal(0, 0.3, (B, M)), jnp.float32) for _ in range(2))
   mask_BxM = jnp.asarray(np.arange(M)[None] < rng.integers(1, M + 1, B)[:, None], jnp.float32)
   advantages_B = jnp.asarray(rng.normal(size=B), jnp.float32)
@@ -244,9 +245,9 @@ def test_pipelined_and_context_parallel_loss_and_gradient_are_one_devices(one_de
                                                                           microbatches):
   """GRPO's objective through models.loss's pp and cp forward (shard_map, custom_vjp):
   the log-probs, loss, statistics and gradient equal one device's, for the grpo and
-  dr_grpo aggregations with beta > 0. Achieved: log-probs within 1e-6, loss and
-  statistics within 1e-7, gradients within 2e-7 of their largest entry (checked at
-  about 10x those)."""
+  dr_grpo aggregations with beta > 0. Achieved (CPU, float32): log-probs within 1.9e-6,
+  loss within 9e-8, statistics within 3e-8, gradients within 1.7e-6 of their largest
+  entry; checked at about 5-10x those."""
   cfg, graphdef, params_one, inputs, logps_one, results = one_device_update
   tokens_BxT, pad_B, old_BxM, *_, mask_BxM = inputs
   mesh = loop.make_mesh(mesh_spec)
@@ -261,12 +262,13 @@ def test_pipelined_and_context_parallel_loss_and_gradient_are_one_devices(one_de
         graphdef, params_mesh, tokens_BxT, pad_B, old_BxM.shape[1], TEMPERATURE)
     np.testing.assert_allclose(logps_mesh, logps_one, atol=1e-5)
     for objective, loss_one, stats_one, grads_one in results.values():
-      (loss, stats), grads = step(params_mesh, grpo_objective.update_batch(*inputs, objective, mask_BxM.sum(), cp=par.cp))
+      batch = grpo_objective.update_batch(*inputs, objective, mask_BxM.sum(), cp=par.cp)
+      (loss, stats), grads = step(params_mesh, batch)
       np.testing.assert_allclose(loss, loss_one, atol=1e-6)
-      np.testing.assert_allclose(np.asarray(stats), np.asarray(stats_one), atol=1e-6)
+      np.testing.assert_allclose(np.asarray(stats), np.asarray(stats_one), atol=3e-7)
       grads = dict(grads, blocks=models.to_layers(grads["blocks"], par.pp))
       grads_one = dict(grads_one, blocks=models.to_layers(grads_one["blocks"], 1))
       scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads_one))
       for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_one)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6 * scale,
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5 * scale,
                                    err_msg=jax.tree_util.keystr(path))

@@ -375,8 +375,8 @@ def _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens,
             f" kl {entry['kl']:.3e} | clip {entry['clip_low'] + entry['clip_high']:.3f} | length"
             f" {entry['completion_length_mean']:.1f} | rollout {rollout_s:.2f}s, train {train_s:.2f}s", flush=True)
       if step % args.save_every == 0 or step == args.steps:
-        checkpoints.save(step, ckpt_lib.to_saved(_state(params, opt_state, reference), par.pp, par.virtual_stages), {"step": step},
-                         record)
+        saved = ckpt_lib.to_saved(_state(params, opt_state, reference), par.pp, par.virtual_stages)
+        checkpoints.save(step, saved, {"step": step}, record)
   finally:
     if metrics is not None:
       metrics.close()
