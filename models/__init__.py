@@ -2,8 +2,8 @@
 from models import moe, qk_clip
 from models.config import PRESETS, GPTConfig, preset
 from models.gpt import GPT, abstract, init
-from models.lm_loss import LossAux, loss
+from models.lm_loss import LossAux, loss, token_logps
 from models.sharding import BATCH_AXES, Parallelism, param_specs, to_layers, to_stages
 
-__all__ = ["BATCH_AXES", "GPT", "abstract", "GPTConfig", "LossAux", "PRESETS", "Parallelism", "init", "loss",
+__all__ = ["BATCH_AXES", "GPT", "abstract", "GPTConfig", "LossAux", "PRESETS", "Parallelism", "init", "loss", "token_logps",
            "moe", "param_specs", "preset", "qk_clip", "to_layers", "to_stages"]

@@ -9,16 +9,21 @@ layers run in one scan (``models.gpt.apply_layers``) and XLA partitions TP, SP a
 annotations; with pp > 1 or cp > 1 the whole model runs inside one ``shard_map``
 (``models/pipeline.py``, ``models/context.py``).
 
+A per-token ``objective`` (GRPO's: ``train/grpo_objective.py``) replaces the cross-entropy
+with its own terms of each target's log-probability at a ``temperature``, read from more
+[B, T] batch fields, on the same forward; :func:`token_logps` gives those log-probabilities.
+
 With experts (``models/moe.py``) the loss adds each MoE layer's load-balancing and z-losses,
 averaged over the sequences of the global batch.
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -38,19 +43,33 @@ class LossAux(NamedTuple):
     router: each MoE layer's :class:`models.moe.RouterStats` summed over the batch, leaves
       [S, Ls] ([S, Ls, E] for the load; Gs for Ls with groups); None without experts.
     router_loss: the auxiliary losses' part of the loss, unscaled (0 without experts).
+    stats: with an ``objective``, its statistics' terms summed over the batch; else None.
   """
   logit_max: jax.Array | None
   router: moe.RouterStats | None
   router_loss: jax.Array
+  stats: Any = None
+
+
+# The batch's fields that are not per-token values of the targets (those others are).
+_SEQUENCE_FIELDS = ("inputs", "positions", "segment_ids")
 
 
 def loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], par: Parallelism = Parallelism(),
          scale: jax.Array | None = None, denominator: jax.Array | None = None,
-         sequences: jax.Array | None = None, aux: bool = False, logit_max: bool = False) -> Any:
+         sequences: jax.Array | None = None, aux: bool = False, logit_max: bool = False,
+         objective: Callable | None = None, temperature: float = 1.0) -> Any:
   """Next-token cross-entropy of ``batch`` (module docstring), summed over the counted
   targets (those >= 0) and divided by ``denominator`` (default: their number, the mean),
   plus the router's auxiliary losses divided by ``sequences`` (default: the batch's
   sequences), times ``scale`` when given.
+
+  With ``objective``, ``objective(logps_BxT, fields) -> (terms_BxT, stats)`` takes the place
+  of the cross-entropy: ``logps_BxT`` the targets' log softmax(logits / ``temperature``)
+  (0 where a target is -1), ``fields`` the batch's [B, T] fields but inputs, positions and
+  segment ids (the targets and the objective's own, split with them over micro-batches
+  and cp); the sum of ``terms_BxT`` is divided by ``denominator`` and the sums of the
+  ``stats`` pytree's [B, T] leaves come back in ``LossAux.stats``.
 
   With ``aux`` returns ``(loss, LossAux)``; ``logit_max`` (which needs ``aux``) adds the
   attention's logit maxima, at the cost of forming the scores a second time.
@@ -77,23 +96,71 @@ def loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], par: Paralleli
   if sequences is None:
     sequences = jnp.asarray(batch["targets"].shape[0], jnp.float32)
   if par.pp > 1 or par.cp > 1:
-    value, out = _manual_loss(graphdef, params, batch, scale, denominator, sequences, par, logit_max)
+    value, out = _manual_loss(graphdef, params, batch, scale, denominator, sequences, par, logit_max, objective,
+                              temperature)
     return (value, out) if aux else value
   model = nnx.merge(graphdef, params)
-  positions = batch["positions"] if "positions" in batch else jnp.arange(batch["inputs"].shape[1])
-  rope = rotary_tables(model.cfg, positions)
-  layers = to_layers(params["blocks"], 1)
-  x = model.embed_tokens(batch["inputs"], par)
-  x, layer_aux = apply_layers(nnx.graphdef(model.blocks), layers, x, rope, par, model.cfg,
-                              batch.get("segment_ids"), logit_max)
-  losses_BxT = jnp.where(counted_BxT, model.token_losses(x, batch["targets"], par), 0.0)
+  x, layer_aux = _forward(model, params, batch, par, logit_max)
+  total, stats = _token_terms(model, x, _token_fields(batch), par, objective, temperature)
   router = layer_aux.get("router")
   extra = _router_loss(router, model.cfg, sequences, batch["inputs"].shape[1])
-  value = _scaled(jnp.sum(losses_BxT) / denominator + extra, scale)
+  value = _scaled(total / denominator + extra, scale)
   if not aux:
     return value
   return value, LossAux(*(None if a is None else to_stages(a, 1) for a in (layer_aux.get("logit_max"), router)),
-                        extra)
+                        extra, stats)
+
+
+def token_logps(graphdef: Any, params: Any, batch: dict[str, jax.Array], par: Parallelism = Parallelism(),
+                temperature: float = 1.0) -> jax.Array:
+  """Each target's log softmax(logits / ``temperature``), float32 [B, T] (0 where the
+  target is -1; the vocabulary's padding rows left out), without gradient, by
+  :func:`loss`'s forward: with pp > 1 or cp > 1 the same pipeline and context split."""
+  if par.pp > 1 or par.cp > 1:
+    return _manual_call(graphdef, jax.lax.stop_gradient(params), batch, None, None, None, par, False, None,
+                        temperature, mode="logps")
+  params = jax.lax.stop_gradient(params)
+  model = nnx.merge(graphdef, params)
+  x_BxTxD, _ = _forward(model, params, batch, par)
+  return _target_logps(model, x_BxTxD, batch["targets"], par, temperature)
+
+
+def _forward(model: Any, params: Any, batch: dict[str, jax.Array], par: Parallelism, logit_max: bool = False
+             ) -> tuple[jax.Array, dict]:
+  """The layers' output [B, T, D] and aux on one device or XLA-partitioned (no pp, cp)."""
+  positions = batch["positions"] if "positions" in batch else jnp.arange(batch["inputs"].shape[1])
+  x = model.embed_tokens(batch["inputs"], par)
+  return apply_layers(nnx.graphdef(model.blocks), to_layers(params["blocks"], 1), x,
+                      rotary_tables(model.cfg, positions), par, model.cfg, batch.get("segment_ids"), logit_max)
+
+
+def _token_fields(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  return {k: v for k, v in batch.items() if k not in _SEQUENCE_FIELDS}
+
+
+def _target_logps(model: Any, x_BxTxD: jax.Array, targets_BxT: jax.Array, par: Parallelism,
+                  temperature: float) -> jax.Array:
+  """log softmax(logits / temperature) of each target [B, T], float32, 0 where the target
+  is -1; vocab-parallel over tp as ``GPT.token_losses``, the padding rows left out (as the
+  sampler draws)."""
+  logits_BxTxV = model.logits(x_BxTxD, par)
+  real_V = jnp.arange(logits_BxTxV.shape[-1]) < model.cfg.vocab_size
+  logits_BxTxV = jnp.where(real_V, logits_BxTxV, -jnp.inf) / temperature
+  onehot_BxTxV = par.constrain(jax.nn.one_hot(targets_BxT, logits_BxTxV.shape[-1], dtype=jnp.float32),
+                               "batch", None, "vocab")
+  target_logit_BxT = jnp.sum(jnp.where(onehot_BxTxV > 0, logits_BxTxV, 0.0), -1)
+  return jnp.where(targets_BxT >= 0, target_logit_BxT - jax.nn.logsumexp(logits_BxTxV, -1), 0.0)
+
+
+def _token_terms(model: Any, x_BxTxD: jax.Array, fields: dict[str, jax.Array], par: Parallelism,
+                 objective: Callable | None, temperature: float) -> tuple[jax.Array, Any]:
+  """The sum of the per-token losses of these tokens, and of the objective's stats (None
+  without one): the counted targets' cross-entropy, or ``objective``'s terms (:func:`loss`)."""
+  targets_BxT = fields["targets"]
+  if objective is None:
+    return jnp.sum(jnp.where(targets_BxT >= 0, model.token_losses(x_BxTxD, targets_BxT, par), 0.0)), None
+  terms_BxT, stats = objective(_target_logps(model, x_BxTxD, targets_BxT, par, temperature), fields)
+  return jnp.sum(terms_BxT), jax.tree.map(jnp.sum, stats)
 
 
 def _router_loss(router: moe.RouterStats | None, cfg: Any, sequences: jax.Array, seq_len: int) -> jax.Array:
@@ -106,10 +173,10 @@ def _scaled(loss: jax.Array, scale: jax.Array | None) -> jax.Array:
   return loss if scale is None else loss * scale
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6, 7))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6, 7, 8, 9))
 def _manual_loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], scale: jax.Array | None,
-                 denominator: jax.Array, sequences: jax.Array, par: Parallelism, logit_max: bool
-                 ) -> tuple[jax.Array, LossAux]:
+                 denominator: jax.Array, sequences: jax.Array, par: Parallelism, logit_max: bool,
+                 objective: Callable | None, temperature: float) -> tuple[jax.Array, LossAux]:
   """:func:`loss` in a ``shard_map`` manual over ``pp`` and ``cp`` (those of size > 1; the
   other axes left to the partitioner), with its :class:`LossAux`.
 
@@ -126,17 +193,19 @@ def _manual_loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], scale:
   on jax 0.10 differentiating a ``shard_map`` nested in another one (the per-replica
   gradient's, manual over rp) fails to lower, while this form nests at any depth.
   """
-  return _manual_call(graphdef, params, batch, scale, denominator, sequences, par, logit_max, with_grad=False)
+  return _manual_call(graphdef, params, batch, scale, denominator, sequences, par, logit_max, objective,
+                      temperature, mode="loss")
 
 
-def _manual_fwd(graphdef, params, batch, scale, denominator, sequences, par, logit_max):
-  return _manual_call(graphdef, params, batch, scale, denominator, sequences, par, logit_max, with_grad=True)
+def _manual_fwd(graphdef, params, batch, scale, denominator, sequences, par, logit_max, objective, temperature):
+  return _manual_call(graphdef, params, batch, scale, denominator, sequences, par, logit_max, objective,
+                      temperature, mode="grad")
 
 
-def _manual_bwd(graphdef, par, logit_max, grads, cotangent):
-  del graphdef, par, logit_max
-  # No cotangent for the batch (integers), the loss scale or the counts (constants of the
-  # step); the aux outputs have no gradient.
+def _manual_bwd(graphdef, par, logit_max, objective, temperature, grads, cotangent):
+  del graphdef, par, logit_max, objective, temperature
+  # No cotangent for the batch (tokens, and an objective's inputs, which are constants of
+  # the step), the loss scale or the counts; the aux outputs have no gradient.
   return jax.tree.map(lambda g: cotangent[0] * g, grads), None, None, None, None
 
 
@@ -144,7 +213,10 @@ _manual_loss.defvjp(_manual_fwd, _manual_bwd)
 
 
 def _manual_call(graphdef, params, batch, scale, denominator, sequences, par: Parallelism, logit_max: bool,
-                 with_grad: bool):
+                 objective: Callable | None, temperature: float, mode: str):
+  """The ``shard_map`` of :func:`_manual_loss`; ``mode`` "loss" (value and aux), "grad"
+  (and the gradient) or "logps" (:func:`token_logps`: [B, T], out of the micro-batches
+  and the balanced layout again)."""
   M, pp, v, cp = par.microbatches, par.pp, par.virtual_stages, par.cp
   B, T = batch["inputs"].shape
   context.check_seq_len(T, cp)
@@ -158,10 +230,13 @@ def _manual_call(graphdef, params, batch, scale, denominator, sequences, par: Pa
 
   entry_specs = _entry_specs(params, manual)
 
-  def local_loss(params, micro, scale, denominator, sequences):  # micro: the batch's leaves [M, b, T/cp]
+  def forward(params, micro):
+    """micro: the batch's leaves [M, b, T/cp] -> the model, the outputs [B', T/cp, D] of
+    this device's micro-batches, their per-token fields [B', T/cp], the layers' aux."""
     model = nnx.merge(graphdef, params)
     block_graphdef = nnx.graphdef(model.blocks)
     T_local = T // cp
+    fields = _token_fields(micro)
 
     def extras(i=None):
       """Rotary positions and segment ids of micro-batch i (of all of them when None):
@@ -181,31 +256,46 @@ def _manual_call(graphdef, params, batch, scale, denominator, sequences, par: Pa
           python_loop=bool(model.cfg.num_experts))
       x_mxbxTxD = pipeline.scatter_from_last(outputs, pp)
       m = M // pp
-      targets_mxbxT = jax.lax.dynamic_slice_in_dim(micro["targets"], jax.lax.axis_index(pipeline.AXIS) * m, m)
+      fields = {k: jax.lax.dynamic_slice_in_dim(f, jax.lax.axis_index(pipeline.AXIS) * m, m) for k, f in fields.items()}
       x_BxTxD = x_mxbxTxD.reshape(-1, *x_mxbxTxD.shape[2:])
-      targets_BxT = targets_mxbxT.reshape(-1, targets_mxbxT.shape[-1])
       layer_aux = _per_stage(aux_I, M, pp, v)
     else:
-      inputs_BxT, targets_BxT = (micro[k].reshape(-1, T_local) for k in ("inputs", "targets"))
-      x_BxTxD, aux_L = run_layers(to_layers(params["blocks"], 1), model.embed_tokens(inputs_BxT, par), *extras())
+      x_BxTxD, aux_L = run_layers(to_layers(params["blocks"], 1),
+                                  model.embed_tokens(micro["inputs"].reshape(-1, T_local), par), *extras())
       layer_aux = jax.tree.map(lambda a: to_stages(a, 1), aux_L)
-    losses = jnp.where(targets_BxT >= 0, model.token_losses(x_BxTxD, targets_BxT, par), 0.0)
+    return model, x_BxTxD, {k: f.reshape(-1, T_local) for k, f in fields.items()}, layer_aux
+
+  def local_loss(params, micro, scale, denominator, sequences):
+    model, x_BxTxD, fields, layer_aux = forward(params, micro)
+    total, stats = _token_terms(model, x_BxTxD, fields, par, objective, temperature)
     router = layer_aux.get("router")
     # The router's statistics are already whole over cp (models.moe sums each sequence's
     # over it); the pipeline's stages hold different layers.
     extra = _router_loss(router, model.cfg, sequences, T)
     extra = jax.lax.psum(extra, pipeline.AXIS) if pp > 1 else extra
-    value = _scaled(jax.lax.psum(jnp.sum(losses), manual) / denominator + extra, scale)
-    return value, LossAux(layer_aux.get("logit_max"), router, extra)
+    value = _scaled(jax.lax.psum(total, manual) / denominator + extra, scale)
+    return value, LossAux(layer_aux.get("logit_max"), router, extra, jax.lax.psum(stats, manual))
+
+  def local_logps(params, micro):  # -> [m, b, T/cp], this device's micro-batches
+    model, x_BxTxD, fields, _ = forward(params, micro)
+    logps_BxT = _target_logps(model, x_BxTxD, fields["targets"], par, temperature)
+    return logps_BxT.reshape(-1, B // M, T // cp)
 
   stages = P(pipeline.AXIS) if pp > 1 else P()
   tokens = P(None, None, context.AXIS) if cp > 1 else P()
-  aux_specs = LossAux(stages, stages, P())  # a prefix of the aux: None stays None
+  if mode == "logps":
+    logps_MxbxT = jax.shard_map(
+        local_logps, mesh=jax.sharding.get_abstract_mesh(), in_specs=(entry_specs, tokens),
+        out_specs=P(pipeline.AXIS if pp > 1 else None, None, context.AXIS if cp > 1 else None),
+        axis_names=set(manual))(params, jax.tree.map(microbatched, batch))
+    logps_BxT = logps_MxbxT.swapaxes(0, 1).reshape(B, T)
+    return logps_BxT if cp == 1 else logps_BxT[:, np.argsort(context.token_order(T, cp))]
+  aux_specs = LossAux(stages, stages, P(), P())  # a prefix of the aux: None stays None
   return jax.shard_map(
-      jax.value_and_grad(local_loss, has_aux=True) if with_grad else local_loss,
+      jax.value_and_grad(local_loss, has_aux=True) if mode == "grad" else local_loss,
       mesh=jax.sharding.get_abstract_mesh(),
       in_specs=(entry_specs, tokens, P(), P(), P()),
-      out_specs=((P(), aux_specs), entry_specs) if with_grad else (P(), aux_specs),
+      out_specs=((P(), aux_specs), entry_specs) if mode == "grad" else (P(), aux_specs),
       axis_names=set(manual),
   )(params, jax.tree.map(microbatched, batch), scale, denominator, sequences)
 

@@ -26,9 +26,12 @@ The run directory holds ``config.json`` (the starting run's, so ``train.sample``
 ``train.export`` read the result as a run), ``metrics.jsonl`` (one record per step: reward
 mean/std overall and per function, advantage std, KL, clip fractions, completion lengths,
 the share cut at ``--max-new-tokens``, rollout and training tokens/s) and Orbax checkpoints
-of the policy. On ``--mesh`` (train.gpt's axes but pp and cp; one device by default) the
-policy is sharded as in training and takes any optimizer of train.gpt; the rollout gathers
-it once (``models.generate.rollout_params``). ``--resume`` continues from the latest
+of the policy. On ``--mesh`` (train.gpt's axes; one device by default) the policy is
+sharded as in training and takes any optimizer of train.gpt; the rollout gathers it once
+(``models.generate.rollout_params``). The log-probabilities and the loss take training's
+forward (``models.token_logps``, ``models.loss`` with GRPO's per-token objective): on pp
+pipelined in pp micro-batches, on cp split over the sequence (padded on the right to
+2·cp chunks). ``--resume`` continues from the latest
 checkpoint (policy, optimizer state, reference) with the flags saved in config.json (only
 ``--steps`` and ``--save-every`` may change) and the same rollouts as a run that never
 stopped: the prompts' order and the sampler's seed follow from ``--seed`` and the step.
@@ -37,12 +40,14 @@ A run holds its directory's lock (``train.rundir``); a second run there is refus
 Bad input prints one ``error: ...`` line and exits with code 2: a missing run, prompts
 file or reward module, an empty prompts file, G < 2, a prompt that leaves less than
 ``--max-new-tokens`` of the model's ``seq_len``, a reward that raises or is not finite, a
-pp or cp mesh, a flag ``--resume`` may not change, a run directory in use.
+pp that does not divide a step's completions, a flag ``--resume`` may not change, a run
+directory in use.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -55,11 +60,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from flax import nnx
 
 import models
 from models import generate
-from models.gpt import apply_layers, rotary_tables
 from train import checkpoint as ckpt_lib
 from train import cli, flags, grpo_objective, grpo_rewards, loop, optim, rundir, sample
 from train import config as config_lib
@@ -100,33 +103,6 @@ def read_prompts(path: str, tokenizer, limit: int) -> tuple[list[dict], list[np.
   return rows, tokens
 
 
-def token_logps(graphdef: Any, params: Any, tokens_BxT: jax.Array, pad_B: jax.Array, completion: int,
-                temperature: float) -> jax.Array:
-  """log softmax(logits / temperature) of the last ``completion`` tokens of left-padded
-  sequences, float32 [B, completion], with the training forward (``apply_layers``): the
-  padding is a segment of its own, the tokens' rotary positions start at 0."""
-  par = models.Parallelism()
-  model = nnx.merge(graphdef, params)
-  B, T = tokens_BxT.shape
-  slots_BxT = jnp.arange(T)[None, :] - pad_B[:, None]
-  rope = rotary_tables(model.cfg, jnp.maximum(slots_BxT, 0))
-  x_BxTxD = model.embed_tokens(tokens_BxT, par)
-  x_BxTxD, _ = apply_layers(nnx.graphdef(model.blocks), params["blocks"], x_BxTxD, rope, par, model.cfg,
-                            segment_ids_BxT=(slots_BxT >= 0).astype(jnp.int32))
-  logits_BxMxV = model.logits(x_BxTxD[:, T - completion - 1:T - 1], par)
-  real_V = jnp.arange(logits_BxMxV.shape[-1]) < model.cfg.vocab_size
-  logps_BxMxV = jax.nn.log_softmax(jnp.where(real_V, logits_BxMxV, -jnp.inf) / temperature, -1)
-  return jnp.take_along_axis(logps_BxMxV, tokens_BxT[:, T - completion:, None], -1)[..., 0]
-
-
-def layered_logps(graphdef: Any, params: Any, tokens_BxT: jax.Array, pad_B: jax.Array, completion: int,
-                  temperature: float) -> jax.Array:
-  """:func:`token_logps` of parameters laid out as on the training mesh (blocks in one
-  pipeline stage, ``[1, L, ...]``); XLA partitions it from their shardings."""
-  return token_logps(graphdef, dict(params, blocks=models.to_layers(params["blocks"], 1)), tokens_BxT, pad_B,
-                     completion, temperature)
-
-
 def _parser() -> argparse.ArgumentParser:
   p = cli.Parser(prog="python -m train.grpo", description="GRPO fine-tuning of a train.gpt run.")
   p.add_argument("--init-from", metavar="RUN_DIR", help="the python -m train.gpt run to start from (needed)")
@@ -148,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--beta", type=float, default=0.0, help="weight of the KL to the starting policy")
   p.add_argument("--no-scale-rewards", action="store_true", help="center advantages without dividing by the std")
   p.add_argument("--optimizer", choices=flags.OPTIMIZERS, default="adamw")
-  p.add_argument("--mesh", default="fs=1", help="mesh axes as for train.gpt, without pp and cp (default fs=1)")
+  p.add_argument("--mesh", default="fs=1", help="mesh axes as for train.gpt (default fs=1)")
   p.add_argument("--lr", type=float, default=1e-5)
   p.add_argument("--clip-grad", type=float, default=1.0)
   p.add_argument("--save-every", type=int, default=50)
@@ -227,12 +203,13 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _make_update(graphdef: Any, tx: optax.GradientTransformation, objective: grpo_objective.Objective,
-                 temperature: float, clip_grad: float) -> Callable:
-  def loss_fn(params, batch):
-    logps_BxM = layered_logps(graphdef, params, batch["tokens"], batch["pad"], objective.max_completion_length,
-                              temperature)
-    return grpo_objective.policy_loss(logps_BxM, batch["old"], batch["advantages"], batch["mask"], objective,
-                                      batch.get("ref"), batch["num_items"])
+                 temperature: float, clip_grad: float, par: models.Parallelism) -> Callable:
+  terms = functools.partial(grpo_objective.weighted, objective)
+
+  def loss_fn(params, batch):  # batch: grpo_objective.update_batch's
+    loss, aux = models.loss(graphdef, params, batch, par, denominator=jnp.float32(1), aux=True,
+                            objective=terms, temperature=temperature)
+    return loss, aux.stats
 
   @jax.jit
   def update(params, opt_state, batch):
@@ -251,11 +228,12 @@ def _setup(argv: list[str] | None) -> tuple:
   _check(args)
   gpt_entry.start_jax(config_lib.Config(mesh=args.mesh))  # host devices for the mesh, before JAX starts
   mesh = loop.make_mesh(args.mesh)
-  if dict(mesh.shape)["pp"] > 1 or dict(mesh.shape)["cp"] > 1:
-    raise UsageError(f"--mesh {args.mesh}: GRPO runs on the fs, tp, ep and rp axes, not pp or cp (the"
-                     " pipelined and context-parallel forward gives a summed loss, not per-token log-probs);"
-                     " spread the devices over fs and tp instead")
-  par = models.Parallelism(mesh)
+  pp = dict(mesh.shape)["pp"]
+  if (args.prompts_per_step * args.group_size) % pp:
+    raise UsageError(f"--mesh {args.mesh}: the pipeline splits the {args.prompts_per_step * args.group_size}"
+                     f" completions of a step (--prompts-per-step x --group-size) into pp={pp} micro-batches;"
+                     " choose sizes whose product pp divides")
+  par = models.Parallelism(mesh, microbatches=pp)
   with jax.set_mesh(mesh):
     restored = sample.restore(os.path.abspath(args.init_from), par=par)
   tokenizer = sample.run_tokenizer(os.path.abspath(args.init_from))
@@ -287,12 +265,12 @@ def _state(params: Any, opt_state: Any, reference: Any | None) -> dict:
   return {"params": params, "opt_state": opt_state, **({"reference": reference} if reference is not None else {})}
 
 
-def _restore(checkpoints: ckpt_lib.Checkpoints, step: int, like: dict) -> dict:
+def _restore(checkpoints: ckpt_lib.Checkpoints, step: int, like: dict, par: models.Parallelism) -> dict:
   """Checkpoint ``step``'s state laid out like the live ``like`` (``train.checkpoint``)."""
   shapes = checkpoints.manager.item_metadata(step)["state"]
   saved = checkpoints.manager.restore(step, args=ocp.args.Composite(
       state=ocp.args.StandardRestore(ckpt_lib.saved_structs(shapes, like))))
-  return ckpt_lib.from_saved(saved["state"], like, 1, 1)
+  return ckpt_lib.from_saved(saved["state"], like, par.pp, par.virtual_stages)
 
 
 def _write_record(run_dir: str, record: dict) -> None:
@@ -323,8 +301,9 @@ def _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens,
   tx = optim.optimizer(train_cfg, params, par.mesh, models.param_specs(params))
   opt_state = tx.init(params)
   objective = grpo_objective.Objective(args.epsilon_low, args.epsilon_high, args.beta, args.loss_type, M)
-  update = _make_update(graphdef, tx, objective, args.temperature, args.clip_grad)
-  logps = jax.jit(layered_logps, static_argnums=(0, 4, 5))
+  update = _make_update(graphdef, tx, objective, args.temperature, args.clip_grad, par)
+  logps = jax.jit(functools.partial(grpo_objective.token_logps, par=par), static_argnums=(0, 4, 5))
+  make_batch = jax.jit(functools.partial(grpo_objective.update_batch, objective=objective, cp=par.cp))
   reference = params if args.beta > 0 else None
   sampling = generate.Sampling(args.temperature, args.top_k, args.top_p)
   weights_R = jnp.asarray([w for _, _, w in rewards], jnp.float32)
@@ -339,7 +318,7 @@ def _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens,
   if args.resume:
     checkpoints = ckpt_lib.Checkpoints(train_cfg.ckpt_path, keep=2, create=False)
     start = checkpoints.latest_step()
-    state = _restore(checkpoints, start, _state(params, opt_state, reference))
+    state = _restore(checkpoints, start, _state(params, opt_state, reference), par)
     params, opt_state, reference = state["params"], state["opt_state"], state.get("reference")
     _write_record(args.run_dir, record)  # the new --steps / --save-every for the next --resume
     metrics = open(os.path.join(args.run_dir, "metrics.jsonl"), "a")
@@ -365,11 +344,10 @@ def _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens,
       tokens_BxT = np.concatenate([prompts_BxP, completions_BxM], 1)
       pad_B = jnp.asarray(prompts_BxP.shape[1] - prompt_lengths)
       mask_BxM = (np.arange(M)[None] < lengths_B[:, None]).astype(np.float32)
-      batch = {"tokens": jnp.asarray(tokens_BxT), "pad": pad_B, "mask": jnp.asarray(mask_BxM),
-               "advantages": advantages_B, "num_items": jnp.float32(mask_BxM.sum()),
-               "old": logps(graphdef, params, tokens_BxT, pad_B, M, args.temperature)}
-      if reference is not None:
-        batch["ref"] = logps(graphdef, reference, tokens_BxT, pad_B, M, args.temperature)
+      old_BxM = logps(graphdef, params, tokens_BxT, pad_B, M, args.temperature)
+      ref_BxM = None if reference is None else logps(graphdef, reference, tokens_BxT, pad_B, M, args.temperature)
+      batch = make_batch(tokens_BxT, pad_B, old_BxM, ref_BxM, advantages_B, jnp.asarray(mask_BxM),
+                         num_items=jnp.float32(mask_BxM.sum()))
       t1 = time.perf_counter()
       for _ in range(args.updates_per_rollout):
         params, opt_state, loss, stats, grad_norm = update(params, opt_state, batch)
@@ -396,8 +374,8 @@ def _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens,
             f" kl {entry['kl']:.3e} | clip {entry['clip_low'] + entry['clip_high']:.3f} | length"
             f" {entry['completion_length_mean']:.1f} | rollout {rollout_s:.2f}s, train {train_s:.2f}s", flush=True)
       if step % args.save_every == 0 or step == args.steps:
-        checkpoints.save(step, ckpt_lib.to_saved(_state(params, opt_state, reference), 1, 1), {"step": step},
-                         record)
+        saved = ckpt_lib.to_saved(_state(params, opt_state, reference), par.pp, par.virtual_stages)
+        checkpoints.save(step, saved, {"step": step}, record)
   finally:
     if metrics is not None:
       metrics.close()
