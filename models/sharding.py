@@ -158,18 +158,80 @@ class Parallelism:
     Constraining to the stored layout first keeps the gradient (the transpose of the
     gather) in that layout: reduced to fs shards, not all-reduced to full copies. Inside
     the ``shard_map`` manual over cp the kernel is this rank's cp block (``models.lm_loss``),
-    gathered here explicitly; the gather's transpose reduce-scatters the gradient.
+    gathered here explicitly over cp, fs and ep at once (:func:`gathered_in_manual`); the
+    gather's transpose reduce-scatters the gradient.
     """
     if self.mesh is None:
       return kernel
     stored, used = KERNEL_LAYOUTS[layout]
+    if _gathers_manual_axes_alone(stored, used):
+      return gathered_in_manual(kernel, stored, used)
     kernel = jax.lax.with_sharding_constraint(gathered_over_manual(kernel, stored), without_manual(stored))
     return jax.lax.with_sharding_constraint(kernel, used)
 
 
+def manual_axes() -> set[str]:
+  """The mesh axes that the surrounding ``shard_map`` (or nested ones) made manual."""
+  return set(jax.sharding.get_abstract_mesh().manual_axes)
+
+
+def in_auto_axes(f, in_spec: P, out_spec: P):
+  """``f`` run inside a ``shard_map`` manual over the mesh axes that are still automatic,
+  its argument laid out over them as ``in_spec``, its result as ``out_spec``.
+
+  Inside a ``shard_map`` manual over some axes (cp), a collective over those axes makes
+  XLA's partitioner replicate its operand over the automatic ones first (on CPU, jax
+  0.10: every weight gathered over tp, keys and values over tp and the batch axes, and
+  the transposes' cotangents likewise). Made manual over all axes, each device moves
+  only its own shard, and the collective's transpose keeps that sharding.
+  """
+  auto = set(jax.sharding.get_abstract_mesh().axis_names) - manual_axes()
+  return jax.shard_map(f, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_spec, out_specs=out_spec,
+                       axis_names=auto)
+
+
+def _gathers_manual_axes_alone(stored: P, used: P) -> bool:
+  """Whether a weight's gather from ``stored`` to ``used`` is over manual axes (cp) and
+  no automatic axis of size > 1 (fs, ep)."""
+  sizes, manual = jax.sharding.get_abstract_mesh().shape, manual_axes()
+  over = {a for have, keep in zip(stored, used) for a in parallel.axis_names(have)
+          if a not in parallel.axis_names(keep) and sizes[a] > 1}
+  return bool(over) and over <= manual
+
+
+def gathered_in_manual(kernel: jax.Array, stored: P, used: P) -> jax.Array:
+  """A weight stored as ``stored`` that entered a ``shard_map`` manual over some of its
+  axes (cp) as its block, in its layout ``used``: all-gathered over those axes inside
+  :func:`in_auto_axes`, so that it stays sharded over tp there and its gradient is
+  reduce-scattered over cp from its tp shards. Only where the gather has no automatic
+  axis of size > 1 (fs, ep): the cp block of an fs-sharded dimension is cp-major, and
+  gathering it over cp alone inside would interleave the fs shards."""
+  manual = manual_axes()
+
+  def gather(block):  # here every axis is manual: gather over the outer ones (cp) alone
+    for dim, entry in enumerate(stored):
+      over = tuple(a for a in parallel.axis_names(entry) if a in manual)
+      if over:
+        block = jax.lax.all_gather(block, over, axis=dim, tiled=True)
+    return block
+
+  return in_auto_axes(gather, _without_unit(without_manual(stored)), _without_unit(without_manual(used)))(kernel)
+
+
+def _without_unit(spec: P) -> P:
+  """``spec`` without the mesh axes of size 1."""
+  sizes = jax.sharding.get_abstract_mesh().shape
+
+  def entry(e):
+    axes = tuple(a for a in parallel.axis_names(e) if sizes[a] > 1)
+    return axes[0] if len(axes) == 1 else (axes or None)
+
+  return P(*(entry(e) for e in spec))
+
+
 def without_manual(spec: P) -> P:
   """``spec`` without the axes that the surrounding ``shard_map`` made manual."""
-  manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+  manual = manual_axes()
 
   def entry(e):
     axes = tuple(a for a in parallel.axis_names(e) if a not in manual)
@@ -181,7 +243,7 @@ def without_manual(spec: P) -> P:
 def gathered_over_manual(kernel: jax.Array, stored: P) -> jax.Array:
   """A weight stored as ``stored``, inside a ``shard_map`` manual over some of its axes
   (cp) where it entered as its block: all-gathered over those axes."""
-  manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+  manual = manual_axes()
   for dim, entry in enumerate(stored):
     over = tuple(a for a in parallel.axis_names(entry) if a in manual)
     if over:
