@@ -50,6 +50,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -158,13 +159,13 @@ class Parallelism:
     Constraining to the stored layout first keeps the gradient (the transpose of the
     gather) in that layout: reduced to fs shards, not all-reduced to full copies. Inside
     the ``shard_map`` manual over cp the kernel is this rank's cp block (``models.lm_loss``),
-    gathered here explicitly over cp, fs and ep at once (:func:`gathered_in_manual`); the
-    gather's transpose reduce-scatters the gradient.
+    gathered over cp there, keeping its tp sharding, then over fs and ep
+    (:func:`gathered_in_manual`); the gathers' transposes reduce-scatter the gradient.
     """
     if self.mesh is None:
       return kernel
     stored, used = KERNEL_LAYOUTS[layout]
-    if _gathers_manual_axes_alone(stored, used):
+    if _gathers_manual_axes(stored):
       return gathered_in_manual(kernel, stored, used)
     kernel = jax.lax.with_sharding_constraint(gathered_over_manual(kernel, stored), without_manual(stored))
     return jax.lax.with_sharding_constraint(kernel, used)
@@ -190,23 +191,25 @@ def in_auto_axes(f, in_spec: P, out_spec: P):
                        axis_names=auto)
 
 
-def _gathers_manual_axes_alone(stored: P, used: P) -> bool:
-  """Whether a weight's gather from ``stored`` to ``used`` is over manual axes (cp) and
-  no automatic axis of size > 1 (fs, ep)."""
+def _gathers_manual_axes(stored: P) -> bool:
+  """Whether a weight stored as ``stored`` entered the ``shard_map`` as a block of manual axes (cp)."""
   sizes, manual = jax.sharding.get_abstract_mesh().shape, manual_axes()
-  over = {a for have, keep in zip(stored, used) for a in parallel.axis_names(have)
-          if a not in parallel.axis_names(keep) and sizes[a] > 1}
-  return bool(over) and over <= manual
+  return any(a in manual and sizes[a] > 1 for e in stored for a in parallel.axis_names(e))
 
 
 def gathered_in_manual(kernel: jax.Array, stored: P, used: P) -> jax.Array:
   """A weight stored as ``stored`` that entered a ``shard_map`` manual over some of its
-  axes (cp) as its block, in its layout ``used``: all-gathered over those axes inside
-  :func:`in_auto_axes`, so that it stays sharded over tp there and its gradient is
-  reduce-scattered over cp from its tp shards. Only where the gather has no automatic
-  axis of size > 1 (fs, ep): the cp block of an fs-sharded dimension is cp-major, and
-  gathering it over cp alone inside would interleave the fs shards."""
+  axes (cp) as its block, in its layout ``used``: gathered over those axes inside
+  :func:`in_auto_axes`, then over the automatic ones (fs, ep) by the partitioner, so that
+  it stays sharded over tp throughout and its gradient is reduce-scattered over fs, then
+  cp, from its tp shards.
+
+  The block of a dimension stored over (cp, fs) is cp-major: device (c, f) holds its
+  block c·F + f. Gathered over cp alone it holds blocks f, F + f, ...: the f-th shard
+  over fs of the weight with its blocks in (f, c) order, whose gather over fs is put
+  back into (c, f) order locally."""
   manual = manual_axes()
+  sizes = jax.sharding.get_abstract_mesh().shape
 
   def gather(block):  # here every axis is manual: gather over the outer ones (cp) alone
     for dim, entry in enumerate(stored):
@@ -215,7 +218,19 @@ def gathered_in_manual(kernel: jax.Array, stored: P, used: P) -> jax.Array:
         block = jax.lax.all_gather(block, over, axis=dim, tiled=True)
     return block
 
-  return in_auto_axes(gather, _without_unit(without_manual(stored)), _without_unit(without_manual(used)))(kernel)
+  auto_stored = _without_unit(without_manual(stored))
+  kernel = in_auto_axes(gather, auto_stored, auto_stored)(kernel)
+  kernel = jax.lax.with_sharding_constraint(kernel, without_manual(stored))
+  kernel = jax.lax.with_sharding_constraint(kernel, without_manual(used))
+  for dim, entry in enumerate(stored):
+    names = parallel.axis_names(entry)
+    m = math.prod(sizes[a] for a in names if a in manual)
+    f = math.prod(sizes[a] for a in names if a not in manual)
+    if m > 1 and f > 1:
+      shape = kernel.shape
+      blocks = kernel.reshape(*shape[:dim], f, m, shape[dim] // (f * m), *shape[dim + 1:])
+      kernel = jnp.swapaxes(blocks, dim, dim + 1).reshape(shape)
+  return jax.lax.with_sharding_constraint(kernel, without_manual(used))
 
 
 def _without_unit(spec: P) -> P:
