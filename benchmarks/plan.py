@@ -164,9 +164,9 @@ def caveats(cfg, sizes: dict[str, int], optimizer: str) -> list[str]:
   batch = [a for a in ("rp", "fs", "ep") if sizes[a] > 1]
   out = ["activations are an estimate, 1.4-3.9x below the compiled step's temporary memory on CPU"
          " (docs/planning.md): the loss's vocabulary-sized buffers and remat's recomputed layer are not counted"]
-  if sizes["cp"] > 1 and (batch or sizes["tp"] > 1 or sizes["pp"] > 1):
-    out.append("cp beside other axes is planned as designed; compiled on CPU, the cp region also gathers"
-               " weights over tp and activations over the batch axes (much more traffic)")
+  if sizes["cp"] > 1 and sizes["pp"] > 1:
+    out.append("cp beside pp is planned as designed; compiled on CPU, the tables' gathers, their gradients and"
+               " the pipeline's sends group differently over cp and pp (tiny, cp=2,tp=2,pp=2: tp exact)")
   if sizes["pp"] > 1 and batch:
     out.append("pp beside batch axes: compiled on CPU, the pipeline also reshards the batch and the"
                " embedding's gradient over them (tiny, pp=2,fs=2: 1.5x the planned bytes over fs)")

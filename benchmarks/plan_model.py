@@ -17,10 +17,13 @@ partitioner (``models/sharding.py``, ``train/step.py``), not an idealized one:
     its gates' gradient (float32, b·T/cp·k) reduced too;
   * fs gathers (ZeRO-3): each layer's tp-local kernels gathered over the dense-sharding
     axes (cp, fs, ep) in the forward pass and again in the backward pass; the embedding
-    and the LM head once, over those axes and pp;
+    and the LM head once, over those axes and pp; with cp beside fs or ep, in two steps:
+    the fs·ep shard over cp, then the whole over fs·ep (``models.sharding.gathered_in_manual``);
   * gradient reductions: every tp-local gradient (float32) reduced to its shard over
     the axes that shard the parameters (cp, fs, ep; experts without ep), a reduce-scatter
-    (XLA's CPU backend all-reduces, with the same payload), once per micro-batch
+    (XLA's CPU backend all-reduces, with the same payload; with cp beside fs or ep over
+    fs·ep, then the shard over cp, and the embedding's cotangents and token ids
+    all-gathered over fs·ep instead), once per micro-batch
     (ZeRO-3: the scan over micro-batches carries the shards); with rp > 1, every
     replica's sum of its shards (Dion's per-replica matrices excepted) all-reduced over
     rp once per step, after the scan (``train.step.make_gradient``: DDP's ``no_sync``
@@ -199,6 +202,20 @@ def _moe_layers(cfg) -> int:
   return cfg.num_layers // cfg.moe_every if cfg.num_experts else 0
 
 
+def _in_cp_steps(sizes: dict[str, int], axes: tuple[str, ...], nbytes: float, kind: str | None = "sharded"
+                 ) -> list[tuple[tuple[str, ...], float]]:
+  """A collective of ``nbytes`` over ``axes`` with cp > 1 beside fs or ep (pp = 1) runs in
+  two: over cp inside the cp region and over the others outside. A dense weight's gather
+  or gradient reduction (``kind`` "sharded", ``models.sharding.gathered_in_manual``)
+  moves the fs·ep shard over cp and the whole over the others; a replicated one's (norm
+  scales, the loss) all of it twice. Otherwise (or ``kind`` None) one collective."""
+  rest = live(sizes, tuple(a for a in axes if a != "cp"))
+  if kind is None or sizes["cp"] == 1 or sizes["pp"] > 1 or not rest:
+    return [(live(sizes, axes), nbytes)]
+  over_cp = nbytes / group(sizes, rest) if kind == "sharded" else nbytes
+  return [(live(sizes, ("cp",)), over_cp), (rest, nbytes)]
+
+
 def model_collectives(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, params: Sequence[Leaf],
                       per_replica: bool = False) -> list[Collective]:
   """The forward and backward passes' collectives (module docstring), per step."""
@@ -224,10 +241,12 @@ def model_collectives(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, 
       over = ("cp", "fs") if "experts" in leaf.name else dense
       # the kernels of this stage's layers, as used: sharded over tp (and experts over ep)
       used = local_bytes(leaf, {**sizes, "rp": 1, **{a: 1 for a in over}})
-      add("fs gathers", "all-gather", over, 2 * used, 2 * leaf.shape[1], times=iterations)
+      for axes, nbytes in _in_cp_steps(sizes, over, 2 * used, None if "experts" in leaf.name else "sharded"):
+        add("fs gathers", "all-gather", axes, nbytes, 2 * leaf.shape[1], times=iterations)
     else:
       tables += local_bytes(leaf, {a: (sizes[a] if a == "tp" else 1) for a in AXES})
-  add("fs gathers", "all-gather", dense + ("pp",), tables, 2, times=1 if pp > 1 else step.accum)
+  for axes, nbytes in _in_cp_steps(sizes, dense + ("pp",), tables):
+    add("fs gathers", "all-gather", axes, nbytes, 2, times=1 if pp > 1 else step.accum)
   grad, over_rp = {}, 0
   for leaf in params:
     blocks = leaf.name.startswith("['blocks']")
@@ -236,15 +255,25 @@ def model_collectives(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, 
     nbytes = local_bytes(leaf, {**sizes, **{a: 1 for a in axes}})
     if "embed" in leaf.name and pp > 1:
       nbytes *= iterations  # each iteration's lookup gradient is reduced on its own
-    grad[live(sizes, axes)] = grad.get(live(sizes, axes), 0) + nbytes
+    kind = None if "experts" in leaf.name else "replicated" if "scale" in leaf.name else "sharded"
+    steps = _in_cp_steps(sizes, axes, nbytes, kind)
+    if "embed" in leaf.name and len(steps) == 2:
+      # In the cp region XLA all-gathers the lookup's cotangents and token ids over the
+      # batch axes instead of reducing the table's gradient over them (as in the replicas').
+      rest = steps[1][0]
+      add("gradient reductions", "all-gather", rest, group(sizes, rest) * b * T * (d * act_bytes + 4), 2)
+      steps = steps[:1]
+    for step_axes, step_bytes in steps:
+      grad[step_axes] = grad.get(step_axes, 0) + step_bytes
     if not (per_replica and leaf.label == "dion"):
       over_rp += local_bytes(leaf, sizes)
   for axes, nbytes in grad.items():
     # Each micro-batch's gradients are reduced to the shards in the scan (ZeRO-3).
     add("gradient reductions", "reduce-scatter", axes, nbytes, 1, times=1 if pp > 1 else step.accum)
-  batch_axes = ("cp", "fs", "ep", "pp")
-  add("gradient reductions", "all-reduce", batch_axes, 4, 1)  # each micro-batch's loss
-  add("gradient reductions", "all-reduce", ("rp",) + batch_axes, 4, 1, times=1)  # the targets' count
+  for axes, nbytes in _in_cp_steps(sizes, ("cp", "fs", "ep", "pp"), 4, "replicated"):
+    add("gradient reductions", "all-reduce", axes, nbytes, 1)  # each micro-batch's loss
+  # The targets' count, outside the cp region: the batch is split over cp only inside it.
+  add("gradient reductions", "all-reduce", ("rp", "fs", "ep", "pp"), 4, 1, times=1)
   # Each replica's sums of its shards, and its loss, averaged once per step, after the scan.
   add("gradient reductions", "all-reduce", ["rp"], over_rp + 4, 1, times=1)
   if cfg.num_experts:

@@ -39,6 +39,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from models import sharding
 
 AXIS = "cp"
 
@@ -77,12 +80,16 @@ def positions(seq_len: int, cp: int) -> jax.Array:
   return jax.lax.dynamic_slice_in_dim(order, jax.lax.axis_index(AXIS) * local, local)
 
 
-def _gather(x_BxTx: jax.Array, cp: int) -> jax.Array:
-  """The whole sequence of a per-rank array (axis 1), in the balanced layout."""
-  return jax.lax.all_gather(x_BxTx, AXIS, axis=1, tiled=True) if cp > 1 else x_BxTx
+def _gather(x_BxTx: jax.Array, cp: int, spec: P | None) -> jax.Array:
+  """The whole sequence of a per-rank array (axis 1), in the balanced layout; ``spec``:
+  its layout over the automatic mesh axes, which the gather keeps (``sharding.in_auto_axes``)."""
+  if cp == 1:
+    return x_BxTx
+  gather = lambda x: jax.lax.all_gather(x, AXIS, axis=1, tiled=True)  # noqa: E731
+  return gather(x_BxTx) if spec is None else sharding.in_auto_axes(gather, spec, spec)(x_BxTx)
 
 
-def _visible(T_local: int, cp: int, segment_ids_BxT: jax.Array | None) -> jax.Array:
+def _visible(T_local: int, cp: int, segment_ids_BxT: jax.Array | None, spec: P | None = None) -> jax.Array:
   """Which keys of the whole sequence each of this rank's queries attends to, bool
   [B or 1, 1, T/cp, T]: causal by position, and within its segment when packed."""
   T = T_local * cp
@@ -90,13 +97,14 @@ def _visible(T_local: int, cp: int, segment_ids_BxT: jax.Array | None) -> jax.Ar
   pos_k_S = jnp.asarray(token_order(T, cp) if cp > 1 else np.arange(T), jnp.int32)
   mask_BxNxTxS = (pos_q_T[:, None] >= pos_k_S[None, :])[None, None]
   if segment_ids_BxT is not None:
-    seg_k_BxS = _gather(segment_ids_BxT, cp)
+    seg_k_BxS = _gather(segment_ids_BxT, cp, None if spec is None else P(spec[0], None))
     mask_BxNxTxS = mask_BxNxTxS & (segment_ids_BxT[:, None, :, None] == seg_k_BxS[:, None, None, :])
   return mask_BxNxTxS
 
 
 def attention(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array, *,
-              implementation: str, cp: int, segment_ids_BxT: jax.Array | None = None) -> jax.Array:
+              implementation: str, cp: int, segment_ids_BxT: jax.Array | None = None,
+              spec: P | None = None) -> jax.Array:
   """Causal attention of this rank's queries to the whole sequence, [B, T, N, H].
 
   ``T`` is the rank's share of the sequence (all of it when cp = 1), in the balanced
@@ -109,28 +117,30 @@ def attention(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array, 
     implementation: ``"xla"`` or ``"cudnn"``, as for ``jax.nn.dot_product_attention``.
     cp: the size of the mesh axis ``cp``.
     segment_ids_BxT: packed sequences: a token attends only to its own segment's tokens.
+    spec: the keys' and values' PartitionSpec over the mesh axes left automatic (batch,
+      heads), kept by the gathers over cp; None replicates them over those axes first.
   """
   if cp == 1 and segment_ids_BxT is None:
     # cuDNN's causal mode skips the masked half of the scores.
     return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True,
                                         implementation=implementation)
-  mask_BxNxTxS = _visible(q_BxTxNxH.shape[1], cp, segment_ids_BxT)
-  return jax.nn.dot_product_attention(q_BxTxNxH, _gather(k_BxTxKxH, cp), _gather(v_BxTxKxH, cp),
+  mask_BxNxTxS = _visible(q_BxTxNxH.shape[1], cp, segment_ids_BxT, spec)
+  return jax.nn.dot_product_attention(q_BxTxNxH, _gather(k_BxTxKxH, cp, spec), _gather(v_BxTxKxH, cp, spec),
                                       mask=mask_BxNxTxS, implementation=implementation)
 
 
 def logit_max(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, *, cp: int,
-              segment_ids_BxT: jax.Array | None = None) -> jax.Array:
+              segment_ids_BxT: jax.Array | None = None, spec: P | None = None) -> jax.Array:
   """Each query head's largest logit q·k/sqrt(H) over the keys :func:`attention` lets it
   see, float32 [N], over the whole batch and sequence (a pmax over cp), for QK-clip
   (``models/qk_clip.py``). The scores are formed again, outside the attention kernel
   (cuDNN's never leave it), without a gradient. Query head n reads key head n // (N/K),
-  as in ``jax.nn.dot_product_attention``."""
+  as in ``jax.nn.dot_product_attention``; ``spec`` as for :func:`attention`."""
   B, T, N, H = q_BxTxNxH.shape
-  k_BxSxKxH = _gather(jax.lax.stop_gradient(k_BxTxKxH), cp).astype(jnp.float32)
+  k_BxSxKxH = _gather(jax.lax.stop_gradient(k_BxTxKxH), cp, spec).astype(jnp.float32)
   K = k_BxSxKxH.shape[2]
   q_BxTxKxGxH = jax.lax.stop_gradient(q_BxTxNxH).astype(jnp.float32).reshape(B, T, K, N // K, H)
   s_BxKxGxTxS = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH) / np.sqrt(H)
-  mask = _visible(T, cp, segment_ids_BxT)[:, :, None]
+  mask = _visible(T, cp, segment_ids_BxT, spec)[:, :, None]
   logits_N = jnp.max(jnp.where(mask, s_BxKxGxTxS, -jnp.inf), axis=(0, 3, 4)).reshape(N)
   return jax.lax.pmax(logits_N, AXIS) if cp > 1 else logits_N

@@ -104,13 +104,14 @@ class Attention(nnx.Module):
       # XLA's attention asks float16 dots for float32 results (F16_F16_F32), which the
       # CPU's dot_general refuses at compile time: run it in float32 (its softmax is anyway).
       q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = (t.astype(jnp.float32) for t in (q_BxTxNxH, k_BxTxKxH, v_BxTxKxH))
+    kv_spec = None if par.mesh is None else par.spec("batch", None, "heads", None)
     o_BxTxNxH = context.attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, implementation=self.cfg.attention,
-                                  cp=par.cp, segment_ids_BxT=segment_ids_BxT)
+                                  cp=par.cp, segment_ids_BxT=segment_ids_BxT, spec=kv_spec)
     o_BxTxNxH = par.constrain(o_BxTxNxH.astype(dtype), "batch", None, "heads", None)
     out = self.out(o_BxTxNxH.reshape(B, T, -1), par)
     if not logit_max:
       return out, None
-    return out, context.logit_max(q_BxTxNxH, k_BxTxKxH, cp=par.cp, segment_ids_BxT=segment_ids_BxT)
+    return out, context.logit_max(q_BxTxNxH, k_BxTxKxH, cp=par.cp, segment_ids_BxT=segment_ids_BxT, spec=kv_spec)
 
   def cached(self, x_BxTxD: jax.Array, rope, par: Parallelism, cache: KVCache
              ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:

@@ -50,6 +50,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -158,18 +159,94 @@ class Parallelism:
     Constraining to the stored layout first keeps the gradient (the transpose of the
     gather) in that layout: reduced to fs shards, not all-reduced to full copies. Inside
     the ``shard_map`` manual over cp the kernel is this rank's cp block (``models.lm_loss``),
-    gathered here explicitly; the gather's transpose reduce-scatters the gradient.
+    gathered over cp there, keeping its tp sharding, then over fs and ep
+    (:func:`gathered_in_manual`); the gathers' transposes reduce-scatter the gradient.
     """
     if self.mesh is None:
       return kernel
     stored, used = KERNEL_LAYOUTS[layout]
+    if _gathers_manual_axes(stored):
+      return gathered_in_manual(kernel, stored, used)
     kernel = jax.lax.with_sharding_constraint(gathered_over_manual(kernel, stored), without_manual(stored))
     return jax.lax.with_sharding_constraint(kernel, used)
 
 
+def manual_axes() -> set[str]:
+  """The mesh axes that the surrounding ``shard_map`` (or nested ones) made manual."""
+  return set(jax.sharding.get_abstract_mesh().manual_axes)
+
+
+def in_auto_axes(f, in_spec: P, out_spec: P):
+  """``f`` run inside a ``shard_map`` manual over the mesh axes that are still automatic,
+  its argument laid out over them as ``in_spec``, its result as ``out_spec``.
+
+  Inside a ``shard_map`` manual over some axes (cp), a collective over those axes makes
+  XLA's partitioner replicate its operand over the automatic ones first (on CPU, jax
+  0.10: every weight gathered over tp, keys and values over tp and the batch axes, and
+  the transposes' cotangents likewise). Made manual over all axes, each device moves
+  only its own shard, and the collective's transpose keeps that sharding.
+  """
+  auto = set(jax.sharding.get_abstract_mesh().axis_names) - manual_axes()
+  return jax.shard_map(f, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_spec, out_specs=out_spec,
+                       axis_names=auto)
+
+
+def _gathers_manual_axes(stored: P) -> bool:
+  """Whether a weight stored as ``stored`` entered the ``shard_map`` as a block of manual axes (cp)."""
+  sizes, manual = jax.sharding.get_abstract_mesh().shape, manual_axes()
+  return any(a in manual and sizes[a] > 1 for e in stored for a in parallel.axis_names(e))
+
+
+def gathered_in_manual(kernel: jax.Array, stored: P, used: P) -> jax.Array:
+  """A weight stored as ``stored`` that entered a ``shard_map`` manual over some of its
+  axes (cp) as its block, in its layout ``used``: gathered over those axes inside
+  :func:`in_auto_axes`, then over the automatic ones (fs, ep) by the partitioner, so that
+  it stays sharded over tp throughout and its gradient is reduce-scattered over fs, then
+  cp, from its tp shards.
+
+  The block of a dimension stored over (cp, fs) is cp-major: device (c, f) holds its
+  block c·F + f. Gathered over cp alone it holds blocks f, F + f, ...: the f-th shard
+  over fs of the weight with its blocks in (f, c) order, whose gather over fs is put
+  back into (c, f) order locally."""
+  manual = manual_axes()
+  sizes = jax.sharding.get_abstract_mesh().shape
+
+  def gather(block):  # here every axis is manual: gather over the outer ones (cp) alone
+    for dim, entry in enumerate(stored):
+      over = tuple(a for a in parallel.axis_names(entry) if a in manual)
+      if over:
+        block = jax.lax.all_gather(block, over, axis=dim, tiled=True)
+    return block
+
+  auto_stored = _without_unit(without_manual(stored))
+  kernel = in_auto_axes(gather, auto_stored, auto_stored)(kernel)
+  kernel = jax.lax.with_sharding_constraint(kernel, without_manual(stored))
+  kernel = jax.lax.with_sharding_constraint(kernel, without_manual(used))
+  for dim, entry in enumerate(stored):
+    names = parallel.axis_names(entry)
+    m = math.prod(sizes[a] for a in names if a in manual)
+    f = math.prod(sizes[a] for a in names if a not in manual)
+    if m > 1 and f > 1:
+      shape = kernel.shape
+      blocks = kernel.reshape(*shape[:dim], f, m, shape[dim] // (f * m), *shape[dim + 1:])
+      kernel = jnp.swapaxes(blocks, dim, dim + 1).reshape(shape)
+  return jax.lax.with_sharding_constraint(kernel, without_manual(used))
+
+
+def _without_unit(spec: P) -> P:
+  """``spec`` without the mesh axes of size 1."""
+  sizes = jax.sharding.get_abstract_mesh().shape
+
+  def entry(e):
+    axes = tuple(a for a in parallel.axis_names(e) if sizes[a] > 1)
+    return axes[0] if len(axes) == 1 else (axes or None)
+
+  return P(*(entry(e) for e in spec))
+
+
 def without_manual(spec: P) -> P:
   """``spec`` without the axes that the surrounding ``shard_map`` made manual."""
-  manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+  manual = manual_axes()
 
   def entry(e):
     axes = tuple(a for a in parallel.axis_names(e) if a not in manual)
@@ -181,7 +258,7 @@ def without_manual(spec: P) -> P:
 def gathered_over_manual(kernel: jax.Array, stored: P) -> jax.Array:
   """A weight stored as ``stored``, inside a ``shard_map`` manual over some of its axes
   (cp) where it entered as its block: all-gathered over those axes."""
-  manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+  manual = manual_axes()
   for dim, entry in enumerate(stored):
     over = tuple(a for a in parallel.axis_names(entry) if a in manual)
     if over:

@@ -101,6 +101,7 @@ def update(name, spec, optimizer):
     ("tiny-moe", "fs=2,ep=2,tp=2", 1),  # tensor-parallel experts: outputs reduced per token
     ("tiny", "pp=2,tp=2", 2),  # pipeline sends, the embedding's gradient per iteration
     ("tiny", "cp=2", 1),  # K and V gathered over cp, weights sharded over it
+    ("tiny", "fs=2,cp=2,tp=2", 1),  # weights over cp then fs, each device its tp shard; K/V per fs shard
     ("small", "fs=4,tp=2", 1),
 ])
 def test_forward_backward_bytes_equal_the_compiled_steps(name, spec, microbatches):
