@@ -168,8 +168,9 @@ def caveats(cfg, sizes: dict[str, int], optimizer: str) -> list[str]:
     out.append("cp beside other axes is planned as designed; compiled on CPU, the cp region also gathers"
                " weights over tp and activations over the batch axes (much more traffic)")
   if sizes["pp"] > 1 and batch:
-    out.append("pp beside batch axes: compiled on CPU, the pipeline also reshards the batch and the"
-               " embedding's gradient over them (tiny, pp=2,fs=2: 1.5x the planned bytes over fs)")
+    out.append("pp beside batch axes: compiled on CPU, the pipeline also reshards the batch over them and"
+               " gathers the embedding's cotangents over them each iteration (tiny, pp=2,fs=2: 1.5x the planned"
+               " bytes over fs)")
   if cfg.num_experts and sizes["tp"] > 1:
     out.append("experts with tp > 1: compiled on CPU, expert kernels are gathered over tp where used"
                " (4.4x the planned tp bytes on tiny-moe, ep=2,tp=2)")
