@@ -168,8 +168,9 @@ def caveats(cfg, sizes: dict[str, int], optimizer: str) -> list[str]:
     out.append("cp beside pp is planned as designed; compiled on CPU, the tables' gathers, their gradients and"
                " the pipeline's sends group differently over cp and pp (tiny, cp=2,tp=2,pp=2: tp exact)")
   if sizes["pp"] > 1 and batch:
-    out.append("pp beside batch axes: compiled on CPU, the pipeline also reshards the batch and the"
-               " embedding's gradient over them (tiny, pp=2,fs=2: 1.5x the planned bytes over fs)")
+    out.append("pp beside batch axes: compiled on CPU, the pipeline also reshards the batch over them and"
+               " gathers the embedding's cotangents over them each iteration (tiny, pp=2,fs=2: 1.5x the planned"
+               " bytes over fs)")
   if optimizer in ("dion2", "nordion2"):
     out.append(f"{optimizer}: its selection's traffic is estimated as the fraction of Muon's")
   return out

@@ -53,7 +53,7 @@ from flax import nnx
 
 from models import context, moe, pipeline
 from models.config import GPTConfig
-from models.layers import MLP, Dense, rms_norm
+from models.layers import MLP, Dense, embedding_lookup, rms_norm
 from models.sharding import Parallelism, param_specs, shardings, to_stages
 
 
@@ -275,7 +275,7 @@ class GPT(nnx.Module):
 
   def embed_tokens(self, tokens_BxT: jax.Array, par: Parallelism) -> jax.Array:
     table_VxD = par.weight(self.embed.embedding[...], "row")
-    return par.constrain(jnp.take(table_VxD, tokens_BxT, axis=0), "batch", "seq", None)
+    return par.constrain(embedding_lookup(table_VxD, tokens_BxT, par), "batch", "seq", None)
 
   def logits(self, x_BxTxD: jax.Array, par: Parallelism) -> jax.Array:
     """Final norm and LM head: float32 logits [B, T, padded vocab], vocab-parallel over tp;

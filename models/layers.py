@@ -1,12 +1,16 @@
-"""The GPT's basic layers: a bias-free Dense kernel, the dense MLP, an RMS norm."""
+"""The GPT's basic layers: a bias-free Dense kernel, the dense MLP, an RMS norm, the
+embedding lookup."""
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from dion_jax import parallel
 from models.config import GPTConfig
 from models.sharding import Parallelism
 
@@ -53,3 +57,51 @@ class MLP(nnx.Module):
       g_BxTxF = par.constrain(self.gate(x_BxTxD, par), "batch", None, "mlp")
       return self.down(jax.nn.silu(g_BxTxF) * h_BxTxF, par)
     return self.down(jnp.square(jax.nn.relu(h_BxTxF)), par)
+
+
+def embedding_lookup(table_VxD: jax.Array, tokens_BxT: jax.Array, par: Parallelism) -> jax.Array:
+  """``table_VxD[tokens_BxT]``: [B, T, D], the table's rows (vocab-parallel over tp as
+  :meth:`Parallelism.weight` leaves it, batch over the data-parallel axes).
+
+  Its gradient, the table's [V, D] = Σ over the batch's tokens of their cotangents, is
+  summed in a ``shard_map`` manual over the batch axes: each rank scatter-adds its own
+  tokens and the ranks' tables are summed over those axes (reduced to the fs shards by
+  :meth:`Parallelism.weight`'s transpose, like every weight's). Left to the partitioner,
+  inside a ``shard_map`` manual over other axes (the replicas' gradient, manual over rp)
+  XLA all-gathers the cotangents and token ids over fs instead: B·T·D floats per
+  micro-batch in place of V/tp·D. A pipeline (pp > 1) embeds each micro-batch in its own
+  iteration, where this reduction would repeat the table's M + pp - 1 times, not once
+  per step as planned: there (and for a batch that does not split over the batch axes) the
+  lookup is left to the partitioner.
+  """
+  batch_axes = tuple(a for a in parallel.axis_names(*par.spec("batch")) if par.size(a) > 1)
+  if par.pp > 1 or not batch_axes or tokens_BxT.shape[0] % math.prod(par.size(a) for a in batch_axes):
+    return jnp.take(table_VxD, tokens_BxT, axis=0)
+  return _lookup(table_VxD, tokens_BxT, batch_axes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _lookup(table_VxD, tokens_BxT, batch_axes):
+  return jnp.take(table_VxD, tokens_BxT, axis=0)
+
+
+def _lookup_fwd(table_VxD, tokens_BxT, batch_axes):
+  # A [V, 0] slice carries the table's shape and dtype to the backward pass, not its values.
+  return jnp.take(table_VxD, tokens_BxT, axis=0), (tokens_BxT, table_VxD[:, :0])
+
+
+def _lookup_bwd(batch_axes, residuals, cotangent_BxTxD):
+  tokens_BxT, empty_Vx0 = residuals
+  V, D = empty_Vx0.shape[0], cotangent_BxTxD.shape[-1]
+
+  def summed(tokens_BxT, cotangent_BxTxD):
+    grad_VxD = jnp.zeros((V, D), empty_Vx0.dtype).at[tokens_BxT].add(cotangent_BxTxD.astype(empty_Vx0.dtype))
+    return jax.lax.psum(grad_VxD, batch_axes)
+
+  spec = P(batch_axes)
+  grad_VxD = jax.shard_map(summed, in_specs=(spec, spec), out_specs=P(), axis_names=set(batch_axes))(
+      tokens_BxT, cotangent_BxTxD)
+  return grad_VxD, None
+
+
+_lookup.defvjp(_lookup_fwd, _lookup_bwd)

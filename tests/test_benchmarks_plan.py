@@ -112,9 +112,9 @@ def test_gradient_reductions_of_a_step_with_micro_batches_and_replicas():
   """The step's gradient with 4 micro-batches on rp=2,fs=2,tp=2 (``train.step.make_gradient``;
   loops counted per iteration): over rp one all-reduce of the gradient shards after the scan
   (achieved: 12 bytes in 889,360 off, aux scalars); over fs each micro-batch's reduction to
-  the shards, except the embedding's: inside the replicas' shard_map XLA all-gathers its
-  cotangents over fs instead of reducing the table's gradient (so do the Dion
-  per-replica steps)."""
+  the shards, the embedding's included (achieved: 0 bytes off; when XLA partitioned the
+  lookup's gradient inside the replicas' shard_map it all-gathered the cotangents and token
+  ids over fs instead, 132 KB per micro-batch, and reduced no table: 393,216 bytes off)."""
   cfg = models.preset("tiny", unroll=True)
   mesh = model_meshes.mesh("rp=2,fs=2,tp=2")
   sizes, accum, batch_size = dict(mesh.shape), 4, 2 * BATCH
@@ -131,8 +131,7 @@ def test_gradient_reductions_of_a_step_with_micro_batches_and_replicas():
   reduced = _by_axes(s for s in stats if s.op == "all-reduce" and s.axes != ("tp",))
   over_rp = sum(v for a, v in reduced.items() if "rp" in a)
   assert abs(planned["rp",] + planned["rp", "fs"] - over_rp) <= RTOL * over_rp
-  table = next(plan_model.local_bytes(leaf, {**sizes, "fs": 1}) for leaf in leaves if "embed" in leaf.name)
-  assert abs(planned["fs",] - accum * table - reduced["fs",]) <= RTOL * reduced["fs",]
+  assert abs(planned["fs",] - reduced["fs",]) <= RTOL * reduced["fs",]
 
 
 @pytest.mark.parametrize("name,spec,optimizer", [
