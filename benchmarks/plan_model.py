@@ -22,8 +22,7 @@ partitioner (``models/sharding.py``, ``train/step.py``), not an idealized one:
   * gradient reductions: every tp-local gradient (float32) reduced to its shard over
     the axes that shard the parameters (cp, fs, ep; experts without ep), a reduce-scatter
     (XLA's CPU backend all-reduces, with the same payload; with cp beside fs or ep over
-    fs·ep, then the shard over cp, and the embedding's cotangents and token ids
-    all-gathered over fs·ep instead), once per micro-batch
+    fs·ep, then the shard over cp), once per micro-batch
     (ZeRO-3: the scan over micro-batches carries the shards); with rp > 1, every
     replica's sum of its shards (Dion's per-replica matrices excepted) all-reduced over
     rp once per step, after the scan (``train.step.make_gradient``: DDP's ``no_sync``
@@ -257,12 +256,6 @@ def model_collectives(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, 
       nbytes *= iterations  # each iteration's lookup gradient is reduced on its own
     kind = None if "experts" in leaf.name else "replicated" if "scale" in leaf.name else "sharded"
     steps = _in_cp_steps(sizes, axes, nbytes, kind)
-    if "embed" in leaf.name and len(steps) == 2:
-      # In the cp region XLA all-gathers the lookup's cotangents and token ids over the
-      # batch axes instead of reducing the table's gradient over them (as in the replicas').
-      rest = steps[1][0]
-      add("gradient reductions", "all-gather", rest, group(sizes, rest) * b * T * (d * act_bytes + 4), 2)
-      steps = steps[:1]
     for step_axes, step_bytes in steps:
       grad[step_axes] = grad.get(step_axes, 0) + step_bytes
     if not (per_replica and leaf.label == "dion"):
