@@ -251,9 +251,7 @@ def setup(cfg: Config) -> Run:
   if primary:
     print("compiling the training step", flush=True)
   t0 = time.perf_counter()
-  with jax.set_mesh(mesh):
-    compiled = train_step.lower(state, first).compile()
-  preflight.check_memory(compiled.memory_analysis(), mesh, model_cfg)
+  compile_within_memory(train_step, state, first, mesh, model_cfg)
   if primary:
     print(f"compiled the training step in {time.perf_counter() - t0:.1f} s", flush=True)
     lock.acquire()
@@ -268,6 +266,15 @@ def setup(cfg: Config) -> Run:
       json.dump(record, f, indent=2)
   return Run(cfg, model_cfg, mesh, par, state, start_step, train_step, eval_step, train_batches,
              valid_rows, batch_sharding, checkpoints, record, eod, lock, steps_per_epoch, examples)
+
+
+def compile_within_memory(train_step, state: Any, batch: dict, mesh: jax.sharding.Mesh,
+                          model_cfg: models.GPTConfig) -> None:
+  """Compiles the step for ``state`` and ``batch`` (later calls reuse the executable) and
+  refuses one whose memory the devices cannot hold (``preflight.check_memory``)."""
+  with jax.set_mesh(mesh):
+    compiled = train_step.lower(state, batch).compile()
+  preflight.check_memory(compiled.memory_analysis(), mesh, model_cfg)
 
 
 def global_batch(run: Run, local: dict) -> dict:
