@@ -32,7 +32,7 @@ import sys
 
 from jax.sharding import PartitionSpec as P
 
-from benchmarks import plan, plan_model, plan_optimizer
+from train import plan, plan_model, plan_optimizer
 
 DEVICES, BATCH, SIZES = 1024, 1024, ("1b", "8b", "70b", "405b")
 COMMON = dict(global_batch=BATCH, micro=1, gpu="h100", compare=False)

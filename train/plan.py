@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from benchmarks import plan_model, plan_optimizer
+from train import plan_model, plan_optimizer
 from dion_jax.parallel.mesh import AXES, format_mesh_spec
 
 

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 
-from benchmarks import gpu, gpu_moe
+from train import gpu, gpu_moe
 
 
 def test_without_a_gpu_one_line_and_exit_2(capsys):

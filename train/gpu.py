@@ -50,8 +50,8 @@ import numpy as np
 import optax
 
 import dion_jax
-from benchmarks.gpu_kernels import stage_check, stage_kernels
-from benchmarks.gpu_moe import stage_moe
+from train.gpu_kernels import stage_check, stage_kernels
+from train.gpu_moe import stage_moe
 from benchmarks.harness import jitted_step, throughput_time, time_fn
 
 EXIT_NO_GPU = 2
