@@ -1,4 +1,4 @@
-"""``python -m benchmarks.gpu`` without a GPU, its profile summary on a synthetic trace, and
+"""``python -m train.gpu`` without a GPU, its profile summary on a synthetic trace, and
 its MoE stage at a small size on CPU (so that a lent GPU's minutes do not find its bugs)."""
 
 import argparse

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.plan``: its bytes and memory against compiled steps on the 8 CPU
+"""``python -m train.plan``: its bytes and memory against compiled steps on the 8 CPU
 devices (the compiler's HLO, read by ``dion_jax.accounting``, is the reference), its time
 model against hand-computed numbers, and its command line."""
 import json

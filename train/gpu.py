@@ -1,7 +1,7 @@
 """GPU evidence in one command: kernels, optimizer steps and training, as JSON and a PNG.
 
-    python -m benchmarks.gpu                     # every stage, about 7 minutes on one H100
-    python -m benchmarks.gpu --stages check,kernels --out /tmp/gpu
+    python -m train.gpu                     # every stage, about 7 minutes on one H100
+    python -m train.gpu --stages check,kernels --out /tmp/gpu
 
 Stages (``--stages``); each reports, and the next runs even when one fails:
 
@@ -9,14 +9,14 @@ Stages (``--stages``); each reports, and the next runs even when one fails:
   symmetric products) and the whole RCQR and polar factor, Pallas and XLA, against
   float64 NumPy on the same inputs (the sketch's S from ``dion_jax.kernels.sketch``).
 - ``kernels``: time of the Pallas path against XLA's composition of the same math
-  (and Householder QR for RCQR), interleaved rounds. Both in ``benchmarks/gpu_kernels.py``.
+  (and Householder QR for RCQR), interleaved rounds. Both in ``train/gpu_kernels.py``.
 - ``optimizers``: one jitted step (update + apply) on one square n x n float32 matrix,
   n = 2048, 4096, ... while the stage's time lasts: Dion at rank 1, 1/4 and 1/16, Dion2
   (fraction 1/4), NorMuon and Muon (bf16 Polar Express), optax's Muon and AdamW; the
   Dion paper's step-time-versus-size figure. A size that runs out of memory is recorded.
 - ``moe``: ``jax.lax.ragged_dot`` (the experts' grouped matmul) checked against a loop over
   experts, then timed forward and backward in bf16 against one dense matmul of the same
-  rows, 8 and 64 experts, even and skewed groups (``benchmarks/gpu_moe.py``).
+  rows, 8 and 64 experts, even and skewed groups (``train/gpu_moe.py``).
 - ``train``: the trainer (``python -m train.gpt``) in bfloat16 with cuDNN attention,
   ``small`` with AdamW, Dion2, Muon and Dion and ``350m`` with AdamW and Dion: tokens/s,
   model TFLOP/s, MFU against the device's dense bf16 peak and peak memory, from the last
@@ -27,7 +27,8 @@ Stages (``--stages``); each reports, and the next runs even when one fails:
   the device's kernels by total time: where a step's time goes.
 
 Writes ``gpu.json`` after every stage and ``gpu.png`` at the end, under ``--out``
-(default ``benchmarks/results/gpu/<device>/``). Without a GPU it says so and exits 2.
+(default ``gpu-evidence/<device>/`` in the working directory; the repository keeps its runs in
+``--out benchmarks/results/gpu/<device>``). Without a GPU it says so and exits 2.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ import optax
 import dion_jax
 from train.gpu_kernels import stage_check, stage_kernels
 from train.gpu_moe import stage_moe
-from benchmarks.harness import jitted_step, throughput_time, time_fn
+from train.timing import jitted_step, throughput_time, time_fn
 
 EXIT_NO_GPU = 2
 STAGES = ("check", "kernels", "optimizers", "moe", "train", "profile")
@@ -264,10 +265,10 @@ def device_slug(kind: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m train.gpu", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset of " + ",".join(STAGES))
-  parser.add_argument("--out", help="output folder (default benchmarks/results/gpu/<device>)")
+  parser.add_argument("--out", help="output folder (default gpu-evidence/<device>)")
   parser.add_argument("--stage-seconds", type=float, default=80.0,
                       help="time after which a stage starts no new case (default 80)")
   parser.add_argument("--max-size", type=int, default=16384, help="largest n of the optimizers stage")
@@ -282,10 +283,10 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr)
     return EXIT_NO_GPU
   device = jax.devices()[0].device_kind
-  out = args.out or os.path.join("benchmarks", "results", "gpu", device_slug(device))
+  out = args.out or os.path.join("gpu-evidence", device_slug(device))
   os.makedirs(out, exist_ok=True)
   results = {"device": device, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
-             "command": "python -m benchmarks.gpu " + " ".join(argv if argv is not None else sys.argv[1:])}
+             "command": "python -m train.gpu " + " ".join(argv if argv is not None else sys.argv[1:])}
   functions = {"check": stage_check, "kernels": stage_kernels, "optimizers": stage_optimizers,
                "moe": stage_moe, "train": stage_train, "profile": stage_profile}
   for name in stages:

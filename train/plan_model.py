@@ -1,5 +1,5 @@
 """What one training step of the repository's GPT moves and holds per device on a mesh,
-on paper: the analytic half of ``python -m benchmarks.plan``.
+on paper: the analytic half of ``python -m train.plan``.
 
 Every number is per device and per optimizer step, for a mesh given as axis sizes
 (``rp, fs, ep, cp, tp, pp``; no devices needed), so meshes far beyond this machine can be
@@ -37,10 +37,10 @@ partitioner (``models/sharding.py``, ``train/step.py``), not an idealized one:
     sent on, forward and backward, and the last stage's outputs scattered to the
     stages that take their loss; the embedding's gradient is reduced over pp once per
     iteration (each iteration's lookup on its own).
-- the optimizer update (``dion_jax``'s sharded steps, ``benchmarks.plan_optimizer``).
+- the optimizer update (``dion_jax``'s sharded steps, ``train.plan_optimizer``).
 
 Bytes are payloads as ``dion_jax.accounting`` counts them: operand bytes, output bytes
-for all-gather. ``tests/test_benchmarks_plan.py`` compiles steps on 8 CPU devices and
+for all-gather. ``tests/test_train_plan.py`` compiles steps on 8 CPU devices and
 checks these numbers against the HLO.
 """
 from __future__ import annotations

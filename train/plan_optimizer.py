@@ -1,4 +1,4 @@
-"""What one optimizer update moves and holds per device, on paper (``python -m benchmarks.plan``).
+"""What one optimizer update moves and holds per device, on paper (``python -m train.plan``).
 
 Every matrix optimizer steps the parameters of one geometry (shape and PartitionSpec) as
 one stacked megabatch (``dion_jax.optimizers.skeleton``). Per Dion megabatch (b local
