@@ -17,6 +17,7 @@ import json
 import math
 import os
 
+from train import hub
 from train.cli import Parser, UsageError
 from train.flags import CHOICES, DEFAULT_LR, HELP
 
@@ -125,7 +126,7 @@ class Config:
 
   @property
   def run_path(self) -> str:
-    start = os.path.basename(os.path.normpath(self.hf_dir)) if self.hf_dir else self.preset
+    start = hub.run_name(self.init_from[len("hf:"):]) if self.init_from else self.preset
     name = self.name or f"{start}-{self.optimizer}"
     return os.path.abspath(self.run_dir or os.path.join("runs", name))
 
@@ -135,8 +136,9 @@ class Config:
 
   @property
   def hf_dir(self) -> str | None:
-    """The Hugging Face checkpoint directory of ``--init-from hf:DIR`` (absolute), or None."""
-    return None if self.init_from is None else os.path.abspath(self.init_from[len("hf:"):])
+    """The local Hugging Face checkpoint folder of ``--init-from hf:DIR`` or ``hf:ORG/NAME[@REVISION]``
+    (absolute; a Hub id's cached snapshot, fetched on first use: ``train/hub.py``), or None."""
+    return None if self.init_from is None else hub.local_dir(self.init_from[len("hf:"):])
 
   @property
   def data_spec(self) -> str:
@@ -214,7 +216,7 @@ class Config:
     if self.init_from is not None:
       if not self.init_from.startswith("hf:") or len(self.init_from) == 3:
         raise UsageError(f"--init-from {self.init_from}: expected hf:DIR, a Hugging Face"
-                         " checkpoint directory (config.json + safetensors)")
+                         " checkpoint directory (config.json + safetensors), or hf:ORG/NAME[@REVISION]")
       shape_flags = [f"--{n.replace('_', '-')}" for n in ("num_layers", "hidden_size", "num_attention_heads",
                                                           "qk_norm", "num_experts", "moe_top_k", "moe_every",
                                                           "moe_ffn_hidden_size")

@@ -271,7 +271,7 @@ def _link(flag: str, text: str) -> Link:
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m train.plan", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--model", default="small", help="small|350m|1b|8b|70b|405b|tiny|tiny-moe, hf:DIR or CONFIG.json")
+  parser.add_argument("--model", default="small", help="small|350m|1b|8b|70b|405b|tiny|tiny-moe, hf:DIR, hf:ORG/NAME[@REVISION] (its config.json only) or CONFIG.json")
   parser.add_argument("--mesh", default="fs=8", help="rp=..,fs=..,ep=..,cp=..,tp=..,pp=.. (default fs=8)")
   parser.add_argument("--optimizer", default="dion", choices=plan_optimizer.OPTIMIZERS)
   parser.add_argument("--rank-fraction", type=float, default=0.25, help="Dion's rank fraction (default 0.25)")

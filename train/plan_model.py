@@ -60,6 +60,7 @@ import dion_jax
 import models
 from dion_jax.parallel.mesh import AXES
 from models import hf
+from train import hub
 
 # Llama 3 shapes (Meta's model cards / config.json), beside the repository's presets.
 LLAMA3 = {
@@ -107,9 +108,9 @@ def load_config(model: str, seq_len: int | None = None, dtype: str = "bfloat16")
     return models.GPTConfig(**{**LLAMA3_COMMON, "seq_len": 8192, **LLAMA3[model], **over})
   if model in models.PRESETS:
     return models.preset(model, **over)
-  path = model[3:] if model.startswith("hf:") else model
+  path = model
   if model.startswith("hf:"):
-    path = os.path.join(path, "config.json")
+    path = os.path.join(hub.local_dir(model[3:], weights=False), "config.json")
   if not path.endswith(".json") or not os.path.isfile(path):
     raise ValueError(f"--model {model}: expected one of {', '.join([*models.PRESETS, *LLAMA3])},"
                      " hf:DIR (with a config.json) or a GPTConfig .json file")
