@@ -17,7 +17,7 @@ import json
 import math
 import os
 
-from train import hub
+from train import hub, tracking
 from train.cli import Parser, UsageError
 from train.flags import CHOICES, DEFAULT_LR, HELP
 
@@ -97,6 +97,9 @@ class Config:
   log_interval: int = 10
   eval_every: int = 100
   eval_tokens: int = 16384
+  tensorboard: str | None = None
+  wandb: str | None = None
+  profile_steps: str | None = None
   # run directory and checkpoints
   name: str | None = None
   run_dir: str | None = None
@@ -133,6 +136,24 @@ class Config:
   @property
   def ckpt_path(self) -> str:
     return os.path.abspath(self.ckpt_dir or os.path.join(self.run_path, "checkpoints"))
+
+  @property
+  def tensorboard_path(self) -> str | None:
+    """The event files' directory of ``--tensorboard [DIR]`` (bare: RUN_DIR/tensorboard), or None."""
+    if self.tensorboard is None:
+      return None
+    return os.path.abspath(self.tensorboard or os.path.join(self.run_path, "tensorboard"))
+
+  @property
+  def profile_range(self) -> tuple[int, int] | None:
+    """``--profile-steps A:B`` as ``(A, B)``, or None; a malformed value is a UsageError."""
+    if self.profile_steps is None:
+      return None
+    first, _, last = self.profile_steps.partition(":")
+    if not (first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
+      raise UsageError(f"--profile-steps {self.profile_steps}: expected A:B, the first and last step to"
+                       " trace, with 1 <= A <= B (e.g. 5:7)")
+    return int(first), int(last)
 
   @property
   def hf_dir(self) -> str | None:
@@ -207,6 +228,10 @@ class Config:
       if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UsageError(f"--coordinator {self.coordinator}: expected HOST:PORT with a port in"
                          " 1..65535, e.g. 10.0.0.1:1234")
+    if self.profile_range and self.profile_range[1] > self.steps:
+      raise UsageError(f"--profile-steps {self.profile_steps} ends past --steps {self.steps}; choose steps"
+                       f" up to {self.steps}")
+    tracking.check(self.tensorboard, self.wandb)
     if self.step is not None and not self.resume:
       raise UsageError(f"--step {self.step} picks the checkpoint to resume from; add --resume")
     multi = (self.coordinator, self.num_processes, self.process_id)
@@ -250,6 +275,8 @@ def _parser() -> argparse.ArgumentParser:
       parser.add_argument(flag, action=action, help=HELP[field.name])
     elif field.name == "data":
       parser.add_argument(flag, nargs="+", metavar="SPEC", help=HELP[field.name])
+    elif field.name == "tensorboard":
+      parser.add_argument(flag, nargs="?", const="", metavar="DIR", help=HELP[field.name])
     else:
       parser.add_argument(flag, type={"int": int, "float": float}.get(kind, str),
                           choices=CHOICES.get(field.name), help=HELP[field.name])
@@ -286,7 +313,7 @@ def _kept_schedule(saved: dict, given: dict) -> dict:
 
 # Flags that describe one invocation, not the run: never taken from a saved config.
 _PER_INVOCATION = ("resume", "step", "run_dir", "coordinator", "num_processes", "process_id", "distributed",
-                   "distributed_timeout")
+                   "distributed_timeout", "profile_steps")
 
 
 def checkpoint_record(ckpt_path: str, step: int | None = None) -> dict | None:

@@ -133,6 +133,12 @@ HELP = {
     "eval_every": "steps between validation evaluations, 0 for only at the end (default 100)",
     "eval_tokens": ("validation tokens per evaluation (default 16384); an sft: validation file is"
                     " evaluated whole, each example once; 0 turns validation off"),
+    "tensorboard": "also write the log's metrics as TensorBoard event files into DIR (default"
+                   " RUN_DIR/tensorboard; needs the tensorboard extra)",
+    "wandb": "also log the metrics and the config to this Weights & Biases project (needs the wandb"
+             " extra; WANDB_MODE=offline writes the run into RUN_DIR/wandb without a network)",
+    "profile_steps": "A:B: trace steps A to B with jax.profiler into RUN_DIR/profile (TensorBoard's"
+                     " profile plugin, Perfetto), each step named with its number",
     "name": "run name: the run directory is runs/NAME (default PRESET-OPTIMIZER, or"
             " BASENAME(DIR)-OPTIMIZER with --init-from hf:DIR, NAME-OPTIMIZER with hf:ORG/NAME)",
     "run_dir": "run directory for config.json, metrics.jsonl and checkpoints (default runs/NAME)",

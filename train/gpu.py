@@ -23,8 +23,9 @@ Stages (``--stages``); each reports, and the next runs even when one fails:
   log interval; and the optimizer's share of the step: the trainer's own optimizer
   (update + apply, jitted alone, donated, on the model's parameters and same-shaped
   gradients) timed as the trainer times its steps, ``optimizer_ms / ms_per_step``.
-- ``profile``: a trace of a few Dion steps of ``small`` (``jax.profiler``), summarized as
-  the device's kernels by total time: where a step's time goes.
+- ``profile``: a trace of Dion's steps 2 to 6 of ``small``, taken by the trainer's own
+  ``--profile-steps`` (``train/profiling.py``), summarized as the device's kernels by
+  total time: where a step's time goes.
 
 Writes ``gpu.json`` after every stage and ``gpu.png`` at the end, under ``--out``
 (default ``gpu-evidence/<device>/`` in the working directory; the repository keeps its runs in
@@ -132,31 +133,30 @@ def optimizer_seconds(run, steps: int) -> float:
     return throughput_time(lambda p, s: update(p, s, grads), (params, tx.init(params)), steps)
 
 
-def train_run(preset: str, optimizer: str, steps: int, batch: int, attention: str,
-              profile_dir: str | None = None, optimizer_steps: int = 0) -> dict:
+def train_run(preset: str, optimizer: str, steps: int, batch: int, attention: str, optimizer_steps: int = 0,
+              run_dir: str | None = None, profile_steps: str | None = None) -> dict:
   """The trainer's numbers of the last log interval (after the compiling first one); with
   ``optimizer_steps``, also the optimizer's own time (:func:`optimizer_seconds`) and its
-  share of the step."""
+  share of the step. The run goes to ``run_dir`` (default a temporary directory), its
+  ``--profile-steps`` trace (``train/profiling.py``) to RUN_DIR/profile."""
+  if run_dir is None:
+    with tempfile.TemporaryDirectory() as run_dir:
+      return train_run(preset, optimizer, steps, batch, attention, optimizer_steps, run_dir, profile_steps)
   from train import config as config_lib
   from train import log, loop
 
-  with tempfile.TemporaryDirectory() as run_dir:
-    cfg = config_lib.Config(
-        preset=preset, optimizer=optimizer, dtype="bfloat16", attention=attention, steps=steps,
-        log_interval=steps // 2, global_batch_size=batch, eval_tokens=0, save_every=0,
-        run_dir=run_dir, mesh="fs=1")
-    cfg.check()
-    run = loop.setup(cfg)
-    optimizer_ms = optimizer_seconds(run, optimizer_steps) * 1e3 if optimizer_steps else None
-    if profile_dir:
-      with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
-        code = loop.train(run)
-    else:
-      code = loop.train(run)
-    if code:
-      raise RuntimeError(f"the trainer exited with {code}")
-    intervals, _ = log.read_metrics(run_dir)
-    record = intervals[max(intervals)]
+  cfg = config_lib.Config(
+      preset=preset, optimizer=optimizer, dtype="bfloat16", attention=attention, steps=steps,
+      log_interval=steps // 2, global_batch_size=batch, eval_tokens=0, save_every=0,
+      run_dir=run_dir, mesh="fs=1", profile_steps=profile_steps)
+  cfg.check()
+  run = loop.setup(cfg)
+  optimizer_ms = optimizer_seconds(run, optimizer_steps) * 1e3 if optimizer_steps else None
+  code = loop.train(run)
+  if code:
+    raise RuntimeError(f"the trainer exited with {code}")
+  intervals, _ = log.read_metrics(run_dir)
+  record = intervals[max(intervals)]
   stats = jax.devices()[0].memory_stats() or {}
   row = {"preset": preset, "optimizer": optimizer, "attention": attention, "global_batch": batch,
          "seq_len": run.model_cfg.seq_len, "params_M": run.model_cfg.num_params() / 1e6,
@@ -211,15 +211,16 @@ def summarize_trace(path: str, top: int = 25) -> list[dict]:
           for name, us in total.most_common(top)]
 
 
-def stage_profile(args) -> dict:
-  with tempfile.TemporaryDirectory() as trace_dir:
-    train_run("small", "dion", 6, 32, "cudnn", profile_dir=trace_dir)
-    traces = [os.path.join(d, f) for d, _, files in os.walk(trace_dir) for f in files
+def stage_profile(args, preset: str = "small", batch: int = 32, attention: str = "cudnn") -> dict:
+  """The trainer's steps 2 to 6 of 6 traced by its own ``--profile-steps``, by kernel."""
+  with tempfile.TemporaryDirectory() as run_dir:
+    train_run(preset, "dion", 6, batch, attention, run_dir=run_dir, profile_steps="2:6")
+    traces = [os.path.join(d, f) for d, _, files in os.walk(os.path.join(run_dir, "profile")) for f in files
               if f.endswith("perfetto_trace.json.gz")]
     rows = summarize_trace(traces[0])
   for row in rows[:10]:
     print(f"  {row['ms']:9.1f} ms {row['count']:6d}x {100 * row['share']:5.1f}%  {row['kernel'][:80]}", flush=True)
-  return {"rows": rows, "steps": 6, "what": "small, Dion rank 1, batch 32 x 1024, 6 steps with compilation"}
+  return {"rows": rows, "steps": "2:6", "what": f"{preset}, Dion rank 1, batch {batch}, steps 2 to 6 of 6 (--profile-steps 2:6)"}
 
 
 # --- output ------------------------------------------------------------------------
