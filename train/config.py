@@ -2,9 +2,10 @@
 
 Every flag of ``python -m train.gpt`` is a field of :class:`Config` with the same name
 (``--lr-warmup-steps`` is ``lr_warmup_steps``); its default lives in the dataclass, its
-help text in ``train/flags.py``. With ``--resume``, flags left off the command line keep the
-values saved in the run's ``config.json``, so ``--resume --run-dir DIR`` alone continues
-a run as it was started.
+help text in ``train/flags.py``. ``--config FILE`` reads flags from a YAML or JSON file
+(``train/config_file.py``), below those of the command line. With ``--resume``, flags
+left off the command line (and the file) keep the values saved in the run's
+``config.json``, so ``--resume --run-dir DIR`` alone continues a run as it was started.
 
 Nothing here imports jax: the entry point must know the mesh (how many host devices to
 create) and the multi-host flags before JAX starts.
@@ -17,7 +18,7 @@ import json
 import math
 import os
 
-from train import hub, tracking
+from train import config_file, hub, tracking
 from train.cli import Parser, UsageError
 from train.flags import CHOICES, DEFAULT_LR, HELP
 
@@ -280,20 +281,32 @@ def _parser() -> argparse.ArgumentParser:
     else:
       parser.add_argument(flag, type={"int": int, "float": float}.get(kind, str),
                           choices=CHOICES.get(field.name), help=HELP[field.name])
+  parser.add_argument("--config", metavar="FILE", help=HELP["config"])
+  parser.add_argument("--print-config", action="store_true", help=HELP["print_config"])
   return parser
 
 
 def parse(argv: list[str] | None = None) -> Config:
   """The run's Config from the command line (and, with ``--resume``, its saved config)."""
-  given = vars(_parser().parse_args(argv))
+  return command(argv)[0]
+
+
+def command(argv: list[str] | None = None) -> tuple[Config, bool]:
+  """The run's Config from the command line, the ``--config`` file below it and, with
+  ``--resume``, the saved config below both; and whether ``--print-config`` was given."""
+  parser = _parser()
+  given = vars(parser.parse_args(argv))
+  print_config = given.pop("print_config", False)
   if "data" in given:
     given["data"] = tuple(given["data"])
+  if "config" in given:
+    given = {**config_file.given(given.pop("config"), parser, Config, _PER_INVOCATION), **given}
   values = dict(given)
   if given.get("resume"):
     start = Config(**given)
     saved = saved_config(start.run_path, start.ckpt_path)
     values = {**saved, **given, **_kept_schedule(saved, given)}
-  return Config(**values)
+  return Config(**values), print_config
 
 
 def _kept_schedule(saved: dict, given: dict) -> dict:

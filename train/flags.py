@@ -139,6 +139,9 @@ HELP = {
              " extra; WANDB_MODE=offline writes the run into RUN_DIR/wandb without a network)",
     "profile_steps": "A:B: trace steps A to B with jax.profiler into RUN_DIR/profile (TensorBoard's"
                      " profile plugin, Perfetto), each step named with its number",
+    "config": "read flags from a YAML or JSON file (keys: these flags without dashes, e.g."
+              " lr_warmup_steps: 10; or a run's config.json); flags given here override it",
+    "print_config": "print the resolved flags as YAML (a --config file) and exit",
     "name": "run name: the run directory is runs/NAME (default PRESET-OPTIMIZER, or"
             " BASENAME(DIR)-OPTIMIZER with --init-from hf:DIR, NAME-OPTIMIZER with hf:ORG/NAME)",
     "run_dir": "run directory for config.json, metrics.jsonl and checkpoints (default runs/NAME)",
