@@ -159,3 +159,13 @@ def test_a_missing_extra_is_one_line_before_the_run(missing, tmp_path, capsys, m
   err = capsys.readouterr().err.strip().splitlines()
   assert err == [f"error: --{missing} needs the {missing} package: pip install 'dion-jax[{missing}]' (or drop --{missing})"]
   assert not (tmp_path / "run").exists()
+
+
+@needs_tensorboard
+def test_a_tensorboard_directory_under_a_file_is_one_line(tmp_path, capsys):
+  (tmp_path / "a_file").write_text("")
+  assert gpt.main([*SMALL, "--run-dir", str(tmp_path / "run"), "--tensorboard", str(tmp_path / "a_file" / "tb")]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err == [f"error: --tensorboard {tmp_path / 'a_file' / 'tb'} lies under the file {tmp_path / 'a_file'}, not a"
+                 " directory; choose a directory"]
+  assert not (tmp_path / "run").exists()

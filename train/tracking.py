@@ -20,17 +20,22 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from train import rundir
 from train.cli import UsageError
 
 _EXTRA = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 
 def check(tensorboard: str | None, wandb: str | None) -> None:
-  """Raises UsageError when a requested tracker's package is not installed."""
+  """Raises UsageError when a requested tracker's package is not installed, or when
+  ``tensorboard`` names a directory that cannot be written ("": the run directory's,
+  which the run checks itself)."""
   for flag, value in (("tensorboard", tensorboard), ("wandb", wandb)):
     if value is not None and importlib.util.find_spec(flag) is None:
       raise UsageError(f"--{flag} needs the {flag} package: pip install 'dion-jax[{_EXTRA[flag]}]'"
                        f" (or drop --{flag})")
+  if tensorboard:
+    rundir.check_usable(os.path.abspath(tensorboard), "--tensorboard")
 
 
 def start(run_path: str, config: dict, tensorboard: str | None, wandb: str | None) -> list:
