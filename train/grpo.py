@@ -23,13 +23,9 @@ answers written after the marker ``####`` (GSM8K's):
 - ``format``: 1 if the completion ends with ``####`` and a non-empty answer, else 0.
 
 The run directory holds ``config.json`` (the starting run's, so ``train.sample`` and
-``train.export`` read the result as a run), ``metrics.jsonl`` (one strict JSON record per
-step, ``train.log.MetricsFile``: ``reward_mean``, ``reward_std``, ``reward/NAME/mean`` and
-``/std`` per function, ``advantage_std``, ``loss``, ``kl``, ``clip_low``, ``clip_high``,
-``grad_norm``, ``completion_length_mean``/``_max``, ``truncated`` (the share cut at
-``--max-new-tokens``), ``rollout_tokens_per_s``, ``train_tokens_per_s``, ``rollout_s``,
-``train_s``; also to ``--tensorboard [DIR]`` and ``--wandb PROJECT`` as train.gpt's) and
-Orbax checkpoints of the policy. On ``--mesh`` (train.gpt's axes; one device by default) the policy is
+``train.export`` read the result as a run), ``metrics.jsonl`` (one record per step, its
+fields listed in ``train/log.py``; also to ``--tensorboard [DIR]`` and ``--wandb PROJECT``)
+and Orbax checkpoints of the policy. On ``--mesh`` (train.gpt's axes; one device by default) the policy is
 sharded as in training and takes any optimizer of train.gpt; the rollout gathers it once
 (``models.generate.rollout_params``). The log-probabilities and the loss take training's
 forward (``models.token_logps``, ``models.loss`` with GRPO's per-token objective): on pp

@@ -11,15 +11,25 @@ over the steps of one pass over the data's rows (1.500: half way through the sec
 pass). Only process 0 writes; :func:`read_metrics` is the one reader of what it writes.
 
 ``metrics.jsonl`` is strict JSON, one object a line (:class:`MetricsFile`, which
-``train.grpo`` writes through too): a value that is not finite (the loss of a diverged
-interval) is ``null``, never the bare ``NaN`` that ``jq`` and strict parsers refuse. Its
-fields (``train.gpt``; ``train.grpo``'s are in its module docstring) are ``step``,
-``tokens`` (consumed), ``ms_per_step``, ``tokens_per_s``, ``tflops_per_device``, ``mfu``,
-``learning_rate``, ``loss``, ``grad_norm``, ``skipped``, ``nan``, and where they apply
-``examples``, ``epoch``, ``loss_scale``, ``max_logit``, ``clipped_heads``,
-``moe_aux_loss``, ``expert_load``, ``dropped``; a validation record has ``step``,
-``tokens``, ``val_loss`` and ``val_ppl``. Every record also goes to the run's trackers
-(``train/tracking.py``: ``--tensorboard``, ``--wandb``), one scalar per numeric field.
+``train.grpo`` writes through too): a value that is not finite (the loss of an interval
+whose steps were all skipped) is ``null``, never the bare ``NaN`` that ``jq`` and strict
+parsers refuse. Every record also goes to the run's trackers (``train/tracking.py``:
+``--tensorboard``, ``--wandb``), one scalar per numeric field. The fields:
+
+- ``train.gpt``, one record per log interval: ``step``, ``tokens`` (consumed),
+  ``ms_per_step``, ``tokens_per_s``, ``tflops_per_device``, ``mfu`` (known peaks only),
+  ``learning_rate``, ``loss`` (the interval's mean lm loss), ``grad_norm`` (its last
+  applied step's), ``skipped``, ``nan``, and where they apply ``examples``, ``epoch``
+  (``sft:`` data), ``loss_scale`` (float16), ``max_logit``, ``clipped_heads`` (QK-clip),
+  ``moe_aux_loss``, ``expert_load``, ``dropped`` (experts); one per evaluation: ``step``,
+  ``tokens``, ``val_loss``, ``val_ppl``.
+- ``train.grpo``, one record per step: ``step``, ``reward_mean``, ``reward_std`` (the
+  weighted sum of the rewards), ``reward/NAME/mean`` and ``reward/NAME/std`` per reward
+  function, ``advantage_std``, ``loss``, ``kl`` (k3, to the starting policy), ``clip_low``,
+  ``clip_high`` (shares of completion tokens whose ratio was clipped below / above),
+  ``grad_norm``, ``completion_length_mean``, ``completion_length_max``, ``truncated``
+  (the share cut at ``--max-new-tokens``), ``rollout_tokens_per_s``,
+  ``train_tokens_per_s``, ``rollout_s``, ``train_s``.
 """
 from __future__ import annotations
 
