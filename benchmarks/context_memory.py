@@ -35,6 +35,7 @@ import dion_jax
 import models
 from benchmarks import harness
 from models import context
+from train import timing
 
 
 def ring_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, *, implementation, cp, segment_ids_BxT=None):
@@ -162,7 +163,7 @@ def speed(args) -> None:
     with _scheme(scheme), jax.set_mesh(mesh):
       compiled = _grad_fn(graphdef, par).lower(params, batch).compile()
     cases[name] = (compiled, (params, batch))
-  times = harness.interleaved_times(cases, rounds=args.rounds, repeats=1)
+  times = timing.interleaved_times(cases, rounds=args.rounds, repeats=1)
   print(f"\n## gradient step, tiny, one sequence of {cfg.seq_len} tokens, {jax.device_count()} CPU devices")
   print("| case | s/step | tokens/s |\n| --- | --- | --- |")
   for name, t in times.items():

@@ -27,6 +27,7 @@ import dion_jax
 from benchmarks import harness
 from dion_jax.kernels import rcqr_xla, sketch
 from dion_jax.linalg import qr
+from train import timing
 
 
 def kernel_cost_per_call(fn, args, calls: int = 5) -> tuple[float, float]:
@@ -87,7 +88,7 @@ def profile_pieces(params, rank_fraction: float, repeats: int) -> list[tuple[str
   pieces: dict[str, float] = {}
 
   def add(name, fn, *args):
-    pieces[name] = pieces.get(name, 0.0) + harness.time_fn(jax.jit(fn), args, repeats, warmup=2)
+    pieces[name] = pieces.get(name, 0.0) + timing.time_fn(jax.jit(fn), args, repeats, warmup=2)
 
   for p in params.values():
     L, fan_in, fan_out = p.shape
@@ -149,9 +150,9 @@ def main():
   cases = {"matmul": matmul_case(args.matmul_size, args.matmul_count)}
   state_bytes = {}
   for name, (tx, _) in txs.items():
-    step, step_args, state_bytes[name] = harness.jitted_step(tx, params)
+    step, step_args, state_bytes[name] = timing.jitted_step(tx, params)
     cases[name] = (step, step_args)
-  times = harness.interleaved_times(cases, args.rounds, args.repeats)
+  times = timing.interleaved_times(cases, args.rounds, args.repeats)
   kernel = {name: kernel_cost_per_call(fn, fn_args) for name, (fn, fn_args) in cases.items()}
   rate = 2 * args.matmul_size**3 * args.matmul_count / times["matmul"] / 1e9
   t_muon, bytes_adamw = times["optax.contrib.muon"], state_bytes["optax.adamw"]

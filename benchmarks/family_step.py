@@ -18,6 +18,7 @@ import optax
 
 import dion_jax
 from benchmarks import harness
+from train import timing
 
 
 def optimizers(float32: bool) -> dict:
@@ -54,9 +55,9 @@ def main():
   params = harness.gpt_matrices(args.layers, args.d_model, fused_qkv=not args.split_qkv)
   cases = {}
   for name, tx in optimizers(args.float32).items():
-    step, step_args, _ = harness.jitted_step(tx, params)
+    step, step_args, _ = timing.jitted_step(tx, params)
     cases[name] = (step, step_args)
-  times = harness.interleaved_times(cases, args.rounds, args.repeats)
+  times = timing.interleaved_times(cases, args.rounds, args.repeats)
   base = times["optax.contrib.muon"]
   qkv = "query, key, value apart" if args.split_qkv else "fused qkv"
   print(f"{args.layers} layers, d_model {args.d_model}, {qkv}, one CPU device; "

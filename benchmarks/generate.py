@@ -7,7 +7,7 @@ fixed-window recompute ``train.sample`` used before it and transformers' cached 
 One random Llama-shaped model (GQA, SwiGLU, tied embeddings) is built in transformers,
 saved, and imported with ``train.hf.load``, so that all three run the same weights. Each
 case writes ``--new`` greedy tokens after a prompt of ``--prompt`` tokens (every row the
-same length, no padding, no eos), the cases taking turns (``harness.interleaved_times``);
+same length, no padding, no eos), the cases taking turns (``timing.interleaved_times``);
 tokens/s is batch x new tokens over the whole call's median time, prefill included. The
 old path handles one prompt at a time, so it runs at batch 1 only: it recomputes the
 whole ``--window``-token context (the model's seq_len) for every token, as
@@ -22,6 +22,7 @@ import os
 import tempfile
 
 from benchmarks import harness
+from train import timing
 
 LLAMA = {"vocab_size": 2048, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
          "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 512, "tie_word_embeddings": True}
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
              "transformers generate (cache)": (transformers_generate, (prompts_BxP,))}
     if batch == 1:
       cases["old train.sample (recompute)"] = (old_path, (prompts_BxP[0],))
-    times = harness.interleaved_times(cases, rounds=args.rounds, repeats=1)
+    times = timing.interleaved_times(cases, rounds=args.rounds, repeats=1)
     for name, seconds in times.items():
       print(f"| {batch} | {name} | {seconds:.3f} | {batch * args.new / seconds:.0f} |")
     print(f"(batch {batch}: greedy tokens equal to transformers' at {agree:.1%} of places)")

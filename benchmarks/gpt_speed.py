@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import models
-from benchmarks import harness
+from benchmarks import harness  # noqa: F401  limits OpenBLAS's threads before any LAPACK call
+from train import timing
 
 
 def main(argv=None) -> int:
@@ -32,7 +33,7 @@ def main(argv=None) -> int:
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 257, (args.batch_size, cfg.seq_len)), jnp.int32)
   batch = {"inputs": tokens, "targets": tokens}
   step = jax.jit(jax.value_and_grad(lambda p, b: models.loss(graphdef, p, b)))
-  t = harness.time_fn(step, (params, batch), args.steps)
+  t = timing.time_fn(step, (params, batch), args.steps)
   tokens_per_step = args.batch_size * cfg.seq_len
   print(f"{args.preset} ({cfg.num_params() / 1e6:.1f}M params, vocab {cfg.padded_vocab}, {args.dtype}) on"
         f" {jax.devices()[0].platform}: batch {args.batch_size} x {cfg.seq_len}: {t * 1e3:.1f} ms per"

@@ -18,10 +18,11 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from benchmarks import harness
+from benchmarks import harness  # noqa: F401  limits OpenBLAS's threads before any LAPACK call
 from dion_jax.kernels import rcqr as pallas_rcqr
 from dion_jax.kernels import sketch
 from dion_jax.linalg import qr
+from train import timing
 
 MS = (4096, 16384, 65536)
 RS = (128, 512, 1024)
@@ -33,7 +34,7 @@ REPEATS = 20  # timed calls per case, after one warm-up
 def copy_bandwidth() -> float:
   """Bytes per second of a 1 GiB read + write on the default device."""
   x = jnp.ones((1 << 28,), jnp.float32)
-  return 2 * x.nbytes / harness.time_fn(jax.jit(lambda v: v + 1.0), (x,), REPEATS)
+  return 2 * x.nbytes / timing.time_fn(jax.jit(lambda v: v + 1.0), (x,), REPEATS)
 
 
 def print_counts() -> None:
@@ -78,7 +79,7 @@ def run_timings() -> None:
         counted["householder"] = (itemsize * m * r + 4 * m * r, 4 * m * r * r - 4 * r**3 // 3)
         P = jax.random.normal(jax.random.key(0), (m, r), jnp.float32).astype(dtype)
         seed = jnp.uint32(1)
-        times = {name: harness.time_fn(f, (P, seed), REPEATS) for name, f in methods.items()}
+        times = {name: timing.time_fn(f, (P, seed), REPEATS) for name, f in methods.items()}
         for name, t in times.items():
           nbytes, flops = counted[name]
           print(f"{jnp.dtype(dtype).name:>8} {m:>6} {r:>5} {name:>12} {t * 1e3:9.3f} {nbytes / t / 1e9:7.0f}"

@@ -1,4 +1,4 @@
-"""What every benchmark shares: process set-up, meshes, timing, GPT matrices, a jitted step.
+"""What every benchmark shares: process set-up, meshes, GPT matrices (timing: ``train/timing.py``).
 
 Benchmarks run as modules from the repository root, ``python -m benchmarks.NAME``.
 Importing this module limits OpenBLAS to one thread, as ``python -m train.gpt`` does
@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
-import time
 
 import numpy  # noqa: F401  numpy's own OpenBLAS loads first, keeping its threads
 
@@ -18,7 +16,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
 
 import dion_jax  # noqa: E402
 
@@ -46,54 +43,12 @@ def mesh(spec: str) -> jax.sharding.Mesh:
   return dion_jax.make_mesh(sizes, devices[:n])
 
 
-def _call(fn, args) -> None:
-  jax.block_until_ready(fn(*args))
 
 
-def time_fn(fn, args, repeats: int, warmup: int = 1) -> float:
-  """Median wall time of ``fn(*args)`` in seconds over ``repeats`` calls after ``warmup`` calls."""
-  for _ in range(warmup):
-    _call(fn, args)
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    _call(fn, args)
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
 
 
-def interleaved_times(cases: dict, rounds: int, repeats: int) -> dict[str, float]:
-  """Median over ``rounds`` of each case's median time, the cases taking turns.
-
-  The machines here are shared: their speed drifts by ±10% over seconds. Timing
-  every case in every round, the plain matmul included, makes the ratios between
-  cases (what the table reports) robust to that drift.
-  """
-  for fn, args in cases.values():
-    for _ in range(2):  # Compile and warm up.
-      _call(fn, args)
-  per_round = {name: [] for name in cases}
-  for _ in range(rounds):
-    for name, (fn, args) in cases.items():
-      per_round[name].append(time_fn(fn, args, repeats, warmup=0))
-  return {name: statistics.median(ts) for name, ts in per_round.items()}
 
 
-def throughput_time(fn, args, steps: int) -> float:
-  """Mean seconds per call over ``steps`` chained calls ``args = fn(*args)``, one wait at the end.
-
-  This is how a trainer runs its steps: the host queues the next step while the
-  device works, so host overhead that overlaps with device time costs nothing. ``fn``
-  returns its next arguments (a step that donates its state hands on the new one).
-  One call first compiles and warms up.
-  """
-  args = fn(*args)
-  jax.block_until_ready(args)
-  start = time.perf_counter()
-  for _ in range(steps):
-    args = fn(*args)
-  jax.block_until_ready(args)
-  return (time.perf_counter() - start) / steps
 
 
 def gpt_matrices(layers: int, d: int, fused_qkv: bool = True) -> dict[str, jax.Array]:
@@ -121,16 +76,3 @@ def matrix_benchmark_parser(description: str, repeats: int = 5) -> argparse.Argu
   parser.add_argument("--rounds", type=int, default=5, help="rounds in which every case is timed in turn")
   return parser
 
-
-def jitted_step(tx, params):
-  """A jitted update + apply, its arguments, and the optimizer state's bytes."""
-  grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(1), p.shape, p.dtype) * 1e-2, params)
-  state = tx.init(params)
-
-  @jax.jit
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
-  return step, (params, state, grads), state_bytes

@@ -45,6 +45,7 @@ import optax  # noqa: E402
 
 import dion_jax  # noqa: E402
 import models  # noqa: E402
+from train import timing  # noqa: E402
 
 STAGES = ("speed", "quality", "alltoall", "memory")
 # tiny with 8 experts of width 256, top-2, on layers 1 and 3 (dense MLPs of 512 on 0 and 2):
@@ -77,7 +78,7 @@ def speed(args) -> None:
   for name, cfg in configs.items():
     step, params, tx = _train_step(cfg, models.Parallelism())
     cases[name] = (jax.jit(step), (params, tx.init(params), batch))
-  times = harness.interleaved_times(cases, rounds=args.rounds, repeats=3)
+  times = timing.interleaved_times(cases, rounds=args.rounds, repeats=3)
   tokens = args.batch * configs["tiny (dense)"].seq_len
   dense = times["tiny (dense)"]
   print("| model | ms/step | tokens/s | × dense |\n| --- | --- | --- | --- |")

@@ -1,4 +1,4 @@
-"""The planner's figures for Llama 3 shapes on one cluster (``benchmarks.plan``).
+"""The planner's figures for Llama 3 shapes on one cluster (``train.plan``).
 
     python -m benchmarks.plan_figures --out benchmarks/results/plan
 
@@ -11,7 +11,7 @@ bf16 compute at 50% of peak, nothing overlapped; each size on the mesh rp·fs·t
 with tp = 8 and the smallest fs whose AdamW run fits in HBM with remat.
 
 It also writes the Dion paper's step-time-versus-matrix-size figure on one H100 as the
-planner sees it, beside the H100's measurements (``benchmarks.gpu``'s optimizers stage,
+planner sees it, beside the H100's measurements (``train.gpu``'s optimizers stage,
 ``MEASURED``): ``optimizer_time_by_size.png`` and ``optimizer_time_by_size.md``. One n x n
 float32 matrix on one device; the planner's update flops (``plan_optimizer.flops``) at
 50% (its default ``--mfu``) of the matmuls' peak rate, or the update's HBM traffic at the
@@ -32,7 +32,7 @@ import sys
 
 from jax.sharding import PartitionSpec as P
 
-from benchmarks import plan, plan_model, plan_optimizer
+from train import plan, plan_model, plan_optimizer
 
 DEVICES, BATCH, SIZES = 1024, 1024, ("1b", "8b", "70b", "405b")
 COMMON = dict(global_batch=BATCH, micro=1, gpu="h100", compare=False)
@@ -133,7 +133,7 @@ def size_rows(measured: dict) -> list[dict]:
 
 def size_table(rows: list[dict], measured: dict) -> str:
   lines = [f"One n x n float32 matrix, one update + apply on one {measured['device']} (ms): the planner's"
-           f" roofline against `benchmarks.gpu`'s optimizers stage ({measured['date']}, jax {measured['jax']}).", "",
+           f" roofline against `train.gpu`'s optimizers stage ({measured['date']}, jax {measured['jax']}).", "",
            "| optimizer | n | planned ms | measured ms | measured / planned |", "| --- | --- | --- | --- | --- |"]
   lines += [f"| {r['optimizer']} | {r['n']} | {r['predicted_ms']:.3g} | {r['measured_ms']:.3g} | {r['ratio']:.2f} |"
             for r in rows]

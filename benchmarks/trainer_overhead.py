@@ -4,7 +4,7 @@
 
 Sets up one run as the trainer does (``train.loop.setup``), then times
 1. the bare jitted train step (forward, backward, optimizer) on one fixed batch already on
-   the devices, ``--steps`` calls with one wait at the end (``harness.throughput_time``);
+   the devices, ``--steps`` calls with one wait at the end (``timing.throughput_time``);
 2. the trainer's loop (``train.loop.train``: data loading, host-to-device transfer, metric
    reads, logging, the final checkpoint) for the same steps, from its metrics.jsonl:
    the median of ``ms_per_step`` over log intervals after the first (which holds the
@@ -15,9 +15,8 @@ import statistics
 import sys
 import tempfile
 
-from benchmarks import harness
 from train import config as config_lib
-from train import gpt, log
+from train import gpt, log, timing
 
 
 def main(argv=None) -> int:
@@ -38,7 +37,7 @@ def main(argv=None) -> int:
     return run.train_step(state, batch)
 
   with jax.set_mesh(run.mesh):
-    bare_ms = harness.throughput_time(step, (state, None), cfg.steps) * 1e3
+    bare_ms = timing.throughput_time(step, (state, None), cfg.steps) * 1e3
 
   loop.train(run)
   train, _ = log.read_metrics(run_dir)

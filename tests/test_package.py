@@ -1,10 +1,17 @@
 """The package's layers: imports point one way, no cycles, and ``import dion_jax`` neither
-changes the process nor loads Pallas."""
+changes the process nor loads Pallas; the wheel holds the packages and every command the
+README names."""
 
 import ast
+import os
 import pathlib
+import re
+import shutil
 import subprocess
 import sys
+import zipfile
+
+import pytest
 
 import dion_jax
 
@@ -101,3 +108,50 @@ def test_import_changes_nothing_in_the_process():
 def test_every_public_name_resolves():
   assert len(dion_jax.__all__) == len(set(dion_jax.__all__)) == 47
   assert all(hasattr(dion_jax, name) for name in dion_jax.__all__)
+
+
+# What the wheel holds: the four packages, not the repository's tests and benchmarks.
+WHEEL_PACKAGES = {"dion_jax", "models", "train", "data"}
+
+
+@pytest.mark.slow
+def test_every_readme_command_runs_from_the_wheel(tmp_path):
+  """The wheel built from this tree, installed into a venv (the dependencies from this
+  environment, the package from the wheel alone), run from a directory that is not the
+  checkout: every ``python -m train.*`` / ``data.*`` the README names is the wheel's, and
+  the planner, GRPO and the GPU evidence start (``--help``; exit 2 with one line on CPU)."""
+  source = tmp_path / "source"  # a copy, so that setuptools' build/ lands outside the checkout
+  source.mkdir()
+  for name in ("pyproject.toml", "README.md", *WHEEL_PACKAGES):
+    copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy
+    copy(ROOT / name, source / name, **({"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree else {}))
+  subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "--wheel-dir",
+                  str(tmp_path / "dist"), str(source)], check=True, capture_output=True)
+  (wheel,) = (tmp_path / "dist").glob("dion_jax-*.whl")
+  with zipfile.ZipFile(wheel) as z:
+    tops = {name.split("/")[0] for name in z.namelist()}
+  assert {t for t in tops if not t.endswith(".dist-info")} == WHEEL_PACKAGES
+  venv = tmp_path / "venv"
+  subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+  python = str(venv / "bin" / "python")
+  subprocess.run([python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--force-reinstall", str(wheel)],
+                 check=True, capture_output=True)
+  user = tmp_path / "elsewhere"
+  user.mkdir()
+  env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
+  commands = sorted(set(re.findall(r"python -m ((?:train|data)\.\w+)", (ROOT / "README.md").read_text())))
+  assert {"train.gpt", "train.grpo", "train.plan", "train.gpu", "train.eval", "train.export"} <= set(commands)
+  prefixes = {m.split(".")[0] for m in re.findall(r"python -m (\w+)", (ROOT / "README.md").read_text())}
+  # benchmarks: the checkout's own measurements; pytest and build: the tools
+  assert prefixes == {"train", "data", "benchmarks", "pytest", "build"}, prefixes
+  where = subprocess.run([python, "-c", "import importlib.util, sys; print('\\n'.join(importlib.util.find_spec(m).origin"
+                          " for m in sys.argv[1:]))", *commands], cwd=user, env=env, check=True, capture_output=True,
+                         text=True).stdout.split()
+  assert len(where) == len(commands) and all(w.startswith(str(venv)) for w in where), where
+  for module in ("train.plan", "train.grpo"):
+    out = subprocess.run([python, "-m", module, "--help"], cwd=user, env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith(f"usage: python -m {module}"), out.stderr[-2000:]
+  out = subprocess.run([python, "-m", "train.gpu"], cwd=user, env={**env, "JAX_PLATFORMS": "cpu"}, capture_output=True,
+                       text=True)
+  assert out.returncode == 2 and out.stderr.startswith("error: no GPU here") and out.stderr.count("\n") == 1, out.stderr
+  assert os.listdir(user) == []  # nothing written where the commands ran

@@ -348,7 +348,7 @@ def test_an_imported_model_is_checked_on_the_data_ids_and_its_positions(tmp_path
                                            " has 300 ids (0..299); tokenize the data with --init-from's tokenizer"),
       (["--data", f"fineweb:{bytes_bin}", "--seq-len", "128"], "--seq-len 128 exceeds the 64 positions"),
       (["--init-from", "hf:Qwen3-0.6B"], "Qwen3-0.6B does not exist; hf:DIR is a local folder of config.json"
-                                         " and safetensors, not a Hub id: download the checkpoint first")]:
+                                         " and safetensors, or hf:ORG/NAME[@REVISION] a Hugging Face Hub id")]:
     assert gpt.main([*flags, *argv, "--run-dir", str(tmp_path / "refused")]) == 2
     assert message in one_error_line(capsys)
   assert not (tmp_path / "refused").exists()

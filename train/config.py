@@ -2,9 +2,10 @@
 
 Every flag of ``python -m train.gpt`` is a field of :class:`Config` with the same name
 (``--lr-warmup-steps`` is ``lr_warmup_steps``); its default lives in the dataclass, its
-help text in ``train/flags.py``. With ``--resume``, flags left off the command line keep the
-values saved in the run's ``config.json``, so ``--resume --run-dir DIR`` alone continues
-a run as it was started.
+help text in ``train/flags.py``. ``--config FILE`` reads flags from a YAML or JSON file
+(``train/config_file.py``), below those of the command line. With ``--resume``, flags
+left off the command line (and the file) keep the values saved in the run's
+``config.json``, so ``--resume --run-dir DIR`` alone continues a run as it was started.
 
 Nothing here imports jax: the entry point must know the mesh (how many host devices to
 create) and the multi-host flags before JAX starts.
@@ -17,6 +18,7 @@ import json
 import math
 import os
 
+from train import config_file, hub, tracking
 from train.cli import Parser, UsageError
 from train.flags import CHOICES, DEFAULT_LR, HELP
 
@@ -96,6 +98,9 @@ class Config:
   log_interval: int = 10
   eval_every: int = 100
   eval_tokens: int = 16384
+  tensorboard: str | None = None
+  wandb: str | None = None
+  profile_steps: str | None = None
   # run directory and checkpoints
   name: str | None = None
   run_dir: str | None = None
@@ -125,7 +130,7 @@ class Config:
 
   @property
   def run_path(self) -> str:
-    start = os.path.basename(os.path.normpath(self.hf_dir)) if self.hf_dir else self.preset
+    start = hub.run_name(self.init_from[len("hf:"):]) if self.init_from else self.preset
     name = self.name or f"{start}-{self.optimizer}"
     return os.path.abspath(self.run_dir or os.path.join("runs", name))
 
@@ -134,9 +139,28 @@ class Config:
     return os.path.abspath(self.ckpt_dir or os.path.join(self.run_path, "checkpoints"))
 
   @property
+  def tensorboard_path(self) -> str | None:
+    """The event files' directory of ``--tensorboard [DIR]`` (bare: RUN_DIR/tensorboard), or None."""
+    if self.tensorboard is None:
+      return None
+    return os.path.abspath(self.tensorboard or os.path.join(self.run_path, "tensorboard"))
+
+  @property
+  def profile_range(self) -> tuple[int, int] | None:
+    """``--profile-steps A:B`` as ``(A, B)``, or None; a malformed value is a UsageError."""
+    if self.profile_steps is None:
+      return None
+    first, _, last = self.profile_steps.partition(":")
+    if not (first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
+      raise UsageError(f"--profile-steps {self.profile_steps}: expected A:B, the first and last step to"
+                       " trace, with 1 <= A <= B (e.g. 5:7)")
+    return int(first), int(last)
+
+  @property
   def hf_dir(self) -> str | None:
-    """The Hugging Face checkpoint directory of ``--init-from hf:DIR`` (absolute), or None."""
-    return None if self.init_from is None else os.path.abspath(self.init_from[len("hf:"):])
+    """The local Hugging Face checkpoint folder of ``--init-from hf:DIR`` or ``hf:ORG/NAME[@REVISION]``
+    (absolute; a Hub id's cached snapshot, fetched on first use: ``train/hub.py``), or None."""
+    return None if self.init_from is None else hub.local_dir(self.init_from[len("hf:"):])
 
   @property
   def data_spec(self) -> str:
@@ -205,6 +229,10 @@ class Config:
       if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UsageError(f"--coordinator {self.coordinator}: expected HOST:PORT with a port in"
                          " 1..65535, e.g. 10.0.0.1:1234")
+    if self.profile_range and self.profile_range[1] > self.steps:
+      raise UsageError(f"--profile-steps {self.profile_steps} ends past --steps {self.steps}; choose steps"
+                       f" up to {self.steps}")
+    tracking.check(self.tensorboard, self.wandb)
     if self.step is not None and not self.resume:
       raise UsageError(f"--step {self.step} picks the checkpoint to resume from; add --resume")
     multi = (self.coordinator, self.num_processes, self.process_id)
@@ -214,7 +242,7 @@ class Config:
     if self.init_from is not None:
       if not self.init_from.startswith("hf:") or len(self.init_from) == 3:
         raise UsageError(f"--init-from {self.init_from}: expected hf:DIR, a Hugging Face"
-                         " checkpoint directory (config.json + safetensors)")
+                         " checkpoint directory (config.json + safetensors), or hf:ORG/NAME[@REVISION]")
       shape_flags = [f"--{n.replace('_', '-')}" for n in ("num_layers", "hidden_size", "num_attention_heads",
                                                           "qk_norm", "num_experts", "moe_top_k", "moe_every",
                                                           "moe_ffn_hidden_size")
@@ -248,23 +276,37 @@ def _parser() -> argparse.ArgumentParser:
       parser.add_argument(flag, action=action, help=HELP[field.name])
     elif field.name == "data":
       parser.add_argument(flag, nargs="+", metavar="SPEC", help=HELP[field.name])
+    elif field.name == "tensorboard":
+      parser.add_argument(flag, nargs="?", const="", metavar="DIR", help=HELP[field.name])
     else:
       parser.add_argument(flag, type={"int": int, "float": float}.get(kind, str),
                           choices=CHOICES.get(field.name), help=HELP[field.name])
+  parser.add_argument("--config", metavar="FILE", help=HELP["config"])
+  parser.add_argument("--print-config", action="store_true", help=HELP["print_config"])
   return parser
 
 
 def parse(argv: list[str] | None = None) -> Config:
   """The run's Config from the command line (and, with ``--resume``, its saved config)."""
-  given = vars(_parser().parse_args(argv))
+  return command(argv)[0]
+
+
+def command(argv: list[str] | None = None) -> tuple[Config, bool]:
+  """The run's Config from the command line, the ``--config`` file below it and, with
+  ``--resume``, the saved config below both; and whether ``--print-config`` was given."""
+  parser = _parser()
+  given = vars(parser.parse_args(argv))
+  print_config = given.pop("print_config", False)
   if "data" in given:
     given["data"] = tuple(given["data"])
+  if "config" in given:
+    given = {**config_file.given(given.pop("config"), parser, Config, _PER_INVOCATION), **given}
   values = dict(given)
   if given.get("resume"):
     start = Config(**given)
     saved = saved_config(start.run_path, start.ckpt_path)
     values = {**saved, **given, **_kept_schedule(saved, given)}
-  return Config(**values)
+  return Config(**values), print_config
 
 
 def _kept_schedule(saved: dict, given: dict) -> dict:
@@ -284,7 +326,7 @@ def _kept_schedule(saved: dict, given: dict) -> dict:
 
 # Flags that describe one invocation, not the run: never taken from a saved config.
 _PER_INVOCATION = ("resume", "step", "run_dir", "coordinator", "num_processes", "process_id", "distributed",
-                   "distributed_timeout")
+                   "distributed_timeout", "profile_steps")
 
 
 def checkpoint_record(ckpt_path: str, step: int | None = None) -> dict | None:

@@ -38,6 +38,7 @@ from models import context
 from train import cli, evaluation, flags, gpt, loop, sample
 from train import config as config_lib
 from train import hf as hf_io
+from train import hub
 from train import step as step_lib
 from train.cli import UsageError
 
@@ -46,7 +47,7 @@ def load_model(spec: str, step: int | None, par: models.Parallelism) -> tuple[mo
   """``(cfg, graphdef, params)`` from a run directory or ``hf:DIR``, laid out on ``par``'s
   mesh like ``models.init``'s (call it under ``jax.set_mesh(par.mesh)``)."""
   if spec.startswith("hf:"):
-    directory = os.path.abspath(spec[3:])
+    directory = hub.local_dir(spec[3:])
     if step is not None:
       raise UsageError("--step applies to run directories, not to hf:DIR")
     cfg = hf_io.model_config(directory, seq_len=1024)
@@ -109,8 +110,8 @@ def _parser() -> argparse.ArgumentParser:
                       description="Print the validation loss of a checkpoint on a data spec: the mean"
                                   " token loss over every counted target (an sft: file's learned"
                                   " targets), each row once, as the trainer's validation computes it.")
-  parser.add_argument("model", metavar="RUN_DIR|hf:DIR",
-                      help="a python -m train.gpt run directory, or hf:DIR for a Hugging Face checkpoint")
+  parser.add_argument("model", metavar="RUN_DIR|hf:DIR|hf:ORG/NAME",
+                      help="a python -m train.gpt run directory, hf:DIR for a Hugging Face checkpoint folder, or hf:ORG/NAME[@REVISION] a Hub id")
   parser.add_argument("--data", required=True, metavar="SPEC",
                       help="data spec as train.gpt's --data (stdlib:val, fineweb:GLOB, megatron:PREFIX,"
                            " or sft:FILE.jsonl, read whole with the model's tokenizer)")
@@ -160,7 +161,7 @@ def _start(argv):
 def _tokenizer(spec: str):
   """What reads sft: data: the model's own tokenizer.json (and chat template), else bytes."""
   if spec.startswith("hf:"):
-    return hf_io.load_tokenizer(os.path.abspath(spec[3:]))
+    return hf_io.load_tokenizer(hub.local_dir(spec[3:]))
   run_dir = os.path.abspath(spec)
   return hf_io.load_tokenizer(hf_io.tokenizer_dir(run_dir, config_lib.saved_config(run_dir).get("init_from")))
 

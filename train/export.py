@@ -1,4 +1,5 @@
-"""A run's checkpoint as a Hugging Face checkpoint: ``python -m train.export RUN_DIR --output DIR``.
+"""A run's checkpoint as a Hugging Face checkpoint: ``python -m train.export RUN_DIR --output DIR``
+(and ``--push-to-hub ORG/NAME`` to upload it: ``train/hub.py``).
 
 Writes ``config.json`` (the imported checkpoint's, with the model's fields written over it,
 when the run started from ``--init-from hf:DIR``), the weights as ``model.safetensors`` (or
@@ -10,6 +11,11 @@ renamed to DIR only when complete, so a failed export leaves nothing.
 Streamed: the checkpoint is read one parameter (a stacked leaf: all layers of one weight)
 at a time, so the host holds that leaf and one output file's tensors, not the model.
 
+With ``--push-to-hub`` the folder is uploaded as one commit to that model repository
+(created, private with ``--private``, when missing; ``HF_TOKEN`` or ``huggingface-cli
+login`` authenticates); without ``--output`` it is written to a temporary folder, removed
+after the upload.
+
 Bad input prints one ``error: ...`` line on stderr and exits with code 2.
 """
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from typing import Any
 
 import jax
@@ -28,6 +35,7 @@ from train import checkpoint as ckpt_lib
 from train import cli, preflight, sample
 from train import config as config_lib
 from train import hf as hf_io
+from train import hub
 from train.cli import UsageError
 
 
@@ -96,10 +104,14 @@ def _parser() -> argparse.ArgumentParser:
   parser = cli.Parser(prog="python -m train.export",
                       description="Write a run's checkpoint as a Hugging Face checkpoint directory.")
   parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of python -m train.gpt")
-  parser.add_argument("--output", required=True, metavar="DIR", help="directory to create (must not exist)")
+  parser.add_argument("--output", metavar="DIR", help="directory to create (must not exist; needed unless"
+                                                    " --push-to-hub)")
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
   parser.add_argument("--max-shard-bytes", type=int, default=hf_io.MAX_SHARD_BYTES,
                       help="split the weights into shards of at most this size (default 2 GiB)")
+  parser.add_argument("--push-to-hub", metavar="ORG/NAME",
+                      help="upload the export to this Hugging Face model repository (needs the hub extra)")
+  parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
   return parser
 
 
@@ -108,11 +120,23 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.max_shard_bytes < 1:
       raise UsageError(f"--max-shard-bytes must be positive, got {args.max_shard_bytes}")
-    return args, export(args.run_dir, args.output, args.step, args.max_shard_bytes)
+    if args.output is None and args.push_to_hub is None:
+      raise UsageError("--output DIR needed (or --push-to-hub ORG/NAME)")
+    if args.push_to_hub is not None:
+      hub.check_repo(args.push_to_hub)
+    if args.output is not None:
+      files = export(args.run_dir, args.output, args.step, args.max_shard_bytes)
+      print(f"exported {args.run_dir} to {args.output}: {', '.join(files)}", flush=True)
+      return args, files, args.push_to_hub and hub.push(args.output, args.push_to_hub, args.private)
+    with tempfile.TemporaryDirectory(prefix="export-") as parent:
+      output = os.path.join(parent, args.push_to_hub.split("/")[1])
+      files = export(args.run_dir, output, args.step, args.max_shard_bytes)
+      return args, files, hub.push(output, args.push_to_hub, args.private)
 
   def report(done) -> int:
-    args, files = done
-    print(f"exported {args.run_dir} to {args.output}: {', '.join(files)}")
+    args, files, url = done
+    if url:
+      print(f"pushed {', '.join(files)} to {args.push_to_hub}: {url}")
     return 0
 
   return cli.run(start, report)

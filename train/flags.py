@@ -25,11 +25,13 @@ HELP = {
     "preset": "model size: %s (default tiny: 4 layers x 128, seq 128)" % "|".join(PRESET_NAMES),
     "qk_norm": "none|rms|rms_scale: QK-norm of the preset's attention (default rms, the reference's;"
                " none as Llama, rms_scale as Qwen3)",
-    "init_from": "hf:DIR: start from a Hugging Face Llama, Qwen3 or Qwen3-MoE checkpoint in the local"
-                 " folder DIR (config.json + safetensors; not a Hub id: huggingface-cli download"
-                 " ORG/NAME --local-dir DIR first) instead of a random preset; --seq-len sets the"
-                 " training length (default min(max_position_embeddings, 1024)); the run is"
-                 " runs/BASENAME(DIR)-OPTIMIZER unless --name/--run-dir",
+    "init_from": "hf:DIR or hf:ORG/NAME[@REVISION]: start from a Hugging Face Llama, Qwen3 or Qwen3-MoE"
+                 " checkpoint instead of a random preset: the local folder DIR (config.json +"
+                 " safetensors; a folder wins over a Hub id of the same name) or a Hub repository,"
+                 " its config, tokenizer and safetensors fetched into the Hugging Face cache (the hub"
+                 " extra; HF_HUB_OFFLINE=1 reads the cache only, HF_TOKEN authenticates); --seq-len sets"
+                 " the training length (default min(max_position_embeddings, 1024)); the run is"
+                 " runs/NAME-OPTIMIZER (NAME: the folder's or repository's) unless --name/--run-dir",
     "num_layers": "override the preset's number of transformer layers",
     "hidden_size": "override the preset's model width d_model",
     "num_attention_heads": "override the preset's attention heads (must divide the hidden size)",
@@ -131,8 +133,17 @@ HELP = {
     "eval_every": "steps between validation evaluations, 0 for only at the end (default 100)",
     "eval_tokens": ("validation tokens per evaluation (default 16384); an sft: validation file is"
                     " evaluated whole, each example once; 0 turns validation off"),
+    "tensorboard": "also write the log's metrics as TensorBoard event files into DIR (default"
+                   " RUN_DIR/tensorboard; needs the tensorboard extra)",
+    "wandb": "also log the metrics and the config to this Weights & Biases project (needs the wandb"
+             " extra; WANDB_MODE=offline writes the run into RUN_DIR/wandb without a network)",
+    "profile_steps": "A:B: trace steps A to B with jax.profiler into RUN_DIR/profile (TensorBoard's"
+                     " profile plugin, Perfetto), each step named with its number",
+    "config": "read flags from a YAML or JSON file (keys: these flags without dashes, e.g."
+              " lr_warmup_steps: 10; or a run's config.json); flags given here override it",
+    "print_config": "print the resolved flags as YAML (a --config file) and exit",
     "name": "run name: the run directory is runs/NAME (default PRESET-OPTIMIZER, or"
-            " BASENAME(DIR)-OPTIMIZER with --init-from hf:DIR)",
+            " BASENAME(DIR)-OPTIMIZER with --init-from hf:DIR, NAME-OPTIMIZER with hf:ORG/NAME)",
     "run_dir": "run directory for config.json, metrics.jsonl and checkpoints (default runs/NAME)",
     "ckpt_dir": "checkpoint directory (default RUN_DIR/checkpoints)",
     "save_every": "steps between checkpoints, 0 for only at the end (default 100)",

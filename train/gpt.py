@@ -2,7 +2,9 @@
 
 With no arguments it trains the ``tiny`` preset with Dion on the embedded corpus on
 every device there is, and writes ``config.json``, ``metrics.jsonl`` and checkpoints
-under ``runs/tiny-dion/``. ``--help`` lists the flags (``train/flags.py``).
+under ``runs/tiny-dion/``. ``--help`` lists the flags (``train/flags.py``); ``--config
+run.yaml`` reads them from a file and ``--print-config`` prints them as one
+(``train/config_file.py``).
 
 One step, top to bottom: this loop feeds a global batch to ``train/step.py``, whose
 jitted step takes the model's loss and gradients (``models/gpt.py``, per rp replica
@@ -26,6 +28,7 @@ import numpy  # noqa: F401  numpy's own OpenBLAS loads first, keeping its thread
 
 from train import cli
 from train import config as config_lib
+from train import config_file
 from train.config import Config
 
 # jaxlib's CPU LAPACK calls scipy's OpenBLAS, whose threads compete with XLA's pool:
@@ -102,9 +105,13 @@ def _join(cfg: Config) -> None:
 
 
 def _setup(argv: list[str] | None):
-  """The run of ``argv``; bad input raises here, before anything is written."""
-  cfg = config_lib.parse(argv)
+  """The run of ``argv``; bad input raises here, before anything is written. None after
+  ``--print-config``, which prints the resolved flags instead."""
+  cfg, print_config = config_lib.command(argv)
   cfg.check()
+  if print_config:
+    print(config_file.to_yaml(cfg.to_json()), end="")
+    return None
   start_jax(cfg)
   from train import loop  # imports jax, models, dion_jax, data
 
@@ -112,6 +119,8 @@ def _setup(argv: list[str] | None):
 
 
 def _train(run) -> int:
+  if run is None:
+    return 0
   from train import loop
 
   return loop.train(run)

@@ -23,10 +23,9 @@ answers written after the marker ``####`` (GSM8K's):
 - ``format``: 1 if the completion ends with ``####`` and a non-empty answer, else 0.
 
 The run directory holds ``config.json`` (the starting run's, so ``train.sample`` and
-``train.export`` read the result as a run), ``metrics.jsonl`` (one record per step: reward
-mean/std overall and per function, advantage std, KL, clip fractions, completion lengths,
-the share cut at ``--max-new-tokens``, rollout and training tokens/s) and Orbax checkpoints
-of the policy. On ``--mesh`` (train.gpt's axes; one device by default) the policy is
+``train.export`` read the result as a run), ``metrics.jsonl`` (one record per step, its
+fields listed in ``train/log.py``; also to ``--tensorboard [DIR]`` and ``--wandb PROJECT``)
+and Orbax checkpoints of the policy. On ``--mesh`` (train.gpt's axes; one device by default) the policy is
 sharded as in training and takes any optimizer of train.gpt; the rollout gathers it once
 (``models.generate.rollout_params``). The log-probabilities and the loss take training's
 forward (``models.token_logps``, ``models.loss`` with GRPO's per-token objective): on pp
@@ -64,7 +63,7 @@ import orbax.checkpoint as ocp
 import models
 from models import generate
 from train import checkpoint as ckpt_lib
-from train import cli, flags, grpo_objective, grpo_rewards, loop, optim, rundir, sample
+from train import cli, flags, grpo_objective, grpo_rewards, log, loop, optim, rundir, sample, tracking
 from train import config as config_lib
 from train import gpt as gpt_entry
 from train.cli import UsageError
@@ -129,6 +128,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--clip-grad", type=float, default=1.0)
   p.add_argument("--save-every", type=int, default=50)
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--tensorboard", nargs="?", const="", metavar="DIR", help=flags.HELP["tensorboard"])
+  p.add_argument("--wandb", metavar="PROJECT", help=flags.HELP["wandb"])
   p.add_argument("--resume", action="store_true",
                  help="continue the run in --run-dir from its latest checkpoint with its saved flags"
                       " (only --steps and --save-every may change)")
@@ -136,7 +137,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 # Flags a resumed run may change; the others fix its rollouts and updates, so they are the saved run's.
-_RESUMABLE = ("resume", "run_dir", "steps", "save_every")
+_RESUMABLE = ("resume", "run_dir", "steps", "save_every", "tensorboard", "wandb")
 _PATHS = ("init_from", "prompts")
 
 
@@ -198,6 +199,7 @@ def _check(args: argparse.Namespace) -> None:
                      f" {args.steps}; pass a larger --steps")
   if not args.resume and os.path.exists(os.path.join(args.run_dir, "config.json")):
     raise UsageError(f"--run-dir {args.run_dir} already holds a run; choose a new directory or pass --resume")
+  tracking.check(args.tensorboard, args.wandb)
   rundir.check_usable(os.path.abspath(args.run_dir), "--run-dir")
   rundir.Lock(os.path.abspath(args.run_dir)).check()
 
@@ -246,7 +248,8 @@ def _setup(argv: list[str] | None) -> tuple:
   saved = config_lib.saved_config(os.path.abspath(args.init_from))
   train_cfg = config_lib.Config(**{**saved, "optimizer": args.optimizer, "lr": args.lr, "lr_warmup_steps": 0,
                                    "lr_decay_style": "constant", "steps": args.steps,
-                                   "run_dir": os.path.abspath(args.run_dir), "ckpt_dir": None, "resume": False})
+                                   "run_dir": os.path.abspath(args.run_dir), "ckpt_dir": None, "resume": False,
+                                   "tensorboard": args.tensorboard, "wandb": args.wandb, "profile_steps": None})
   return args, par, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg
 
 
@@ -295,6 +298,10 @@ def _steps(args, par, restored, tokenizer, rewards, rows, prompt_tokens, train_c
       os.rmdir(train_cfg.run_path)
 
 
+def _trackers(train_cfg: config_lib.Config, record: dict) -> list:
+  return tracking.start(train_cfg.run_path, record, train_cfg.tensorboard_path, train_cfg.wandb)
+
+
 def _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg) -> int:
   M, G = args.max_new_tokens, args.group_size
   graphdef, params = restored.graphdef, restored.params
@@ -321,7 +328,7 @@ def _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens,
     state = _restore(checkpoints, start, _state(params, opt_state, reference), par)
     params, opt_state, reference = state["params"], state["opt_state"], state.get("reference")
     _write_record(args.run_dir, record)  # the new --steps / --save-every for the next --resume
-    metrics = open(os.path.join(args.run_dir, "metrics.jsonl"), "a")
+    metrics = log.MetricsFile(args.run_dir, _trackers(train_cfg, record))
   try:
     for step in range(start + 1, args.steps + 1):
       picks = [order[((step - 1) * args.prompts_per_step + j) % len(rows)] for j in range(args.prompts_per_step)]
@@ -365,11 +372,11 @@ def _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens,
                "train_tokens_per_s": float(args.updates_per_rollout * mask_BxM.sum() / train_s),
                "rollout_s": rollout_s, "train_s": train_s}
       if metrics is None:
+        trackers = _trackers(train_cfg, record)  # first: one that cannot start leaves no run behind
         _write_record(args.run_dir, record)
-        metrics = open(os.path.join(args.run_dir, "metrics.jsonl"), "w")
+        metrics = log.MetricsFile(args.run_dir, trackers, mode="w")
         checkpoints = ckpt_lib.Checkpoints(train_cfg.ckpt_path, keep=2, create=True)
-      metrics.write(json.dumps(entry) + "\n")
-      metrics.flush()
+      metrics.write(entry)
       print(f"step {step:5d}/{args.steps} | reward {entry['reward_mean']:.4f} ± {entry['reward_std']:.4f} |"
             f" kl {entry['kl']:.3e} | clip {entry['clip_low'] + entry['clip_high']:.3f} | length"
             f" {entry['completion_length_mean']:.1f} | rollout {rollout_s:.2f}s, train {train_s:.2f}s", flush=True)

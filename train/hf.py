@@ -23,14 +23,13 @@ from safetensors.numpy import save_file
 from data import hf_tokenizer
 import models
 from models import hf as hf_map
+from train import hub
 from train.cli import UsageError
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "generation_config.json", "vocab.json", "merges.txt",
-                   "tokenizer.model")
+TOKENIZER_FILES = hub.TOKENIZER_FILES
 # A run's copy of its --init-from checkpoint's tokenizer files (and config.json, where the
 # eos id may live): later commands read them from the run, not from a folder that may move.
 RUN_TOKENIZER = "tokenizer"
@@ -44,8 +43,7 @@ def read_config(directory: str) -> dict:
   path = os.path.join(directory, CONFIG)
   if not os.path.isdir(directory):
     raise UsageError(f"{directory} does not exist; hf:DIR is a local folder of config.json and"
-                     " safetensors, not a Hub id: download the checkpoint first (huggingface-cli"
-                     " download ORG/NAME --local-dir DIR)")
+                     " safetensors, or hf:ORG/NAME[@REVISION] a Hugging Face Hub id")
   if not os.path.isfile(path):
     raise UsageError(f"{directory}: no {CONFIG}; pass a Hugging Face checkpoint directory"
                      " (config.json + safetensors)")
@@ -210,12 +208,12 @@ def copy_tokenizer(source: str, run_dir: str) -> None:
 
 
 def tokenizer_dir(run_dir: str, init_from: str | None) -> str | None:
-  """Where a run's tokenizer files are: its copy, else its --init-from directory (runs
-  saved before the copy), else None (the byte tokenizer)."""
+  """Where a run's tokenizer files are: its copy, else its --init-from folder or Hub id's
+  snapshot (runs saved before the copy), else None (the byte tokenizer)."""
   own = os.path.join(run_dir, RUN_TOKENIZER)
   if os.path.isdir(own):
     return own
-  return init_from[len("hf:"):] if init_from else None
+  return hub.local_dir(init_from[len("hf:"):]) if init_from else None
 
 
 def load_tokenizer(directory: str | None):

@@ -9,6 +9,27 @@ loss, as Megatron's) in float16 runs: that of the interval's last step. On fine-
 data (``sft:``) the line also shows the examples consumed so far and the epoch, steps
 over the steps of one pass over the data's rows (1.500: half way through the second
 pass). Only process 0 writes; :func:`read_metrics` is the one reader of what it writes.
+
+``metrics.jsonl`` is strict JSON, one object a line (:class:`MetricsFile`, which
+``train.grpo`` writes through too): a value that is not finite (the loss of an interval
+whose steps were all skipped) is ``null``, never the bare ``NaN`` that ``jq`` and strict
+parsers refuse. Every record also goes to the run's trackers (``train/tracking.py``:
+``--tensorboard``, ``--wandb``), one scalar per numeric field. The fields:
+
+- ``train.gpt``, one record per log interval: ``step``, ``tokens`` (consumed),
+  ``ms_per_step``, ``tokens_per_s``, ``tflops_per_device``, ``mfu`` (known peaks only),
+  ``learning_rate``, ``loss`` (the interval's mean lm loss), ``grad_norm`` (its last
+  applied step's), ``skipped``, ``nan``, and where they apply ``examples``, ``epoch``
+  (``sft:`` data), ``loss_scale`` (float16), ``max_logit``, ``clipped_heads`` (QK-clip),
+  ``moe_aux_loss``, ``expert_load``, ``dropped`` (experts); one per evaluation: ``step``,
+  ``tokens``, ``val_loss``, ``val_ppl``.
+- ``train.grpo``, one record per step: ``step``, ``reward_mean``, ``reward_std`` (the
+  weighted sum of the rewards), ``reward/NAME/mean`` and ``reward/NAME/std`` per reward
+  function, ``advantage_std``, ``loss``, ``kl`` (k3, to the starting policy), ``clip_low``,
+  ``clip_high`` (shares of completion tokens whose ratio was clipped below / above),
+  ``grad_norm``, ``completion_length_mean``, ``completion_length_max``, ``truncated``
+  (the share cut at ``--max-new-tokens``), ``rollout_tokens_per_s``,
+  ``train_tokens_per_s``, ``rollout_s``, ``train_s``.
 """
 from __future__ import annotations
 
@@ -16,6 +37,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Sequence
 
 from train.cli import UsageError
 
@@ -31,21 +53,47 @@ def peak_tflops(device_kind: str) -> float | None:
   return None
 
 
+def json_line(record: dict) -> str:
+  """``record`` as one line of strict JSON, a non-finite float written as null."""
+  finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+  return json.dumps(finite, allow_nan=False) + "\n"
+
+
+class MetricsFile:
+  """A run's ``metrics.jsonl`` and its trackers: each record goes to all of them."""
+
+  def __init__(self, run_path: str, trackers: Sequence = (), mode: str = "a"):
+    self.file = open(os.path.join(run_path, "metrics.jsonl"), mode)
+    self.trackers = trackers
+
+  def write(self, record: dict) -> None:
+    self.file.write(json_line(record))
+    self.file.flush()
+    for tracker in self.trackers:
+      tracker.log(record)
+
+  def close(self) -> None:
+    self.file.close()
+    for tracker in self.trackers:
+      tracker.close()
+
+
 class Logger:
   """Averages the steps of each log interval and writes them out."""
 
   def __init__(self, run_path: str, steps: int, tokens_per_step: int, flops_per_token: float,
                num_devices: int, device_kind: str, primary: bool, steps_per_epoch: int | None = None,
-               examples: int | None = 0):
+               examples: int | None = 0, trackers: Sequence = ()):
     """``steps_per_epoch`` (fine-tuning data only): steps of one pass over the data;
     ``examples``: those consumed before this run's first step (a resumed run's; None when
-    its checkpoint did not record them: they are then not shown)."""
+    its checkpoint did not record them: they are then not shown); ``trackers``: where
+    the records go besides metrics.jsonl (``train.tracking.start``'s)."""
     self.steps, self.tokens_per_step = steps, tokens_per_step
     self.steps_per_epoch, self.examples = steps_per_epoch, examples
     self.flops_per_token, self.num_devices = flops_per_token, num_devices
     self.peak = peak_tflops(device_kind)
     self.primary = primary
-    self.metrics = open(os.path.join(run_path, "metrics.jsonl"), "a") if primary else None
+    self.metrics = MetricsFile(run_path, trackers) if primary else None
     self._reset(time.perf_counter())
 
   def _reset(self, now: float) -> None:
@@ -136,8 +184,7 @@ class Logger:
   def _write(self, line: str, record: dict) -> None:
     if self.primary:
       print(line, flush=True)
-      self.metrics.write(json.dumps(record) + "\n")
-      self.metrics.flush()
+      self.metrics.write(record)
 
   def close(self) -> None:
     if self.metrics:
@@ -147,10 +194,10 @@ class Logger:
 def read_metrics(run_dir: str) -> tuple[dict[int, dict], dict[int, dict]]:
   """The run's interval records (with ``loss``) and validation records (with ``val_loss``).
 
-  Each is ``{step: record}`` in step order. Keyed by step so that a resumed run's
-  records of the same step (a killed run may have logged past its last checkpoint)
-  replace the earlier ones. Raises UsageError for a missing run directory or
-  metrics.jsonl, a line that is not JSON, or a file without records.
+  Each is ``{step: record}`` in step order, a null (not finite) read as NaN. Keyed by
+  step so that a resumed run's records of the same step (a killed run may have logged
+  past its last checkpoint) replace the earlier ones. Raises UsageError for a missing run
+  directory or metrics.jsonl, a line that is not JSON, or a file without records.
   """
   if not os.path.isdir(run_dir):
     raise UsageError(f"run directory {run_dir} does not exist; pass the --run-dir of a"
@@ -165,7 +212,8 @@ def read_metrics(run_dir: str) -> tuple[dict[int, dict], dict[int, dict]]:
         continue
       try:
         record = json.loads(line)
-      except json.JSONDecodeError:
+        record = {k: math.nan if v is None else v for k, v in record.items()}
+      except (json.JSONDecodeError, AttributeError):
         raise UsageError(f"{path} line {number} is not JSON; is it a metrics.jsonl of"
                          " python -m train.gpt?") from None
       if "loss" in record:

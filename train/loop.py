@@ -31,8 +31,10 @@ from train import evaluation
 from train import hf as hf_io
 from train import optim
 from train import preflight
+from train import profiling
 from train import rundir
 from train import step as step_lib
+from train import tracking
 from train.cli import UsageError
 from train.config import Config
 from train.interrupt import Agreement, Interrupt
@@ -60,6 +62,7 @@ class Run:
   lock: rundir.Lock
   steps_per_epoch: int | None  # sft: data: steps of one pass over its rows (None for token data)
   examples: int | None  # sft: data: examples consumed before start_step (None: not recorded)
+  trackers: list = dataclasses.field(default_factory=list)  # TensorBoard, W&B (``train/tracking.py``)
 
 
 def make_mesh(spec: str) -> jax.sharding.Mesh:
@@ -252,6 +255,8 @@ def setup(cfg: Config) -> Run:
     print("compiling the training step", flush=True)
   t0 = time.perf_counter()
   compile_within_memory(train_step, state, first, mesh, model_cfg)
+  # Before the run directory is written: a tracker that cannot start (W&B's login) is one error line.
+  trackers = tracking.start(cfg.run_path, record, cfg.tensorboard_path, cfg.wandb) if primary else []
   if primary:
     print(f"compiled the training step in {time.perf_counter() - t0:.1f} s", flush=True)
     lock.acquire()
@@ -265,7 +270,7 @@ def setup(cfg: Config) -> Run:
     with open(os.path.join(cfg.run_path, "config.json"), "w") as f:
       json.dump(record, f, indent=2)
   return Run(cfg, model_cfg, mesh, par, state, start_step, train_step, eval_step, train_batches,
-             valid_rows, batch_sharding, checkpoints, record, eod, lock, steps_per_epoch, examples)
+             valid_rows, batch_sharding, checkpoints, record, eod, lock, steps_per_epoch, examples, trackers)
 
 
 def compile_within_memory(train_step, state: Any, batch: dict, mesh: jax.sharding.Mesh,
@@ -326,7 +331,8 @@ def _train(run: Run, interrupt: Interrupt) -> int:
   tokens_per_step = cfg.global_batch_size * run.model_cfg.seq_len
   logger = Logger(cfg.run_path, cfg.steps, tokens_per_step, run.model_cfg.flops_per_token(),
                   run.mesh.size, jax.devices()[0].device_kind, jax.process_index() == 0,
-                  run.steps_per_epoch, run.examples)
+                  run.steps_per_epoch, run.examples, run.trackers)
+  profile = profiling.Steps(cfg.profile_range, profiling.directory(cfg.run_path))
   mesh_desc = format_mesh_spec(dict(run.mesh.shape))
   logger.message(f"training {cfg.init_from or cfg.preset} ({run.model_cfg.num_params() / 1e6:.2f}M parameters,"
                  f" {run.model_cfg.dtype}) with {cfg.optimizer} on mesh {mesh_desc}"
@@ -356,10 +362,11 @@ def _train(run: Run, interrupt: Interrupt) -> int:
   agreement = Agreement(run.mesh)
   try:
     for step in range(run.start_step + 1, cfg.steps + 1):
-      with jax.set_mesh(run.mesh):
+      with jax.set_mesh(run.mesh), profile.step(step):
         batch = global_batch(run, next(run.train_batches))
         state, metrics = run.train_step(state, batch)
         examples = count_examples(batch["segment_ids"]) if run.steps_per_epoch else None
+      profile.after(step, state)
       run.checkpoints.check_for_errors()
       stop = agreement(interrupt.signum or 0)  # a signal to any process stops all after this step
       if pending is not None:
@@ -401,6 +408,7 @@ def _train(run: Run, interrupt: Interrupt) -> int:
           file=sys.stderr)
     return EXIT_FAILED
   finally:
+    profile.close()
     logger.close()
   last_saved = run.checkpoints.saving or run.start_step
   signum = agreement.latest()

@@ -1,4 +1,4 @@
-"""The kernel stages of ``python -m benchmarks.gpu``: every Pallas kernel's numerics
+"""The kernel stages of ``python -m train.gpu``: every Pallas kernel's numerics
 against its XLA composition and float64 NumPy (``check``), and their times against XLA
 (``kernels``). Each stage takes the command's arguments and returns its JSON record."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.harness import interleaved_times
+from train.timing import interleaved_times
 from dion_jax.kernels import newton_schulz, newton_schulz_xla, rcqr_xla, sketch
 from dion_jax.kernels import rcqr as pallas_rcqr
 from dion_jax.linalg import polar, qr

@@ -1,4 +1,4 @@
-"""The ``moe`` stage of ``python -m benchmarks.gpu``: grouped matmuls against a dense one.
+"""The ``moe`` stage of ``python -m train.gpu``: grouped matmuls against a dense one.
 
 A mixture of experts multiplies each expert's rows by that expert's weights:
 ``jax.lax.ragged_dot`` on rows sorted by expert (``models/moe.py``). This stage checks it
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.harness import time_fn
+from train.timing import time_fn
 
 # rows (tokens · top-k), d_model, expert width
 SHAPES = ((32768, 1024, 1024), (32768, 2048, 2048))

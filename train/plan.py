@@ -1,12 +1,12 @@
 """Plan a training step on a mesh beyond this machine: bytes, time and memory per device.
 
-    python -m benchmarks.plan --model 8b --mesh fs=64,tp=8 --global-batch-size 512
-    python -m benchmarks.plan --model 405b --mesh rp=16,fs=8,tp=8 --optimizer dion --rank-fraction 0.0625 --json
-    python -m benchmarks.plan --model 70b --devices 1024 --sweep
+    python -m train.plan --model 8b --mesh fs=64,tp=8 --global-batch-size 512
+    python -m train.plan --model 405b --mesh rp=16,fs=8,tp=8 --optimizer dion --rank-fraction 0.0625 --json
+    python -m train.plan --model 70b --devices 1024 --sweep
 
-Bytes (``benchmarks.plan_model``, ``benchmarks.plan_optimizer``) are this repository's
+Bytes (``train.plan_model``, ``train.plan_optimizer``) are this repository's
 step as XLA partitions it, checked against compiled steps on CPU meshes by
-``tests/test_benchmarks_plan.py``. Time is an estimate on top of them:
+``tests/test_train_plan.py``. Time is an estimate on top of them:
 
 - compute: the model's 6·N·tokens + attention flops (``GPTConfig.flops_per_token``) and
   the optimizer's matrix products, at ``--mfu`` of the GPU's peak (bf16 dense);
@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from benchmarks import plan_model, plan_optimizer
+from train import plan_model, plan_optimizer
 from dion_jax.parallel.mesh import AXES, format_mesh_spec
 
 
@@ -160,7 +160,7 @@ def plan(model: str = "small", mesh: str | dict = "", optimizer: str = "dion", r
 
 
 def caveats(cfg, sizes: dict[str, int], optimizer: str) -> list[str]:
-  """Where the plan is not the compiler's (tests/test_benchmarks_plan.py checks the rest)."""
+  """Where the plan is not the compiler's (tests/test_train_plan.py checks the rest)."""
   batch = [a for a in ("rp", "fs", "ep") if sizes[a] > 1]
   out = ["activations are an estimate, 1.4-3.9x below the compiled step's temporary memory on CPU"
          " (docs/planning.md): the loss's vocabulary-sized buffers and remat's recomputed layer are not counted"]
@@ -269,9 +269,9 @@ def _link(flag: str, text: str) -> Link:
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.plan", description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m train.plan", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--model", default="small", help="small|350m|1b|8b|70b|405b|tiny|tiny-moe, hf:DIR or CONFIG.json")
+  parser.add_argument("--model", default="small", help="small|350m|1b|8b|70b|405b|tiny|tiny-moe, hf:DIR, hf:ORG/NAME[@REVISION] (its config.json only) or CONFIG.json")
   parser.add_argument("--mesh", default="fs=8", help="rp=..,fs=..,ep=..,cp=..,tp=..,pp=.. (default fs=8)")
   parser.add_argument("--optimizer", default="dion", choices=plan_optimizer.OPTIMIZERS)
   parser.add_argument("--rank-fraction", type=float, default=0.25, help="Dion's rank fraction (default 0.25)")

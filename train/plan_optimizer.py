@@ -1,4 +1,4 @@
-"""What one optimizer update moves and holds per device, on paper (``python -m benchmarks.plan``).
+"""What one optimizer update moves and holds per device, on paper (``python -m train.plan``).
 
 Every matrix optimizer steps the parameters of one geometry (shape and PartitionSpec) as
 one stacked megabatch (``dion_jax.optimizers.skeleton``). Per Dion megabatch (b local
@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from benchmarks.plan_model import Collective, Leaf, group, live, local_bytes, local_shape
+from train.plan_model import Collective, Leaf, group, live, local_bytes, local_shape
 from dion_jax.kernels.sketch import sketch_size
 from dion_jax.optimizers.frame import DionDimensionNumbers, matrix_frame
 

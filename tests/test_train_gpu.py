@@ -1,5 +1,6 @@
-"""``python -m benchmarks.gpu`` without a GPU, its profile summary on a synthetic trace, and
-its MoE stage at a small size on CPU (so that a lent GPU's minutes do not find its bugs)."""
+"""``python -m train.gpu`` without a GPU, its profile summary on a synthetic trace, its MoE,
+train and profile stages at a small size on CPU (so that a lent GPU's minutes do not find
+their bugs)."""
 
 import argparse
 import gzip
@@ -7,7 +8,8 @@ import json
 
 import numpy as np
 
-from benchmarks import gpu, gpu_moe
+from tests.test_train_profiling import annotated_steps
+from train import gpu, gpu_moe
 
 
 def test_without_a_gpu_one_line_and_exit_2(capsys):
@@ -55,3 +57,12 @@ def test_train_stage_reports_the_optimizers_share_of_the_step(tmp_path):
     assert "% of the step)" in gpu.train_line(row)
   gpu.plot({"device": "cpu", "train": out}, str(tmp_path / "gpu.png"))
   assert (tmp_path / "gpu.png").stat().st_size > 0
+
+
+def test_profile_stage_summarizes_the_trainers_own_trace(monkeypatch):
+  """The stage's trace is the one ``--profile-steps 2:6`` makes (tiny on CPU, whose trace
+  has no device kernels to summarize)."""
+  seen = []
+  monkeypatch.setattr(gpu, "summarize_trace", lambda path: seen.append(annotated_steps(path)) or [])
+  out = gpu.stage_profile(argparse.Namespace(), preset="tiny", batch=8, attention="xla")
+  assert out["steps"] == "2:6" and seen == [[2, 3, 4, 5, 6]]

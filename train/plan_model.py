@@ -1,5 +1,5 @@
 """What one training step of the repository's GPT moves and holds per device on a mesh,
-on paper: the analytic half of ``python -m benchmarks.plan``.
+on paper: the analytic half of ``python -m train.plan``.
 
 Every number is per device and per optimizer step, for a mesh given as axis sizes
 (``rp, fs, ep, cp, tp, pp``; no devices needed), so meshes far beyond this machine can be
@@ -37,10 +37,10 @@ partitioner (``models/sharding.py``, ``train/step.py``), not an idealized one:
     sent on, forward and backward, and the last stage's outputs scattered to the
     stages that take their loss; the embedding's gradient is reduced over pp once per
     iteration (each iteration's lookup on its own).
-- the optimizer update (``dion_jax``'s sharded steps, ``benchmarks.plan_optimizer``).
+- the optimizer update (``dion_jax``'s sharded steps, ``train.plan_optimizer``).
 
 Bytes are payloads as ``dion_jax.accounting`` counts them: operand bytes, output bytes
-for all-gather. ``tests/test_benchmarks_plan.py`` compiles steps on 8 CPU devices and
+for all-gather. ``tests/test_train_plan.py`` compiles steps on 8 CPU devices and
 checks these numbers against the HLO.
 """
 from __future__ import annotations
@@ -60,6 +60,7 @@ import dion_jax
 import models
 from dion_jax.parallel.mesh import AXES
 from models import hf
+from train import hub
 
 # Llama 3 shapes (Meta's model cards / config.json), beside the repository's presets.
 LLAMA3 = {
@@ -107,9 +108,9 @@ def load_config(model: str, seq_len: int | None = None, dtype: str = "bfloat16")
     return models.GPTConfig(**{**LLAMA3_COMMON, "seq_len": 8192, **LLAMA3[model], **over})
   if model in models.PRESETS:
     return models.preset(model, **over)
-  path = model[3:] if model.startswith("hf:") else model
+  path = model
   if model.startswith("hf:"):
-    path = os.path.join(path, "config.json")
+    path = os.path.join(hub.local_dir(model[3:], weights=False), "config.json")
   if not path.endswith(".json") or not os.path.isfile(path):
     raise ValueError(f"--model {model}: expected one of {', '.join([*models.PRESETS, *LLAMA3])},"
                      " hf:DIR (with a config.json) or a GPTConfig .json file")

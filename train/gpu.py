@@ -1,7 +1,7 @@
 """GPU evidence in one command: kernels, optimizer steps and training, as JSON and a PNG.
 
-    python -m benchmarks.gpu                     # every stage, about 7 minutes on one H100
-    python -m benchmarks.gpu --stages check,kernels --out /tmp/gpu
+    python -m train.gpu                     # every stage, about 7 minutes on one H100
+    python -m train.gpu --stages check,kernels --out /tmp/gpu
 
 Stages (``--stages``); each reports, and the next runs even when one fails:
 
@@ -9,25 +9,27 @@ Stages (``--stages``); each reports, and the next runs even when one fails:
   symmetric products) and the whole RCQR and polar factor, Pallas and XLA, against
   float64 NumPy on the same inputs (the sketch's S from ``dion_jax.kernels.sketch``).
 - ``kernels``: time of the Pallas path against XLA's composition of the same math
-  (and Householder QR for RCQR), interleaved rounds. Both in ``benchmarks/gpu_kernels.py``.
+  (and Householder QR for RCQR), interleaved rounds. Both in ``train/gpu_kernels.py``.
 - ``optimizers``: one jitted step (update + apply) on one square n x n float32 matrix,
   n = 2048, 4096, ... while the stage's time lasts: Dion at rank 1, 1/4 and 1/16, Dion2
   (fraction 1/4), NorMuon and Muon (bf16 Polar Express), optax's Muon and AdamW; the
   Dion paper's step-time-versus-size figure. A size that runs out of memory is recorded.
 - ``moe``: ``jax.lax.ragged_dot`` (the experts' grouped matmul) checked against a loop over
   experts, then timed forward and backward in bf16 against one dense matmul of the same
-  rows, 8 and 64 experts, even and skewed groups (``benchmarks/gpu_moe.py``).
+  rows, 8 and 64 experts, even and skewed groups (``train/gpu_moe.py``).
 - ``train``: the trainer (``python -m train.gpt``) in bfloat16 with cuDNN attention,
   ``small`` with AdamW, Dion2, Muon and Dion and ``350m`` with AdamW and Dion: tokens/s,
   model TFLOP/s, MFU against the device's dense bf16 peak and peak memory, from the last
   log interval; and the optimizer's share of the step: the trainer's own optimizer
   (update + apply, jitted alone, donated, on the model's parameters and same-shaped
   gradients) timed as the trainer times its steps, ``optimizer_ms / ms_per_step``.
-- ``profile``: a trace of a few Dion steps of ``small`` (``jax.profiler``), summarized as
-  the device's kernels by total time: where a step's time goes.
+- ``profile``: a trace of Dion's steps 2 to 6 of ``small``, taken by the trainer's own
+  ``--profile-steps`` (``train/profiling.py``), summarized as the device's kernels by
+  total time: where a step's time goes.
 
 Writes ``gpu.json`` after every stage and ``gpu.png`` at the end, under ``--out``
-(default ``benchmarks/results/gpu/<device>/``). Without a GPU it says so and exits 2.
+(default ``gpu-evidence/<device>/`` in the working directory; the repository keeps its runs in
+``--out benchmarks/results/gpu/<device>``). Without a GPU it says so and exits 2.
 """
 from __future__ import annotations
 
@@ -50,9 +52,9 @@ import numpy as np
 import optax
 
 import dion_jax
-from benchmarks.gpu_kernels import stage_check, stage_kernels
-from benchmarks.gpu_moe import stage_moe
-from benchmarks.harness import jitted_step, throughput_time, time_fn
+from train.gpu_kernels import stage_check, stage_kernels
+from train.gpu_moe import stage_moe
+from train.timing import jitted_step, throughput_time, time_fn
 
 EXIT_NO_GPU = 2
 STAGES = ("check", "kernels", "optimizers", "moe", "train", "profile")
@@ -131,31 +133,30 @@ def optimizer_seconds(run, steps: int) -> float:
     return throughput_time(lambda p, s: update(p, s, grads), (params, tx.init(params)), steps)
 
 
-def train_run(preset: str, optimizer: str, steps: int, batch: int, attention: str,
-              profile_dir: str | None = None, optimizer_steps: int = 0) -> dict:
+def train_run(preset: str, optimizer: str, steps: int, batch: int, attention: str, optimizer_steps: int = 0,
+              run_dir: str | None = None, profile_steps: str | None = None) -> dict:
   """The trainer's numbers of the last log interval (after the compiling first one); with
   ``optimizer_steps``, also the optimizer's own time (:func:`optimizer_seconds`) and its
-  share of the step."""
+  share of the step. The run goes to ``run_dir`` (default a temporary directory), its
+  ``--profile-steps`` trace (``train/profiling.py``) to RUN_DIR/profile."""
+  if run_dir is None:
+    with tempfile.TemporaryDirectory() as run_dir:
+      return train_run(preset, optimizer, steps, batch, attention, optimizer_steps, run_dir, profile_steps)
   from train import config as config_lib
   from train import log, loop
 
-  with tempfile.TemporaryDirectory() as run_dir:
-    cfg = config_lib.Config(
-        preset=preset, optimizer=optimizer, dtype="bfloat16", attention=attention, steps=steps,
-        log_interval=steps // 2, global_batch_size=batch, eval_tokens=0, save_every=0,
-        run_dir=run_dir, mesh="fs=1")
-    cfg.check()
-    run = loop.setup(cfg)
-    optimizer_ms = optimizer_seconds(run, optimizer_steps) * 1e3 if optimizer_steps else None
-    if profile_dir:
-      with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
-        code = loop.train(run)
-    else:
-      code = loop.train(run)
-    if code:
-      raise RuntimeError(f"the trainer exited with {code}")
-    intervals, _ = log.read_metrics(run_dir)
-    record = intervals[max(intervals)]
+  cfg = config_lib.Config(
+      preset=preset, optimizer=optimizer, dtype="bfloat16", attention=attention, steps=steps,
+      log_interval=steps // 2, global_batch_size=batch, eval_tokens=0, save_every=0,
+      run_dir=run_dir, mesh="fs=1", profile_steps=profile_steps)
+  cfg.check()
+  run = loop.setup(cfg)
+  optimizer_ms = optimizer_seconds(run, optimizer_steps) * 1e3 if optimizer_steps else None
+  code = loop.train(run)
+  if code:
+    raise RuntimeError(f"the trainer exited with {code}")
+  intervals, _ = log.read_metrics(run_dir)
+  record = intervals[max(intervals)]
   stats = jax.devices()[0].memory_stats() or {}
   row = {"preset": preset, "optimizer": optimizer, "attention": attention, "global_batch": batch,
          "seq_len": run.model_cfg.seq_len, "params_M": run.model_cfg.num_params() / 1e6,
@@ -210,15 +211,16 @@ def summarize_trace(path: str, top: int = 25) -> list[dict]:
           for name, us in total.most_common(top)]
 
 
-def stage_profile(args) -> dict:
-  with tempfile.TemporaryDirectory() as trace_dir:
-    train_run("small", "dion", 6, 32, "cudnn", profile_dir=trace_dir)
-    traces = [os.path.join(d, f) for d, _, files in os.walk(trace_dir) for f in files
+def stage_profile(args, preset: str = "small", batch: int = 32, attention: str = "cudnn") -> dict:
+  """The trainer's steps 2 to 6 of 6 traced by its own ``--profile-steps``, by kernel."""
+  with tempfile.TemporaryDirectory() as run_dir:
+    train_run(preset, "dion", 6, batch, attention, run_dir=run_dir, profile_steps="2:6")
+    traces = [os.path.join(d, f) for d, _, files in os.walk(os.path.join(run_dir, "profile")) for f in files
               if f.endswith("perfetto_trace.json.gz")]
     rows = summarize_trace(traces[0])
   for row in rows[:10]:
     print(f"  {row['ms']:9.1f} ms {row['count']:6d}x {100 * row['share']:5.1f}%  {row['kernel'][:80]}", flush=True)
-  return {"rows": rows, "steps": 6, "what": "small, Dion rank 1, batch 32 x 1024, 6 steps with compilation"}
+  return {"rows": rows, "steps": "2:6", "what": f"{preset}, Dion rank 1, batch {batch}, steps 2 to 6 of 6 (--profile-steps 2:6)"}
 
 
 # --- output ------------------------------------------------------------------------
@@ -264,10 +266,10 @@ def device_slug(kind: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m train.gpu", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset of " + ",".join(STAGES))
-  parser.add_argument("--out", help="output folder (default benchmarks/results/gpu/<device>)")
+  parser.add_argument("--out", help="output folder (default gpu-evidence/<device>)")
   parser.add_argument("--stage-seconds", type=float, default=80.0,
                       help="time after which a stage starts no new case (default 80)")
   parser.add_argument("--max-size", type=int, default=16384, help="largest n of the optimizers stage")
@@ -282,10 +284,10 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr)
     return EXIT_NO_GPU
   device = jax.devices()[0].device_kind
-  out = args.out or os.path.join("benchmarks", "results", "gpu", device_slug(device))
+  out = args.out or os.path.join("gpu-evidence", device_slug(device))
   os.makedirs(out, exist_ok=True)
   results = {"device": device, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
-             "command": "python -m benchmarks.gpu " + " ".join(argv if argv is not None else sys.argv[1:])}
+             "command": "python -m train.gpu " + " ".join(argv if argv is not None else sys.argv[1:])}
   functions = {"check": stage_check, "kernels": stage_kernels, "optimizers": stage_optimizers,
                "moe": stage_moe, "train": stage_train, "profile": stage_profile}
   for name in stages:

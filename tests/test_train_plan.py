@@ -1,4 +1,4 @@
-"""``python -m benchmarks.plan``: its bytes and memory against compiled steps on the 8 CPU
+"""``python -m train.plan``: its bytes and memory against compiled steps on the 8 CPU
 devices (the compiler's HLO, read by ``dion_jax.accounting``, is the reference), its time
 model against hand-computed numbers, and its command line."""
 import json
@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 
 import dion_jax
 import models
-from benchmarks import plan, plan_model, plan_optimizer
+from train import plan, plan_model, plan_optimizer
 from dion_jax.parallel.replicas import replica_spec
 from tests import model_meshes
 from train import step as step_lib
@@ -180,7 +180,7 @@ def relative_errors(kind, *args):
 @pytest.mark.slow
 def test_bytes_and_memory_on_16_and_32_devices():
   code = ("import json; from benchmarks.harness import setup_process; setup_process(32, 'cpu');"
-          " from tests import test_benchmarks_plan as t; print(json.dumps([t.relative_errors(*c) for c in t.MANY_DEVICES]))")
+          " from tests import test_train_plan as t; print(json.dumps([t.relative_errors(*c) for c in t.MANY_DEVICES]))")
   flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f)
   env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
