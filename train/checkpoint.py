@@ -180,10 +180,17 @@ class SaveError(Exception):
 class _QuietSaveThreads(logging.Filter):
   """Drops Orbax's own warnings and error logs (tracebacks of its save threads, a damaged
   checkpoint's missing files): the error reaches the trainer as one line (:class:`SaveError`,
-  ``train.preflight.damaged``)."""
+  ``train.preflight.damaged``). Keeps the error of a background write that failed
+  (``failure``): in a multi-process run Orbax's threads then wait at barriers for the other
+  processes (up to its timeout, minutes), and only its log tells of it at once."""
+
+  failure: BaseException | None = None
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return not (record.levelno >= logging.WARNING and f"{os.sep}orbax{os.sep}" in record.pathname)
+    orbax = record.levelno >= logging.WARNING and f"{os.sep}orbax{os.sep}" in record.pathname
+    if orbax and record.exc_info and record.pathname.endswith("async_checkpointer.py"):
+      self.failure = self.failure or record.exc_info[1]
+    return not orbax
 
 
 _QUIET = _QuietSaveThreads()
@@ -204,6 +211,7 @@ class Checkpoints:
                 "config": ocp.JsonCheckpointHandler()}
     self.manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
     logging.getLogger("absl").addFilter(_QUIET)
+    _QUIET.failure = None
 
   def _guarded(self, call) -> Any:
     try:
@@ -219,6 +227,7 @@ class Checkpoints:
     return self.manager.latest_step()
 
   def save(self, step: int, state: dict, meta: dict, config: dict) -> None:
+    self._failed_elsewhere()
     self._guarded(self.manager.wait_until_finished)  # Orbax waits anyway: its error is the last save's
     self.saving = step
     self._guarded(lambda: self.manager.save(step, args=ocp.args.Composite(
@@ -229,8 +238,15 @@ class Checkpoints:
     """Raises SaveError if the last asynchronous save has ended and failed; never waits for
     one still running. (Orbax's own ``check_for_errors`` misses the error: its finalize
     thread takes it first and keeps it for the next ``wait_until_finished``.)"""
+    self._failed_elsewhere()
     if self.saving is not None and not self.manager.is_saving_in_progress():
       self._guarded(self.manager.wait_until_finished)  # the save's threads are ending: no wait
+
+  def _failed_elsewhere(self) -> None:
+    """Raises SaveError for a write of this process that failed while another process's went
+    on (Orbax's threads wait at its barriers, not to be joined)."""
+    if _QUIET.failure is not None and jax.process_count() > 1:
+      raise SaveError(self.saving, self.directory, _QUIET.failure)
 
   def read_json(self, step: int) -> tuple[dict, dict]:
     """The ``meta`` and ``config`` of checkpoint ``step``."""

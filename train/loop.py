@@ -30,6 +30,7 @@ from train import checkpoint as ckpt_lib
 from train import evaluation
 from train import hf as hf_io
 from train import optim
+from train import peers
 from train import preflight
 from train import rundir
 from train import step as step_lib
@@ -307,18 +308,18 @@ def save(run: Run, step: int, state: step_lib.TrainState, examples: int) -> None
 
 def train(run: Run) -> int:
   """Runs the steps; holds the run directory's lock until it returns. Exit codes: 0 done,
-  1 a checkpoint failed to save, 3 diverged, 130 / 143 stopped by SIGINT / SIGTERM
-  (``train/interrupt.py``)."""
-  def on_second():
+  1 a checkpoint failed to save, out of memory or a lost process (``train/peers.py``),
+  3 diverged, 130 / 143 stopped by SIGINT / SIGTERM (``train/interrupt.py``)."""
+  def release():
     rundir.remove_partial_saves(run.cfg.ckpt_path)
     run.lock.release()
 
-  try:
-    with Interrupt(on_second) as interrupt:
-      return _train(run, interrupt)
-  finally:
-    rundir.remove_partial_saves(run.cfg.ckpt_path)
-    run.lock.release()
+  with peers.together(release):  # several processes: an error in one, or a lost one, ends all
+    try:
+      with Interrupt(release) as interrupt:
+        return _train(run, interrupt)
+    finally:
+      release()
 
 
 def _train(run: Run, interrupt: Interrupt) -> int:
@@ -348,6 +349,7 @@ def _train(run: Run, interrupt: Interrupt) -> int:
                 (float(m.router_loss), float(m.expert_load), float(m.dropped)) if run.model_cfg.num_experts else None,
                 None if examples is None else int(examples))
     consecutive = consecutive + 1 if m.skipped else 0
+    peers.progress(step)
     if step % cfg.log_interval == 0 or step == cfg.steps:
       logger.flush(step)
 
@@ -361,7 +363,7 @@ def _train(run: Run, interrupt: Interrupt) -> int:
         state, metrics = run.train_step(state, batch)
         examples = count_examples(batch["segment_ids"]) if run.steps_per_epoch else None
       run.checkpoints.check_for_errors()
-      stop = agreement(interrupt.signum or 0)  # a signal to any process stops all after this step
+      stop = agreement(interrupt.signum or 0, metrics.loss)  # a signal to any process stops all after this step
       if pending is not None:
         account(*pending)
       pending = (step, metrics, examples)
@@ -389,17 +391,17 @@ def _train(run: Run, interrupt: Interrupt) -> int:
       account(*pending)
     run.checkpoints.close()
   except ckpt_lib.SaveError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return EXIT_FAILED
+    return peers.fail(str(e), EXIT_FAILED)
   except jax.errors.JaxRuntimeError as e:
-    if "RESOURCE_EXHAUSTED" not in str(e):
+    # A step that failed to allocate raises RESOURCE_EXHAUSTED; what waited on its output
+    # (the agreement, a step later) raises INTERNAL with the same "Out of memory".
+    if "RESOURCE_EXHAUSTED" not in str(e) and "Out of memory" not in str(e):
       raise
     kept = run.checkpoints.saving or run.start_step
     kept = f"the checkpoint of step {kept} is in {cfg.ckpt_path}" if kept else "no checkpoint was written"
-    print(f"error: out of device memory at step {step} ({str(e).splitlines()[0][:160]}); {kept}; lower"
-          " --micro-batch-size or --seq-len, add --remat, or shard over more devices (--mesh)",
-          file=sys.stderr)
-    return EXIT_FAILED
+    return peers.fail(f"out of device memory by step {step} ({str(e).splitlines()[0][:160]}); {kept}; lower"
+                      " --micro-batch-size or --seq-len, add --remat, or shard over more devices (--mesh)",
+                      EXIT_FAILED)
   finally:
     logger.close()
   last_saved = run.checkpoints.saving or run.start_step
