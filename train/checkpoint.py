@@ -23,14 +23,17 @@ The data iterator's state is saved once as JSON rather than with
 loader's state counts global steps (``data/loader.py``), the same on every process, so
 one copy restores on any number of processes.
 
-Checkpoints written before the loss scale joined the state lack ``loss_scale``: that
-subtree alone (:data:`ADDED_LATER`) restores as the live state's fresh one. Any other
-missing array is an error, as a checkpoint of another model or optimizer.
+Checkpoints written before the loss scale or the window of ``--skip-spikes`` joined the
+state lack ``loss_scale`` or ``spikes``: those subtrees alone (:data:`ADDED_LATER`) restore
+as the live state's fresh ones (a fresh window checks no spike before it holds 64 steps).
+Any other missing array is an error, as a checkpoint of another model or optimizer.
 """
 from __future__ import annotations
 
 import logging
 import os
+import re
+import sys
 from typing import Any
 
 import jax
@@ -45,7 +48,7 @@ from dion_jax.parallel import REPLICA_AXIS
 from train.cli import UsageError
 
 # Top-level state fields that older checkpoints lack, restored fresh when absent.
-ADDED_LATER = ("loss_scale",)
+ADDED_LATER = ("loss_scale", "spikes")
 
 
 def _names(path) -> list[str]:
@@ -167,7 +170,11 @@ class SaveError(Exception):
     cause = error
     while cause is not None and not isinstance(cause, OSError):
       cause = cause.__cause__ or cause.__context__
-    if cause is None:
+    # TensorStore's write errors name the OS error by its number and the file in quotes.
+    code, path = re.search(r"os_error_code='(\d+)'", str(error)), re.search(r'writing: "([^"]+)"', str(error))
+    if cause is None and code:
+      reason = os.strerror(int(code[1])) + (f" ({path[1]})" if path else "")
+    elif cause is None:
       reason = f"{type(error).__name__}: {error}".splitlines()[0]
     else:
       reason = f"{cause.strerror or cause}" + (f" ({cause.filename})" if cause.filename else "")
@@ -196,6 +203,33 @@ class _QuietSaveThreads(logging.Filter):
 _QUIET = _QuietSaveThreads()
 
 
+def _closed_loop_callback(error: BaseException | None, tb) -> bool:
+  """Whether ``error`` is what TensorStore reports (``PyErr_Print``, ``PyErr_WriteUnraisable``)
+  when writes of a failed save complete after Orbax closed that save's event loop: a
+  ``RuntimeError('Event loop is closed')`` of ``call_soon_threadsafe`` called from C++ (no
+  Python frame above it), a dozen tracebacks per failed save."""
+  return (type(error) is RuntimeError and str(error) == "Event loop is closed" and tb is not None
+          and tb.tb_frame.f_code.co_name == "call_soon_threadsafe")
+
+
+def _quiet_hooks() -> None:
+  """``sys.excepthook`` and ``sys.unraisablehook`` without :func:`_closed_loop_callback`'s reports."""
+  if getattr(sys.excepthook, "quiet", False):
+    return
+  excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
+
+  def quiet_excepthook(kind, error, tb):
+    if not _closed_loop_callback(error, tb):
+      excepthook(kind, error, tb)
+
+  def quiet_unraisablehook(unraisable):
+    if not _closed_loop_callback(unraisable.exc_value, unraisable.exc_traceback):
+      unraisablehook(unraisable)
+
+  quiet_excepthook.quiet = True
+  sys.excepthook, sys.unraisablehook = quiet_excepthook, quiet_unraisablehook
+
+
 class Checkpoints:
   """The run's ``CheckpointManager``: async saves, the newest ``keep`` kept, unfinished
   saves of a killed run removed on start. A failed save raises :class:`SaveError` at the
@@ -212,6 +246,7 @@ class Checkpoints:
     self.manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
     logging.getLogger("absl").addFilter(_QUIET)
     _QUIET.failure = None
+    _quiet_hooks()
 
   def _guarded(self, call) -> Any:
     try:
