@@ -100,6 +100,17 @@ def one_line(err: str) -> str:
   return err.strip()
 
 
+def both_end_with(run_dir, procs, message: str) -> None:
+  """Both processes exit 1 with the same line, ``error: `` and the ``message`` pattern, and each
+  its own resume command; step 2 is the one checkpoint left, whole, and the lock is released."""
+  codes, errs, _ = ends(procs)
+  assert codes == [1, 1]
+  for i, err in enumerate(errs):
+    assert re.fullmatch("error: " + message + resume_command(run_dir, i), one_line(err)), err
+  assert errs[0].split("; continue with")[0] == errs[1].split("; continue with")[0]
+  assert saved(run_dir) == [2] and not (run_dir / rundir.LOCK_NAME).exists()
+
+
 def resume_command(run_dir, process: int) -> str:
   return (f"; continue with: python -m train.gpt --run-dir {run_dir} --resume --coordinator 127.0.0.1:\\d+"
           f" --num-processes 2 --process-id {process} --heartbeat-timeout {HEARTBEAT}")
@@ -173,16 +184,10 @@ def test_a_failed_write_in_one_process_ends_both_with_its_line(compile_cache, re
   both processes end with its line at once, exit 1 (before: both waited at Orbax's barriers
   for its timeout, minutes); step 2 stays whole, step 4's partial save is removed."""
   run_dir = tmp_path / "run"
-  procs = launch(run_dir, compile_cache, limit="files")
-  codes, errs, seconds = ends(procs)
-  assert codes == [1, 1]
-  lines = [one_line(e) for e in errs]
-  for i, line in enumerate(lines):
-    assert re.fullmatch(rf"error: process 1 of 2: saving the checkpoint of step 4 to {run_dir / 'checkpoints'}"
-                        rf" failed: .*File too large.*; the checkpoint of step 2 is intact; free space or fix"
-                        rf" permissions there, then --resume" + resume_command(run_dir, i), line), line
-  assert lines[0].split("; continue with")[0] == lines[1].split("; continue with")[0]
-  assert saved(run_dir) == [2] and not (run_dir / rundir.LOCK_NAME).exists()
+  both_end_with(run_dir, launch(run_dir, compile_cache, limit="files"),
+                rf"process 1 of 2: saving the checkpoint of step 4 to {run_dir / 'checkpoints'} failed: File too large"
+                r"( \(.*process_1.*\))?; the checkpoint of step 2 is intact; free space or fix permissions there,"
+                " then --resume")
   resumes_as_uninterrupted(run_dir, 2, reference)
 
 
@@ -192,16 +197,10 @@ def test_out_of_memory_in_one_process_ends_both_with_its_line(compile_cache, ref
   processes end with its line, exit 1 (before: both waited in gloo for good, the failed step's
   process in an all-reduce the other never joined)."""
   run_dir = tmp_path / "run"
-  procs = launch(run_dir, compile_cache, limit="memory")
-  codes, errs, _ = ends(procs)
-  assert codes == [1, 1]
-  lines = [one_line(e) for e in errs]
-  for i, line in enumerate(lines):
-    assert re.fullmatch(r"error: process 1 of 2: out of device memory by step [34] \(.*Out of memory allocating \d+"
-                        rf" bytes.*\); the checkpoint of step 2 is in {run_dir / 'checkpoints'}; lower"
-                        r" --micro-batch-size or --seq-len, add --remat, or shard over more devices \(--mesh\)"
-                        + resume_command(run_dir, i), line), line
-  assert saved(run_dir) == [2] and not (run_dir / rundir.LOCK_NAME).exists()
+  both_end_with(run_dir, launch(run_dir, compile_cache, limit="memory"),
+                r"process 1 of 2: out of device memory by step [34] \(.*Out of memory allocating \d+ bytes.*\); the"
+                rf" checkpoint of step 2 is in {run_dir / 'checkpoints'}; lower --micro-batch-size or --seq-len, add"
+                r" --remat, or shard over more devices \(--mesh\)")
   resumes_as_uninterrupted(run_dir, 2, reference)
 
 
