@@ -57,7 +57,8 @@ def out_of_distribution(local: dict) -> dict:
 
 
 @pytest.mark.parametrize("sigmas", [6.0, 0.0])
-def test_a_planted_spike_is_not_applied_with_skip_spikes_and_applied_without(compile_cache, tmp_path, sigmas):  # noqa: F811
+def test_a_planted_spike_is_not_applied_with_skip_spikes_and_applied_without(  # noqa: F811
+    compile_cache, tmp_path, sigmas):  # noqa: F811
   """Step 70's batch is byte 255 throughout (loss 7.5 and gradient norm 22.5, where the steps
   before had about 2.7 and 1.2): with --skip-spikes 6 the step is a spike, skipped, and parameters,
   optimizer state and the update count are the step's inputs bit for bit while its values join

@@ -6,7 +6,7 @@
 
 (one line). MFU appears where the device's peak is known, the loss scale (after the lm
 loss, as Megatron's) in float16 runs: that of the interval's last step; with --skip-spikes,
-the skipped iterations that were spikes (``spike iterations``, also among the skipped). On fine-tuning
+the skipped iterations that were spikes (``spike iterations``). On fine-tuning
 data (``sft:``) the line also shows the examples consumed so far and the epoch, steps
 over the steps of one pass over the data's rows (1.500: half way through the second
 pass). Only process 0 writes; :func:`read_metrics` is the one reader of what it writes.

@@ -261,7 +261,8 @@ class Peers:
       time.sleep(self.interval)
       quiet = time.monotonic() - self._answered
       if quiet > self.timeout and not self._closing:
-        self.end(self._lost(f"process 0 of {self.count} (the coordinator)", quiet), EXIT_FAILED, post=False, store=False)
+        self.end(self._lost(f"process 0 of {self.count} (the coordinator)", quiet), EXIT_FAILED,
+                 post=False, store=False)
 
   def _wait_for_the_others(self, lost: set[int]) -> None:
     others = {f"{ENDED}{q}" for q in range(1, self.count) if q not in lost}
