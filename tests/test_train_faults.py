@@ -415,7 +415,7 @@ def test_out_of_memory_is_one_line(compile_cache, tmp_path, capsys):  # noqa: F8
 
   assert loop.train(run) == 1
   err = one_error_line(capsys)
-  assert err.startswith("error: out of device memory at step 3 (RESOURCE_EXHAUSTED: Out of memory while"
+  assert err.startswith("error: out of device memory by step 3 (RESOURCE_EXHAUSTED: Out of memory while"
                         " trying to allocate 1.00TiB.); no checkpoint was written; lower --micro-batch-size")
   assert not (tmp_path / "run" / rundir.LOCK_NAME).exists()
 

@@ -23,14 +23,17 @@ The data iterator's state is saved once as JSON rather than with
 loader's state counts global steps (``data/loader.py``), the same on every process, so
 one copy restores on any number of processes.
 
-Checkpoints written before the loss scale joined the state lack ``loss_scale``: that
-subtree alone (:data:`ADDED_LATER`) restores as the live state's fresh one. Any other
-missing array is an error, as a checkpoint of another model or optimizer.
+Checkpoints written before the loss scale or the window of ``--skip-spikes`` joined the
+state lack ``loss_scale`` or ``spikes``: those subtrees alone (:data:`ADDED_LATER`) restore
+as the live state's fresh ones (a fresh window checks no spike before it holds 64 steps).
+Any other missing array is an error, as a checkpoint of another model or optimizer.
 """
 from __future__ import annotations
 
 import logging
 import os
+import re
+import sys
 from typing import Any
 
 import jax
@@ -45,7 +48,7 @@ from dion_jax.parallel import REPLICA_AXIS
 from train.cli import UsageError
 
 # Top-level state fields that older checkpoints lack, restored fresh when absent.
-ADDED_LATER = ("loss_scale",)
+ADDED_LATER = ("loss_scale", "spikes")
 
 
 def _names(path) -> list[str]:
@@ -167,7 +170,11 @@ class SaveError(Exception):
     cause = error
     while cause is not None and not isinstance(cause, OSError):
       cause = cause.__cause__ or cause.__context__
-    if cause is None:
+    # TensorStore's write errors name the OS error by its number and the file in quotes.
+    code, path = re.search(r"os_error_code='(\d+)'", str(error)), re.search(r'writing: "([^"]+)"', str(error))
+    if cause is None and code:
+      reason = os.strerror(int(code[1])) + (f" ({path[1]})" if path else "")
+    elif cause is None:
       reason = f"{type(error).__name__}: {error}".splitlines()[0]
     else:
       reason = f"{cause.strerror or cause}" + (f" ({cause.filename})" if cause.filename else "")
@@ -180,13 +187,47 @@ class SaveError(Exception):
 class _QuietSaveThreads(logging.Filter):
   """Drops Orbax's own warnings and error logs (tracebacks of its save threads, a damaged
   checkpoint's missing files): the error reaches the trainer as one line (:class:`SaveError`,
-  ``train.preflight.damaged``)."""
+  ``train.preflight.damaged``). Keeps the error of a background write that failed
+  (``failure``): in a multi-process run Orbax's threads then wait at barriers for the other
+  processes (up to its timeout, minutes), and only its log tells of it at once."""
+
+  failure: BaseException | None = None
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return not (record.levelno >= logging.WARNING and f"{os.sep}orbax{os.sep}" in record.pathname)
+    orbax = record.levelno >= logging.WARNING and f"{os.sep}orbax{os.sep}" in record.pathname
+    if orbax and record.exc_info and record.pathname.endswith("async_checkpointer.py"):
+      self.failure = self.failure or record.exc_info[1]
+    return not orbax
 
 
 _QUIET = _QuietSaveThreads()
+
+
+def _closed_loop_callback(error: BaseException | None, tb) -> bool:
+  """Whether ``error`` is what TensorStore reports (``PyErr_Print``, ``PyErr_WriteUnraisable``)
+  when writes of a failed save complete after Orbax closed that save's event loop: a
+  ``RuntimeError('Event loop is closed')`` of ``call_soon_threadsafe`` called from C++ (no
+  Python frame above it), a dozen tracebacks per failed save."""
+  return (type(error) is RuntimeError and str(error) == "Event loop is closed" and tb is not None
+          and tb.tb_frame.f_code.co_name == "call_soon_threadsafe")
+
+
+def _quiet_hooks() -> None:
+  """``sys.excepthook`` and ``sys.unraisablehook`` without :func:`_closed_loop_callback`'s reports."""
+  if getattr(sys.excepthook, "quiet", False):
+    return
+  excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
+
+  def quiet_excepthook(kind, error, tb):
+    if not _closed_loop_callback(error, tb):
+      excepthook(kind, error, tb)
+
+  def quiet_unraisablehook(unraisable):
+    if not _closed_loop_callback(unraisable.exc_value, unraisable.exc_traceback):
+      unraisablehook(unraisable)
+
+  quiet_excepthook.quiet = True
+  sys.excepthook, sys.unraisablehook = quiet_excepthook, quiet_unraisablehook
 
 
 class Checkpoints:
@@ -204,6 +245,8 @@ class Checkpoints:
                 "config": ocp.JsonCheckpointHandler()}
     self.manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
     logging.getLogger("absl").addFilter(_QUIET)
+    _QUIET.failure = None
+    _quiet_hooks()
 
   def _guarded(self, call) -> Any:
     try:
@@ -219,6 +262,7 @@ class Checkpoints:
     return self.manager.latest_step()
 
   def save(self, step: int, state: dict, meta: dict, config: dict) -> None:
+    self._failed_elsewhere()
     self._guarded(self.manager.wait_until_finished)  # Orbax waits anyway: its error is the last save's
     self.saving = step
     self._guarded(lambda: self.manager.save(step, args=ocp.args.Composite(
@@ -229,8 +273,15 @@ class Checkpoints:
     """Raises SaveError if the last asynchronous save has ended and failed; never waits for
     one still running. (Orbax's own ``check_for_errors`` misses the error: its finalize
     thread takes it first and keeps it for the next ``wait_until_finished``.)"""
+    self._failed_elsewhere()
     if self.saving is not None and not self.manager.is_saving_in_progress():
       self._guarded(self.manager.wait_until_finished)  # the save's threads are ending: no wait
+
+  def _failed_elsewhere(self) -> None:
+    """Raises SaveError for a write of this process that failed while another process's went
+    on (Orbax's threads wait at its barriers, not to be joined)."""
+    if _QUIET.failure is not None and jax.process_count() > 1:
+      raise SaveError(self.saving, self.directory, _QUIET.failure)
 
   def read_json(self, step: int) -> tuple[dict, dict]:
     """The ``meta`` and ``config`` of checkpoint ``step``."""

@@ -13,6 +13,8 @@ from typing import TypeVar
 
 EXIT_USAGE = 2
 T = TypeVar("T")
+# What a bad flag, file or setting raises while a command starts.
+BAD_INPUT = (ValueError, FileNotFoundError)  # UsageError is a ValueError
 
 
 class UsageError(ValueError):
@@ -34,7 +36,7 @@ def run(start: Callable[[], T], then: Callable[[T], int] = lambda _: 0) -> int:
   """
   try:
     value = start()
-  except (UsageError, ValueError, FileNotFoundError) as e:
+  except BAD_INPUT as e:
     print(f"error: {e}", file=sys.stderr)
     return EXIT_USAGE
   return then(value)

@@ -74,6 +74,7 @@ class Config:
   scalar_weight_decay: float = 0.0
   qk_clip_threshold: float | None = None
   clip_grad: float = 1.0
+  skip_spikes: float = 0.0
   max_skipped: int = 10
   # float16 loss scaling
   initial_loss_scale: float = 2.0**16
@@ -115,6 +116,7 @@ class Config:
   process_id: int | None = None
   distributed: bool = False
   distributed_timeout: int = 300
+  heartbeat_timeout: int = 100
 
   @property
   def learning_rate(self) -> float:
@@ -197,13 +199,13 @@ class Config:
     positive = ("virtual_stages", "global_batch_size", "steps", "step", "log_interval", "keep",
                 "max_skipped", "micro_batch_size", "num_layers", "hidden_size",
                 "num_attention_heads", "seq_len", "vocab_size", "num_processes",
-                "loss_scale_window", "distributed_timeout", "moe_top_k", "moe_every", "moe_ffn_hidden_size",
+                "loss_scale_window", "distributed_timeout", "heartbeat_timeout", "moe_top_k", "moe_every", "moe_ffn_hidden_size",
                 "moe_capacity_factor")
     for name in positive:
       value = getattr(self, name)
       if value is not None and value < 1:
         raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    for name in ("eval_every", "eval_tokens", "save_every", "lr_warmup_steps", "clip_grad",
+    for name in ("eval_every", "eval_tokens", "save_every", "lr_warmup_steps", "clip_grad", "skip_spikes",
                  "weight_decay", "scalar_weight_decay", "min_lr", "lr_decay_steps", "lr_wsd_decay_steps",
                  "num_experts", "moe_aux_loss_coeff", "moe_z_loss_coeff"):
       if (getattr(self, name) or 0) < 0:
@@ -326,7 +328,7 @@ def _kept_schedule(saved: dict, given: dict) -> dict:
 
 # Flags that describe one invocation, not the run: never taken from a saved config.
 _PER_INVOCATION = ("resume", "step", "run_dir", "coordinator", "num_processes", "process_id", "distributed",
-                   "distributed_timeout", "profile_steps")
+                   "distributed_timeout", "profile_steps", "heartbeat_timeout")
 
 
 def checkpoint_record(ckpt_path: str, step: int | None = None) -> dict | None:

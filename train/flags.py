@@ -93,9 +93,13 @@ HELP = {
                            " --weight-decay's value)",
     "clip_grad": "clip the gradient to this global norm, 0 for none (default 1.0); with Dion's"
                  " per-replica gradients the norm of their mean",
+    "skip_spikes": "skip the update of a step whose loss or gradient norm exceeds the mean of the"
+                   " last 128 steps by this many of their standard deviations, once 64 are known"
+                   " (MaxText's skip_step_on_spikes and Levanter's SkipStepConfig: 6 over 128);"
+                   " counted in the log's skipped and spike iterations (default 0: off)",
     "max_skipped": "stop after this many consecutive skipped steps (default 10): steps whose"
                    " loss, gradient, new parameters or optimizer state would not be finite,"
-                   " float16 overflows included; skipped steps change nothing",
+                   " float16 overflows included, and --skip-spikes' spikes; skipped steps change nothing",
     "initial_loss_scale": "--dtype float16: the loss scale a run starts from (default 65536 ="
                           " 2^16, as torch.amp's; each halving is a skipped step: from Megatron's"
                           " 2^32, tiny skips 16, past the default --max-skipped); a resumed run"
@@ -159,4 +163,7 @@ HELP = {
     "distributed": "multi-host with jax.distributed.initialize's auto-detection (SLURM, Open MPI, TPU)",
     "distributed_timeout": "multi-host: seconds to wait for every process to join the coordinator"
                            " (default 300)",
+    "heartbeat_timeout": "multi-host: seconds after which a process whose heartbeat stopped (killed,"
+                         " hung, cut off) counts as lost; every other process then ends with one line"
+                         " and exit 1 (default 100, jax.distributed.initialize's heartbeat timeout)",
 }

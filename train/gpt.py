@@ -14,15 +14,15 @@ applies Dion (``dion_jax/optimizers/dion.py`` on ``optimizers/skeleton.py``;
 
 Bad input (flags, mesh, batch, data, checkpoints, an unusable or busy run directory)
 ends the run before anything is written, with one ``error: ...`` line on stderr. Exit
-codes: 0 done; 1 a checkpoint failed to save (the previous one intact); 2 bad input;
-3 diverged (non-finite steps); 130 / 143 stopped by SIGINT / SIGTERM after saving.
+codes: 0 done; 1 a checkpoint failed to save (the previous one intact), out of memory, or
+a process of a multi-host run lost (``train/peers.py``); 2 bad input; 3 diverged
+(non-finite or spiking steps); 130 / 143 stopped by SIGINT / SIGTERM after saving.
 """
 from __future__ import annotations
 
 import math
 import os
 import sys
-import threading
 
 import numpy  # noqa: F401  numpy's own OpenBLAS loads first, keeping its threads
 
@@ -76,32 +76,10 @@ def start_jax(cfg: Config) -> None:
       # Only the CPU backend reads it: on CPU the mesh then fits; elsewhere it is inert.
       _add_xla_flags({_DEVICE_COUNT_FLAG: str(needed // processes)})
   if cfg.coordinator is not None or cfg.distributed:
+    from train import peers
+
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    _join(cfg)
-
-
-def _join(cfg: Config) -> None:
-  """``jax.distributed.initialize``, cut off after ``--distributed-timeout`` with one line.
-
-  jaxlib aborts the process when processes are missing (a C++ check failure, exit 134,
-  "another task died"); a timer a little before its deadline says what happened instead."""
-  import jax
-
-  def give_up():
-    print(f"error: multi-host start: not all {cfg.num_processes or ''} processes joined the coordinator"
-          f" {cfg.coordinator or '(auto-detected)'} within --distributed-timeout {cfg.distributed_timeout} s;"
-          " start every process with the same --coordinator and --num-processes and its own"
-          " --process-id, or raise --distributed-timeout", file=sys.stderr, flush=True)
-    os._exit(1)
-
-  timer = threading.Timer(cfg.distributed_timeout, give_up)
-  timer.daemon = True
-  timer.start()
-  try:
-    jax.distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id,
-                               initialization_timeout=cfg.distributed_timeout + 30)
-  finally:
-    timer.cancel()
+    peers.join(cfg)
 
 
 def _setup(argv: list[str] | None):
@@ -113,9 +91,11 @@ def _setup(argv: list[str] | None):
     print(config_file.to_yaml(cfg.to_json()), end="")
     return None
   start_jax(cfg)
-  from train import loop  # imports jax, models, dion_jax, data
+  from train import loop, peers  # import jax, models, dion_jax, data
 
-  return loop.setup(cfg)
+  peers.watch(cfg)  # several processes: a fault in one, or a lost one, ends them all
+  with peers.together(setting_up=True):
+    return loop.setup(cfg)
 
 
 def _train(run) -> int:

@@ -5,7 +5,8 @@
     lm loss: 5.123456E+00 | grad norm: 1.234 | skipped iterations: 0 | nan iterations: 0
 
 (one line). MFU appears where the device's peak is known, the loss scale (after the lm
-loss, as Megatron's) in float16 runs: that of the interval's last step. On fine-tuning
+loss, as Megatron's) in float16 runs: that of the interval's last step; with --skip-spikes,
+the skipped iterations that were spikes (``spike iterations``). On fine-tuning
 data (``sft:``) the line also shows the examples consumed so far and the epoch, steps
 over the steps of one pass over the data's rows (1.500: half way through the second
 pass). Only process 0 writes; :func:`read_metrics` is the one reader of what it writes.
@@ -98,7 +99,7 @@ class Logger:
 
   def _reset(self, now: float) -> None:
     self.start, self.count = now, 0
-    self.losses, self.nan, self.skipped = [], 0, 0
+    self.losses, self.nan, self.skipped, self.spikes = [], 0, 0, None
     self.grad_norm, self.lr = math.nan, math.nan
     self.loss_scale = None
     self.qk_clip = None
@@ -106,16 +107,20 @@ class Logger:
 
   def step(self, loss: float, grad_norm: float, lr: float, skipped: bool,
            loss_scale: float | None = None, qk_clip: tuple[float, int] | None = None,
-           routing: tuple[float, float, float] | None = None, examples: int | None = None) -> None:
+           routing: tuple[float, float, float] | None = None, examples: int | None = None,
+           spike: bool | None = None) -> None:
     """One step's numbers; ``loss_scale`` (the scale its loss was multiplied by) in float16
     runs; ``qk_clip``: the step's largest attention logit and the heads QK-clip shrank;
     ``routing`` (MoE models): the router's auxiliary loss, the worst layer's max/mean
     tokens per expert, the share of assignments dropped; ``examples``: the fine-tuning
-    examples of its batch."""
+    examples of its batch; ``spike`` (with --skip-spikes): whether it was skipped as a spike
+    (counted in ``skipped`` too)."""
     self.count += 1
     if self.examples is not None and examples is not None:
       self.examples += examples
     self.skipped += skipped
+    if spike is not None:
+      self.spikes = (self.spikes or 0) + spike
     self.nan += not math.isfinite(loss)
     if not skipped:
       self.losses.append(loss)
@@ -165,6 +170,9 @@ class Logger:
       fields += [f"moe aux loss: {aux:.4E}", f"expert load max/mean: {load:.2f}", f"dropped: {100 * dropped:.1f}%"]
     fields += [f"grad norm: {self.grad_norm:.3f}", f"skipped iterations: {self.skipped}",
                f"nan iterations: {self.nan}"]
+    if self.spikes is not None:
+      record["spikes"] = self.spikes
+      fields.append(f"spike iterations: {self.spikes}")
     self._write(" | ".join(fields), record)
     self._reset(now)
 

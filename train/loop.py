@@ -30,9 +30,11 @@ from train import checkpoint as ckpt_lib
 from train import evaluation
 from train import hf as hf_io
 from train import optim
+from train import peers
 from train import preflight
 from train import profiling
 from train import rundir
+from train import spikes
 from train import step as step_lib
 from train import tracking
 from train.cli import UsageError
@@ -222,12 +224,12 @@ def setup(cfg: Config) -> Run:
     tx = optim.optimizer(cfg, params, mesh, models.param_specs(params))
     scaling, initial_scale = _loss_scaling(cfg, model_cfg)
     fresh_scale = step_lib.initial_loss_scale(initial_scale)
-    state = step_lib.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), fresh_scale)
+    state = step_lib.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), fresh_scale, spikes.empty())
     train_step = step_lib.make_train_step(graphdef, par, tx, optim.schedule(cfg),
                                           optim.per_replica_mask(cfg, params, mesh),
                                           1 if pp > 1 else accum, cfg.clip_grad, scaling,
                                           None if cfg.qk_clip_threshold is None else
-                                          (cfg.qk_clip_threshold, model_cfg))
+                                          (cfg.qk_clip_threshold, model_cfg), cfg.skip_spikes)
     eval_step = step_lib.make_eval_step(graphdef, par, 1 if pp > 1 else accum)
 
   checkpoints = ckpt_lib.Checkpoints(cfg.ckpt_path, cfg.keep, create=False)  # made below, once checked
@@ -312,18 +314,18 @@ def save(run: Run, step: int, state: step_lib.TrainState, examples: int) -> None
 
 def train(run: Run) -> int:
   """Runs the steps; holds the run directory's lock until it returns. Exit codes: 0 done,
-  1 a checkpoint failed to save, 3 diverged, 130 / 143 stopped by SIGINT / SIGTERM
-  (``train/interrupt.py``)."""
-  def on_second():
+  1 a checkpoint failed to save, out of memory or a lost process (``train/peers.py``),
+  3 diverged, 130 / 143 stopped by SIGINT / SIGTERM (``train/interrupt.py``)."""
+  def release():
     rundir.remove_partial_saves(run.cfg.ckpt_path)
     run.lock.release()
 
-  try:
-    with Interrupt(on_second) as interrupt:
-      return _train(run, interrupt)
-  finally:
-    rundir.remove_partial_saves(run.cfg.ckpt_path)
-    run.lock.release()
+  with peers.together(release):  # several processes: an error in one, or a lost one, ends all
+    try:
+      with Interrupt(release) as interrupt:
+        return _train(run, interrupt)
+    finally:
+      release()
 
 
 def _train(run: Run, interrupt: Interrupt) -> int:
@@ -342,18 +344,21 @@ def _train(run: Run, interrupt: Interrupt) -> int:
     logger.message(f"warning: --optimizer {cfg.optimizer} does not read {', '.join(cfg.ignored_flags())};"
                    " they are recorded in config.json but change nothing")
   state, consecutive = run.state, 0
+  diverged = 0  # the skipped steps in a row that reached --max-skipped (a step read after them may be fine)
   pending = None  # the previous step's metrics, read while the next step runs
   scaled = run.model_cfg.dtype == "float16"
 
   def account(step: int, metrics: step_lib.StepMetrics, examples: jax.Array | None) -> None:
-    nonlocal consecutive
+    nonlocal consecutive, diverged
     m = jax.device_get(metrics)
     logger.step(float(m.loss - m.router_loss), float(m.grad_norm), float(m.learning_rate), bool(m.skipped),
                 float(m.loss_scale) if scaled else None,
                 None if cfg.qk_clip_threshold is None else (float(m.max_logit), int(m.clipped_heads)),
                 (float(m.router_loss), float(m.expert_load), float(m.dropped)) if run.model_cfg.num_experts else None,
-                None if examples is None else int(examples))
+                None if examples is None else int(examples), bool(m.spike) if cfg.skip_spikes else None)
     consecutive = consecutive + 1 if m.skipped else 0
+    diverged = diverged or (consecutive if consecutive >= cfg.max_skipped else 0)
+    peers.progress(step)
     if step % cfg.log_interval == 0 or step == cfg.steps:
       logger.flush(step)
 
@@ -368,11 +373,11 @@ def _train(run: Run, interrupt: Interrupt) -> int:
         examples = count_examples(batch["segment_ids"]) if run.steps_per_epoch else None
       profile.after(step, state)
       run.checkpoints.check_for_errors()
-      stop = agreement(interrupt.signum or 0)  # a signal to any process stops all after this step
+      stop = agreement(interrupt.signum or 0, metrics.loss)  # a signal to any process stops all after this step
       if pending is not None:
         account(*pending)
       pending = (step, metrics, examples)
-      if consecutive >= cfg.max_skipped:
+      if diverged:
         break
       is_last = step == cfg.steps
       evaluating = run.valid_rows is not None and (
@@ -381,7 +386,7 @@ def _train(run: Run, interrupt: Interrupt) -> int:
       if evaluating or saving:
         account(*pending)
         pending = None
-        if consecutive >= cfg.max_skipped:
+        if diverged:
           break
       if evaluating:
         t0 = time.perf_counter()
@@ -396,17 +401,17 @@ def _train(run: Run, interrupt: Interrupt) -> int:
       account(*pending)
     run.checkpoints.close()
   except ckpt_lib.SaveError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return EXIT_FAILED
+    return peers.fail(str(e), EXIT_FAILED)
   except jax.errors.JaxRuntimeError as e:
-    if "RESOURCE_EXHAUSTED" not in str(e):
+    # A step that failed to allocate raises RESOURCE_EXHAUSTED; what waited on its output
+    # (the agreement, a step later) raises INTERNAL with the same "Out of memory".
+    if "RESOURCE_EXHAUSTED" not in str(e) and "Out of memory" not in str(e):
       raise
     kept = run.checkpoints.saving or run.start_step
     kept = f"the checkpoint of step {kept} is in {cfg.ckpt_path}" if kept else "no checkpoint was written"
-    print(f"error: out of device memory at step {step} ({str(e).splitlines()[0][:160]}); {kept}; lower"
-          " --micro-batch-size or --seq-len, add --remat, or shard over more devices (--mesh)",
-          file=sys.stderr)
-    return EXIT_FAILED
+    return peers.fail(f"out of device memory by step {step} ({str(e).splitlines()[0][:160]}); {kept}; lower"
+                      " --micro-batch-size or --seq-len, add --remat, or shard over more devices (--mesh)",
+                      EXIT_FAILED)
   finally:
     profile.close()
     logger.close()
@@ -417,11 +422,12 @@ def _train(run: Run, interrupt: Interrupt) -> int:
     print(f"error: stopped by {signal.Signals(signum).name}{where} after step {step}; the checkpoint of"
           f" step {last_saved} is saved in {cfg.ckpt_path}; continue with --resume", file=sys.stderr)
     return 128 + signum
-  if consecutive >= cfg.max_skipped:
+  if diverged:
     kept = (f"the last good checkpoint is step {last_saved} in {cfg.ckpt_path}" if last_saved
             else "no checkpoint was written")
-    print(f"error: stopped after {consecutive} consecutive iterations with a non-finite loss,"
-          f" gradient or update (--max-skipped {cfg.max_skipped}); {kept}; lower --lr, raise"
+    spiking = " or a spiking loss or gradient norm (--skip-spikes)" if cfg.skip_spikes else ""
+    print(f"error: stopped after {diverged} consecutive iterations with a non-finite loss,"
+          f" gradient or update{spiking} (--max-skipped {cfg.max_skipped}); {kept}; lower --lr, raise"
           " --lr-warmup-steps or check the data", file=sys.stderr)
     return EXIT_DIVERGED
   if not jax.jit(step_lib.all_finite)(state.params, state.opt_state):

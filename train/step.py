@@ -7,7 +7,8 @@ as DDP's ``no_sync``), clipping by the global norm, the optimizer's update, and 
 when the loss, the gradient norm, the new parameters or the new optimizer state are not
 all finite, the step changes nothing (parameters, optimizer state and the schedule's
 count come back as they were) and counts as skipped. So a step that would write NaN or
-inf anywhere (an lr that overflows float32, a float16 overflow) never does.
+inf anywhere (an lr that overflows float32, a float16 overflow) never does. With
+``skip_spikes``, so does a step whose loss or gradient norm spikes (``train/spikes.py``).
 
 float16 runs scale the loss dynamically (Megatron's ``--fp16``): the loss is multiplied
 by :class:`LossScale`'s ``scale`` before the gradient, so that small gradients of the
@@ -45,6 +46,7 @@ import optax
 
 import dion_jax
 import models
+from train import spikes
 
 
 class LossScale(NamedTuple):
@@ -64,6 +66,7 @@ class TrainState(NamedTuple):
   opt_state: Any
   updates: jax.Array  # optimizer updates applied so far (skipped steps excluded): the schedule's count
   loss_scale: LossScale
+  spikes: spikes.SpikeWindow | None = None  # the recent losses and gradient norms (None: not kept)
 
 
 class StepMetrics(NamedTuple):
@@ -77,6 +80,7 @@ class StepMetrics(NamedTuple):
   router_loss: jax.Array  # the MoE auxiliary losses' part of ``loss`` (0 without experts)
   expert_load: jax.Array  # the worst MoE layer's max/mean tokens per expert (0 without experts)
   dropped: jax.Array  # share of token-expert assignments over capacity (0 without experts)
+  spike: jax.Array  # bool: skipped as a loss or gradient-norm spike (``train/spikes.py``)
 
 
 def initial_loss_scale(scale: float) -> LossScale:
@@ -178,10 +182,12 @@ def make_gradient(graphdef: Any, par: models.Parallelism, per_replica: Any | Non
 def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTransformation,
                     lr_schedule: optax.Schedule, per_replica: Any | None, accum: int,
                     clip_grad: float, scaling: Scaling | None = None,
-                    qk_clip: tuple[float, models.GPTConfig] | None = None,
+                    qk_clip: tuple[float, models.GPTConfig] | None = None, skip_spikes: float = 0.0,
                     ) -> Callable[[TrainState, dict], tuple[TrainState, StepMetrics]]:
   """The jitted step; ``scaling`` None leaves the loss unscaled (the state's scale unused);
-  ``qk_clip`` is (threshold, the model's config) or None."""
+  ``qk_clip`` is (threshold, the model's config) or None; ``skip_spikes`` > 0 skips a step
+  whose loss or gradient norm is that many standard deviations above the state's window
+  (``train/spikes.py``; the state must keep one), 0 applies it."""
   logit_max = qk_clip is not None
   mean_grads = make_gradient(graphdef, par, per_replica, accum, logit_max)
 
@@ -206,17 +212,21 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
       params, clipped = models.qk_clip.qk_clip(params, aux.logit_max, *qk_clip)
       max_logit = jnp.max(aux.logit_max)
     finite = jnp.isfinite(loss) & jnp.isfinite(norm)
-    params, opt_state = keep_if(finite, (params, opt_state), (state.params, state.opt_state))
+    spike = spikes.is_spike(state.spikes, loss, norm, skip_spikes) if skip_spikes else jnp.zeros((), bool)
+    applied = finite & ~spike if skip_spikes else finite
+    params, opt_state = keep_if(applied, (params, opt_state), (state.params, state.opt_state))
     # A second select for the new state's own check: folding it into the first changes how
     # XLA fuses the update, and float32 results by an ulp from step 3. Measured on CPU
     # (tiny, one device): step time and temporary memory unchanged within noise.
     finite &= all_finite(params, opt_state)
-    params, opt_state = keep_if(finite, (params, opt_state), (state.params, state.opt_state))
-    new = TrainState(params, opt_state, state.updates + finite.astype(state.updates.dtype),
-                     next_loss_scale(state.loss_scale, finite, scaling) if scaling else state.loss_scale)
+    applied = finite & ~spike if skip_spikes else finite
+    params, opt_state = keep_if(applied, (params, opt_state), (state.params, state.opt_state))
+    new = TrainState(params, opt_state, state.updates + applied.astype(state.updates.dtype),
+                     next_loss_scale(state.loss_scale, finite, scaling) if scaling else state.loss_scale,
+                     None if state.spikes is None else spikes.record(state.spikes, loss, norm))
     routing = (jnp.zeros(()), jnp.zeros(())) if aux.router is None else _routing(aux.router)
-    return new, StepMetrics(loss, norm, lr_schedule(state.updates), ~finite, state.loss_scale.scale, max_logit,
-                            jnp.where(finite, clipped, 0), aux.router_loss, *routing)
+    return new, StepMetrics(loss, norm, lr_schedule(state.updates), ~applied, state.loss_scale.scale, max_logit,
+                            jnp.where(applied, clipped, 0), aux.router_loss, *routing, spike)
 
   return jax.jit(step, donate_argnums=0)
 
