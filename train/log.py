@@ -17,6 +17,7 @@ import math
 import os
 import time
 
+from train import rundir
 from train.cli import UsageError
 
 # Dense bf16 peak TFLOP/s per device, by jax's device_kind.
@@ -45,7 +46,7 @@ class Logger:
     self.flops_per_token, self.num_devices = flops_per_token, num_devices
     self.peak = peak_tflops(device_kind)
     self.primary = primary
-    self.metrics = open(os.path.join(run_path, "metrics.jsonl"), "a") if primary else None
+    self.metrics = rundir.MetricsFile(run_path) if primary else None
     self._reset(time.perf_counter())
 
   def _reset(self, now: float) -> None:
@@ -136,8 +137,7 @@ class Logger:
   def _write(self, line: str, record: dict) -> None:
     if self.primary:
       print(line, flush=True)
-      self.metrics.write(json.dumps(record) + "\n")
-      self.metrics.flush()
+      self.metrics.write(record)
 
   def close(self) -> None:
     if self.metrics:
