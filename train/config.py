@@ -18,7 +18,7 @@ import os
 
 from train import rundir
 from train.cli import Parser, UsageError
-from train.flags import CHOICES, DEFAULT_LR, HELP
+from train.flags import CHOICES, DEFAULT_LR, HELP, METAVARS
 
 # The optimizer flags each --optimizer reads (train/optim.py); the others do nothing there.
 _ORTHOGONAL_FLAGS = ("dion_scale_rule", "dion_scalar_optimizer", "ortho_dtype")
@@ -237,20 +237,30 @@ def strip_format(spec: str) -> str:
   return spec
 
 
-def _parser() -> argparse.ArgumentParser:
-  parser = Parser(prog="python -m train.gpt", argument_default=argparse.SUPPRESS,
-                  description="Train a GPT with Dion (or AdamW, Lion, Muon) on a device mesh.")
-  for field in dataclasses.fields(Config):
+def add_flags(parser: argparse.ArgumentParser, fields: list[dataclasses.Field], help: dict[str, str]) -> None:
+  """One flag per dataclass field, named as it (``lr_warmup_steps``: ``--lr-warmup-steps``),
+  typed by its annotation, its values from :data:`train.flags.CHOICES`, its help from
+  ``help``; a bool field is a switch (``--no-X`` too when it defaults to on), a tuple field
+  takes one or more values (repeated flags add up). Left off, a flag sets nothing (the
+  parser's ``argument_default`` should be SUPPRESS), so a resumed run tells the flags given
+  from the saved ones."""
+  for field in fields:
     flag = "--" + field.name.replace("_", "-")
     kind = field.type.split(" |")[0]
     if kind == "bool":
       action = argparse.BooleanOptionalAction if field.default else "store_true"
-      parser.add_argument(flag, action=action, help=HELP[field.name])
-    elif field.name == "data":
-      parser.add_argument(flag, nargs="+", metavar="SPEC", help=HELP[field.name])
+      parser.add_argument(flag, action=action, help=help[field.name])
+    elif kind.startswith("tuple"):
+      parser.add_argument(flag, nargs="+", action="extend", metavar=METAVARS.get(field.name), help=help[field.name])
     else:
-      parser.add_argument(flag, type={"int": int, "float": float}.get(kind, str),
-                          choices=CHOICES.get(field.name), help=HELP[field.name])
+      parser.add_argument(flag, type={"int": int, "float": float}.get(kind, str), metavar=METAVARS.get(field.name),
+                          choices=CHOICES.get(field.name), help=help[field.name])
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = Parser(prog="python -m train.gpt", argument_default=argparse.SUPPRESS,
+                  description="Train a GPT with Dion (or AdamW, Lion, Muon) on a device mesh.")
+  add_flags(parser, dataclasses.fields(Config), HELP)
   return parser
 
 

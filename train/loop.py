@@ -305,12 +305,15 @@ def compile_within_memory(train_step, state: Any, batch: dict, mesh: jax.shardin
     print(f"compiled the training step in {time.perf_counter() - t0:.1f} s", flush=True)
 
 
-def config_record(cfg: Config, model_cfg: models.GPTConfig) -> dict:
+def config_record(cfg: Config, model_cfg: models.GPTConfig, hf_config: dict | None = None) -> dict:
+  """config.json's record: the flags and the model; with ``--init-from hf:DIR`` DIR's
+  config.json (``hf_config``, or read from DIR), which train.export writes back even if the
+  directory goes."""
   train = dataclasses.replace(cfg, run_dir=cfg.run_path,
                               ckpt_dir=cfg.ckpt_path if cfg.ckpt_dir else None).to_json()
   record = {"train": train, "model": dataclasses.asdict(model_cfg)}
-  if cfg.hf_dir is not None:  # what train.export writes back, even if the directory goes
-    record["hf_config"] = hf_io.read_config(cfg.hf_dir)
+  if cfg.hf_dir is not None:
+    record["hf_config"] = hf_config or hf_io.read_config(cfg.hf_dir)
   return record
 
 
