@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
        "--run-dir", sft_run])
   run(["train.grpo", "--init-from", sft_run, "--prompts", prompts, "--reward", "answer", "--reward", "format=0.2",
        "--steps", str(args.grpo_steps), "--prompts-per-step", "16", "--group-size", "8", "--max-new-tokens", "10",
-       "--optimizer", "adamw", "--lr", "2e-3", "--updates-per-rollout", "2", "--save-every", str(args.grpo_steps),
+       "--optimizer", "adamw", "--lr", "2e-3", "--lr-decay-style", "constant", "--lr-warmup-steps", "0",
+       "--updates-per-rollout", "2", "--save-every", str(args.grpo_steps), "--mesh", "fs=1",
        "--seed", str(args.seed), "--run-dir", grpo_run])
   figure = os.path.join(args.out, "reward.png")
   run(["train.plot", grpo_run, "--output", figure])
