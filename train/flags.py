@@ -83,8 +83,9 @@ HELP = {
     "lr_warmup_steps": "linear warmup to --lr over this many steps (default: 5%% of the decay steps)",
     "lr_decay_style": "%s after warmup (default cosine; wsd: constant, then linear decay over"
                       " --lr-wsd-decay-steps)" % "|".join(DECAY_STYLES),
-    "lr_decay_steps": "steps over which warmup and decay run (default --steps); set it when a"
-                      " run is split over several invocations",
+    "lr_decay_steps": "optimizer steps over which warmup and decay run (default --steps; train.grpo:"
+                      " --steps x --updates-per-rollout); set it when a run is split over several"
+                      " invocations",
     "lr_wsd_decay_steps": "final decay steps of wsd (default: a fifth of the decay steps)",
     "weight_decay": "decoupled weight decay of the matrices, times the learning rate (default 0.01)",
     "qk_clip_threshold": "QK-clip (MuonClip): after each step, shrink the query and key kernels of every"
@@ -145,8 +146,8 @@ HELP = {
     "resume": "continue from the latest complete checkpoint; flags left off keep the values"
               " saved in the run's config.json (or, without it, in the checkpoint); a new --steps"
               " keeps the saved lr schedule unless --lr-decay-steps is given",
-    "step": "with --resume: continue from this checkpoint step instead of the latest (to go"
-            " back past a damaged or unwanted one); the newer checkpoints are deleted",
+    "step": "with --resume: continue from this checkpoint step (default: the latest; an earlier"
+            " one to go back past a damaged or unwanted one); the newer checkpoints are deleted",
     "coordinator": "multi-host: HOST:PORT of process 0's coordinator",
     "num_processes": "multi-host: number of processes",
     "process_id": "multi-host: this process's index in [0, --num-processes)",

@@ -62,7 +62,7 @@ from data import prompts as prompts_lib
 from dion_jax.parallel import format_mesh_spec
 from models import generate
 from train import checkpoint as ckpt_lib
-from train import cli, grpo_config, grpo_objective, grpo_rewards, loop, rundir, sample
+from train import cli, grpo_config, grpo_objective, grpo_rewards, loop, rundir, sample, trainer
 from train import config as config_lib
 from train import gpt as gpt_entry
 from train import step as step_lib
@@ -154,13 +154,13 @@ def setup(argv: list[str] | None) -> loop.Run:
   directory, start_step = loop.check_directory(cfg)
   mesh = loop.make_mesh(cfg.mesh or f"fs={len(jax.devices())}")
   _check_split(grpo, mesh)
-  accum = loop.batch_split(cfg, mesh)
-  par = loop.parallelism(cfg, mesh, accum)
+  accum = trainer.batch_split(cfg, mesh)
+  par = trainer.parallelism(cfg, mesh, accum)
   init_step = rundir.saved_record(grpo.run_dir).get("init_step") if grpo.resume else None
   with jax.set_mesh(mesh):
     starting = sample.restore(grpo.init_from, init_step, par)
-  model_cfg = dataclasses.replace(starting.cfg, **loop.compute_settings(cfg))
-  loop.check_model(cfg, model_cfg, mesh)
+  model_cfg = dataclasses.replace(starting.cfg, **trainer.compute_settings(cfg))
+  trainer.check_model(cfg, model_cfg, mesh)
   graphdef, _ = models.abstract(model_cfg, par)
   tokenizer = sample.run_tokenizer(grpo.init_from)
   rewards = grpo_rewards.reward_functions(list(grpo.reward), grpo.answer_column)
@@ -174,10 +174,10 @@ def setup(argv: list[str] | None) -> loop.Run:
       grpo.importance_sampling_level, grpo.sapo_temperature_pos, grpo.sapo_temperature_neg,
       grpo.use_bias_correction_kl)
   with jax.set_mesh(mesh):
-    state, train_step = loop.make_trainer(cfg, model_cfg, graphdef, starting.params, par, accum,
+    state, train_step = trainer.make_trainer(cfg, model_cfg, graphdef, starting.params, par, accum,
                                           functools.partial(grpo_objective.weighted, objective), grpo.temperature)
   checkpoints = ckpt_lib.Checkpoints(cfg.ckpt_path, cfg.keep, create=False)  # made once checked
-  state, _, _ = loop.resume_state(checkpoints, start_step, state, cfg, model_cfg, par)
+  state, _, _ = trainer.resume_state(checkpoints, start_step, state, cfg, model_cfg, par)
   # The step donates the policy's buffers: the reference keeps its own.
   reference = jax.tree.map(jnp.copy, starting.params) if grpo.beta > 0 else None
   prompts = Prompts(grpo, rows, texts, tokens, tokenizer, rewards, objective, graphdef, reference, None)
