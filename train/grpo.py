@@ -144,24 +144,60 @@ def _check_split(grpo: GRPOConfig, mesh: jax.sharding.Mesh) -> None:
 
 
 def setup(argv: list[str] | None) -> loop.Run:
-  """The run of ``argv``, as ``loop.setup``'s steps; GRPO's own: the starting policy, the
-  prompts and rewards, the objective, the first rollout (which compiles the step)."""
-  grpo, shared = grpo_config.parse(argv)
-  grpo.check()
-  start = config_lib.saved_config(grpo.run_dir if grpo.resume else grpo.init_from)
-  cfg = grpo_config.train_config(grpo, shared, start)
-  gpt_entry.start_jax(cfg)  # host devices for the mesh, before JAX starts
+  """The run of ``argv``: ``loop.setup``'s steps, with GRPO's own model (the starting
+  policy), data (the prompts and rewards) and objective; the first rollout compiles the step."""
+  grpo, cfg = _config(argv)
   directory, start_step = loop.check_directory(cfg)
   mesh = loop.make_mesh(cfg.mesh or f"fs={len(jax.devices())}")
   _check_split(grpo, mesh)
   accum = trainer.batch_split(cfg, mesh)
   par = trainer.parallelism(cfg, mesh, accum)
-  init_step = rundir.saved_record(grpo.run_dir).get("init_step") if grpo.resume else None
+  starting, model_cfg, graphdef = _starting_policy(grpo, cfg, par)
+  prompts = _prompts(grpo, model_cfg, graphdef, starting)
   with jax.set_mesh(mesh):
-    starting = sample.restore(grpo.init_from, init_step, par)
+    state, train_step = trainer.make_trainer(cfg, model_cfg, graphdef, starting.params, par, accum,
+                                             functools.partial(grpo_objective.weighted, prompts.objective),
+                                             grpo.temperature)
+  checkpoints = ckpt_lib.Checkpoints(cfg.ckpt_path, cfg.keep, create=False)  # made once checked
+  state, _, _ = trainer.resume_state(checkpoints, start_step, state, cfg, model_cfg, par)
+  record = {**loop.config_record(cfg, model_cfg, _start_record(grpo).get("hf_config")),
+            "grpo": dataclasses.asdict(grpo), "init_step": starting.step}
+  run = loop.Run(cfg=cfg, model_cfg=model_cfg, mesh=mesh, par=par, directory=directory, checkpoints=checkpoints,
+                 record=record, state=state, start_step=start_step, train_step=train_step, data=prompts)
+  first = rollout(run, state.params, start_step + 1)
+  loop.compile_within_memory(train_step, state, first.batch, mesh, model_cfg)
+  run.data = prompts._replace(first=first)
+  loop.open_directory(run)
+  return run
+
+
+def _config(argv: list[str] | None) -> tuple[GRPOConfig, config_lib.Config]:
+  """GRPO's flags and the run's Config (``train/grpo_config.py``), checked; JAX started for its mesh."""
+  grpo, shared = grpo_config.parse(argv)
+  grpo.check()
+  cfg = grpo_config.train_config(grpo, shared, config_lib.saved_config(grpo.run_dir if grpo.resume else grpo.init_from))
+  gpt_entry.start_jax(cfg)  # host devices for the mesh, before JAX starts
+  return grpo, cfg
+
+
+def _start_record(grpo: GRPOConfig) -> dict:
+  """The record of the run GRPO starts from (this run's own once resumed)."""
+  return rundir.saved_record(grpo.run_dir if grpo.resume else grpo.init_from) or {}
+
+
+def _starting_policy(grpo: GRPOConfig, cfg: config_lib.Config, par: models.Parallelism
+                     ) -> tuple[sample.Restored, models.GPTConfig, Any]:
+  """The --init-from run's checkpoint (the one a resumed run started from) on ``par``'s
+  mesh, and its model computing as the flags say (dtype, attention, remat)."""
+  with jax.set_mesh(par.mesh):
+    starting = sample.restore(grpo.init_from, _start_record(grpo).get("init_step") if grpo.resume else None, par)
   model_cfg = dataclasses.replace(starting.cfg, **trainer.compute_settings(cfg))
-  trainer.check_model(cfg, model_cfg, mesh)
-  graphdef, _ = models.abstract(model_cfg, par)
+  trainer.check_model(cfg, model_cfg, par.mesh)
+  return starting, model_cfg, models.abstract(model_cfg, par)[0]
+
+
+def _prompts(grpo: GRPOConfig, model_cfg: models.GPTConfig, graphdef: Any, starting: sample.Restored) -> Prompts:
+  """GRPO's data: the prompts, the rewards, the objective, the reference (with --beta > 0)."""
   tokenizer = sample.run_tokenizer(grpo.init_from)
   rewards = grpo_rewards.reward_functions(list(grpo.reward), grpo.answer_column)
   limit = model_cfg.seq_len - grpo.max_new_tokens
@@ -173,28 +209,9 @@ def setup(argv: list[str] | None) -> loop.Run:
       grpo.epsilon_low, grpo.epsilon_high, grpo.beta, grpo.loss_type, grpo.max_new_tokens,
       grpo.importance_sampling_level, grpo.sapo_temperature_pos, grpo.sapo_temperature_neg,
       grpo.use_bias_correction_kl)
-  with jax.set_mesh(mesh):
-    state, train_step = trainer.make_trainer(cfg, model_cfg, graphdef, starting.params, par, accum,
-                                          functools.partial(grpo_objective.weighted, objective), grpo.temperature)
-  checkpoints = ckpt_lib.Checkpoints(cfg.ckpt_path, cfg.keep, create=False)  # made once checked
-  state, _, _ = trainer.resume_state(checkpoints, start_step, state, cfg, model_cfg, par)
   # The step donates the policy's buffers: the reference keeps its own.
   reference = jax.tree.map(jnp.copy, starting.params) if grpo.beta > 0 else None
-  prompts = Prompts(grpo, rows, texts, tokens, tokenizer, rewards, objective, graphdef, reference, None)
-  record = {**loop.config_record(cfg, model_cfg, start_record(grpo).get("hf_config")),
-            "grpo": dataclasses.asdict(grpo), "init_step": starting.step}
-  run = loop.Run(cfg=cfg, model_cfg=model_cfg, mesh=mesh, par=par, directory=directory, checkpoints=checkpoints,
-                 record=record, state=state, start_step=start_step, train_step=train_step, data=prompts)
-  first = rollout(run, state.params, start_step + 1)
-  loop.compile_within_memory(train_step, state, first.batch, mesh, model_cfg)
-  run.data = prompts._replace(first=first)
-  loop.open_directory(run)
-  return run
-
-
-def start_record(grpo: GRPOConfig) -> dict:
-  """The record of the run GRPO starts from (this run's own once resumed)."""
-  return rundir.saved_record(grpo.run_dir if grpo.resume else grpo.init_from) or {}
+  return Prompts(grpo, rows, texts, tokens, tokenizer, rewards, objective, graphdef, reference, None)
 
 
 def rollout(run: loop.Run, params: Any, step: int) -> Rollout:
