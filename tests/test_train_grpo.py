@@ -76,7 +76,8 @@ def prompts_file(tmp_path):
 
 def test_token_logps_are_the_full_forwards(base_run):
   """Left-padded prompt + completion through the training forward: each completion
-  token's log softmax(logits / T) equals the unpadded sequence's (sample.logits)."""
+  token's log softmax(logits / T), and the entropy of that distribution, equal the unpadded
+  sequence's (sample.logits, float64)."""
   restored = sample.restore(base_run)
   rng = np.random.default_rng(0)
   sequences = [rng.integers(0, 256, n).astype(np.int32) for n in (9, 14)]
@@ -85,8 +86,8 @@ def test_token_logps_are_the_full_forwards(base_run):
   tokens_BxT = np.stack([np.concatenate([np.zeros(T - len(s), np.int32), s]) for s in sequences])
   pad_B = jnp.asarray([T - len(s) for s in sequences])
   staged = dict(restored.params, blocks=models.to_stages(restored.params["blocks"], 1))
-  got = np.asarray(grpo_objective.token_logps(restored.graphdef, staged, jnp.asarray(tokens_BxT), pad_B, completion,
-                                    temperature))
+  got, entropies = map(np.asarray, grpo_objective.token_logps(restored.graphdef, staged, jnp.asarray(tokens_BxT), pad_B,
+                                                             completion, temperature, entropy=True))
   for b, s in enumerate(sequences):
     logits_TxV = np.asarray(sample.logits(restored.graphdef, restored.params, s[None]), np.float64)[0, :, :restored.cfg.vocab_size]
     z = logits_TxV / temperature
@@ -94,16 +95,21 @@ def test_token_logps_are_the_full_forwards(base_run):
     n = len(s)
     expected = logsoftmax[np.arange(n - completion - 1, n - 1), s[n - completion:]]
     np.testing.assert_allclose(got[b], expected, atol=2e-5)
+    predicting = logsoftmax[n - completion - 1:n - 1]
+    np.testing.assert_allclose(entropies[b], -np.sum(np.exp(predicting) * predicting, -1), atol=2e-5)
 
 
 def test_run_writes_metrics_and_a_checkpoint_train_sample_reads(base_run, prompts_file, tmp_path):
-  """Two steps with Dion on fs=2,tp=2: finite metrics, a policy that moved, a checkpoint
-  train.sample restores on one device."""
+  """Two steps with Dion on fs=2,tp=2 and TRL's newer options (SAPO, GSPO, the high-entropy
+  mask, GDPO's normalization): finite metrics, a policy that moved, a checkpoint train.sample
+  restores on one device."""
   run_dir = str(tmp_path / "grpo")
   args = ["--init-from", base_run, "--prompts", prompts_file, "--run-dir", run_dir, "--steps", "2",
           "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6", "--beta", "0.04",
           "--updates-per-rollout", "2", "--lr", "1e-2", "--reward", "tests.test_train_grpo:digits_reward",
-          "--reward", "format=0.5", "--optimizer", "dion", "--mesh", "fs=2,tp=2"]
+          "--reward", "format=0.5", "--optimizer", "dion", "--mesh", "fs=2,tp=2", "--loss-type", "sapo",
+          "--importance-sampling-level", "sequence", "--top-entropy-quantile", "0.5",
+          "--multi-objective-aggregation", "normalize_then_sum"]
   assert grpo.main(args) == 0
   with open(os.path.join(run_dir, "metrics.jsonl")) as f:
     records = [json.loads(line) for line in f]
@@ -206,16 +212,18 @@ def test_a_run_directory_in_use_is_refused(base_run, prompts_file, tmp_path, cap
 
 
 TEMPERATURE = 0.7
-AGGREGATIONS = ("grpo", "dr_grpo")
-# The clip range and KL weight of the objective's terms; the aggregation enters by the
-# batch's weights alone (grpo_objective.update_batch), so one compiled loss serves every aggregation.
-TERMS = functools.partial(grpo_objective.weighted, grpo_objective.Objective(0.2, 0.28, beta=0.04))
+# Per case, the loss's terms and the objective of the batch's weights: the aggregation enters
+# by the weights alone (grpo_objective.update_batch), so one compiled loss serves grpo and
+# dr_grpo; GSPO's sequence-level ratio is a row sum (over cp too) in the terms.
+TOKEN_TERMS = grpo_objective.Objective(0.2, 0.28, beta=0.04)
+SEQUENCE_TERMS = grpo_objective.Objective(0.2, 0.28, beta=0.04, importance_sampling_level="sequence")
+CASES = {"grpo": (TOKEN_TERMS, "grpo"), "dr_grpo": (TOKEN_TERMS, "dr_grpo"), "gspo": (SEQUENCE_TERMS, "grpo")}
 
 
-def _value_and_grad(graphdef, params, batch, par):
+def _value_and_grad(graphdef, terms, params, batch, par):
   def loss_fn(params):
-    loss, aux = models.loss(graphdef, params, batch, par, denominator=jnp.float32(1), aux=True, objective=TERMS,
-                            temperature=TEMPERATURE)
+    loss, aux = models.loss(graphdef, params, batch, par, denominator=jnp.float32(1), aux=True,
+                            objective=functools.partial(grpo_objective.weighted, terms), temperature=TEMPERATURE)
     return loss, aux.stats
   return jax.value_and_grad(loss_fn, has_aux=True)(params)
 
@@ -223,7 +231,7 @@ def _value_and_grad(graphdef, params, batch, par):
 @pytest.fixture(scope="module")
 def one_device_update():
   """A 4-layer model, one rollout's update inputs and their loss, statistics and gradient on
-  one device for each of AGGREGATIONS. The rollout: 8 left-padded sequences (prompts of 3
+  one device for each of CASES. The rollout: 8 left-padded sequences (prompts of 3
   to 8 tokens, 6 completion tokens, T = 14, which cp = 2 pads to 16), old and reference
   log-probs off the policy's by noise (ratios clipped both ways), advantages, a mask of
   varied lengths. One device's loss is checked against policy_loss's on its log-probs
@@ -240,17 +248,19 @@ def one_device_update():
   mask_BxM = jnp.asarray(np.arange(M)[None] < rng.integers(1, M + 1, B)[:, None], jnp.float32)
   advantages_B = jnp.asarray(rng.normal(size=B), jnp.float32)
   inputs = (tokens_BxT, pad_B, old_BxM, ref_BxM, advantages_B, mask_BxM)
-  step = jax.jit(functools.partial(_value_and_grad, graphdef, par=models.Parallelism()))
+  step = jax.jit(functools.partial(_value_and_grad, graphdef, par=models.Parallelism()), static_argnums=0)
   results = {}
-  for aggregation in AGGREGATIONS:
-    objective = grpo_objective.Objective(0.2, 0.28, 0.04, aggregation, M)
-    (loss, stats), grads = step(params, grpo_objective.update_batch(*inputs, objective, mask_BxM.sum()))
+  for case, (terms, loss_type) in CASES.items():
+    objective = terms._replace(loss_type=loss_type, max_completion_length=M)
+    (loss, stats), grads = step(terms, params, grpo_objective.update_batch(*inputs, objective, mask_BxM.sum()))
     expected, expected_stats = grpo_objective.policy_loss(logps_BxM, old_BxM, advantages_B, mask_BxM, objective,
                                                           ref_BxM)
     np.testing.assert_allclose(loss, expected, atol=1e-6)
     np.testing.assert_allclose(np.asarray(stats), np.asarray(expected_stats), atol=1e-6)
-    assert float(stats.clip_low) > 0 and float(stats.clip_high) > 0 and float(stats.kl) > 0
-    results[aggregation] = (objective, loss, stats, grads)
+    assert float(stats.kl) > 0
+    if terms.importance_sampling_level == "token":  # a sequence's mean ratio stays inside the clip here
+      assert float(stats.clip_low) > 0 and float(stats.clip_high) > 0
+    results[case] = (terms, objective, loss, stats, grads)
   return cfg, graphdef, params, inputs, logps_BxM, results
 
 
@@ -259,7 +269,7 @@ def test_pipelined_and_context_parallel_loss_and_gradient_are_one_devices(one_de
                                                                           microbatches):
   """GRPO's objective through models.loss's pp and cp forward (shard_map, custom_vjp):
   the log-probs, loss, statistics and gradient equal one device's, for the grpo and
-  dr_grpo aggregations with beta > 0. Achieved (CPU, float32): log-probs within 1.9e-6,
+  dr_grpo aggregations and GSPO's sequence-level ratio (summed over cp), with beta > 0. Achieved (CPU, float32): log-probs within 1.9e-6,
   loss within 9e-8, statistics within 3e-8, gradients within 1.7e-6 of their largest
   entry; checked at about 5-10x those."""
   cfg, graphdef, params_one, inputs, logps_one, results = one_device_update
@@ -270,14 +280,14 @@ def test_pipelined_and_context_parallel_loss_and_gradient_are_one_devices(one_de
   params_mesh = jax.device_put(dict(params_one, blocks=models.to_stages(models.to_layers(params_one["blocks"], 1),
                                                                        par.pp)),
                                jax.tree.map(lambda s: s.sharding, shapes))
-  step = jax.jit(functools.partial(_value_and_grad, graphdef, par=par))
+  step = jax.jit(functools.partial(_value_and_grad, graphdef, par=par), static_argnums=0)
   with jax.set_mesh(mesh):
     logps_mesh = jax.jit(functools.partial(grpo_objective.token_logps, par=par), static_argnums=(0, 4, 5))(
         graphdef, params_mesh, tokens_BxT, pad_B, old_BxM.shape[1], TEMPERATURE)
     np.testing.assert_allclose(logps_mesh, logps_one, atol=1e-5)
-    for objective, loss_one, stats_one, grads_one in results.values():
+    for terms, objective, loss_one, stats_one, grads_one in results.values():
       batch = grpo_objective.update_batch(*inputs, objective, mask_BxM.sum(), cp=par.cp)
-      (loss, stats), grads = step(params_mesh, batch)
+      (loss, stats), grads = step(terms, params_mesh, batch)
       np.testing.assert_allclose(loss, loss_one, atol=1e-6)
       np.testing.assert_allclose(np.asarray(stats), np.asarray(stats_one), atol=3e-7)
       grads = dict(grads, blocks=models.to_layers(grads["blocks"], par.pp))
