@@ -394,30 +394,41 @@ def test_rp2_dion_syncs_over_replicas_as_train_gpt(compile_cache, base_run, prom
   assert 0 <= grpo_bytes - gpt_bytes <= 64, (grpo_bytes, gpt_bytes)
 
 
-def test_rp2_dion_equals_one_device(compile_cache, base_run, prompts_file, tmp_path):  # noqa: F811
-  """Two steps of two updates with Dion and the KL term, clipping off: on rp=2 (Dion's
-  per-replica path, each replica half the rollout) the metrics and the policy are one
-  device's. Achieved: metrics within 2.4e-7, parameters within 7.3e-7 of their largest
-  entry; checked at about 5x."""
-  common = ["--init-from", base_run, "--prompts", prompts_file, "--steps", "2", "--prompts-per-step", "2",
+def test_rp2_dion_and_accumulation_equal_one_device(compile_cache, base_run, prompts_file, tmp_path):  # noqa: F811
+  """Three updates on one rollout with Dion and the KL term, clipping off: on rp=2 (Dion's
+  per-replica path, each replica half the rollout) and with the rollout's updates in two
+  micro-batches (gradient accumulation) the metrics and the policy are one device's. (One
+  rollout: the next one's samples would follow each run's last-bit differences.) Achieved:
+  metrics within 1.7e-7, parameters within 6.6e-7 of their largest entry on rp=2 and 9.8e-7
+  accumulated (but AdamW's rows of rare tokens, below); checked at about 5x."""
+  common = ["--init-from", base_run, "--prompts", prompts_file, "--steps", "1", "--prompts-per-step", "2",
             "--group-size", "4", "--max-new-tokens", "6", "--reward", "tests.test_train_grpo:digits_reward",
             "--optimizer", "dion", "--dion-rank-fraction", "0.25", "--clip-grad", "0", "--beta", "0.04",
-            "--updates-per-rollout", "2", "--lr", "1e-2"]
-  runs = {mesh: str(tmp_path / mesh.replace("=", "")) for mesh in ("fs=1", "rp=2")}
-  for mesh, run_dir in runs.items():
-    assert grpo.main([*common, "--mesh", mesh, "--run-dir", run_dir]) == 0
-  one, replicas = (strict_records(d) for d in runs.values())
+            "--updates-per-rollout", "3", "--lr", "1e-2"]
+  runs = {"one": ["--mesh", "fs=1"], "replicas": ["--mesh", "rp=2"],
+          "accumulated": ["--mesh", "fs=1", "--micro-batch-size", "4"]}  # 2 micro-batches of 4
+  for name, flags in runs.items():
+    assert grpo.main([*common, *flags, "--run-dir", str(tmp_path / name)]) == 0
+  records = {name: strict_records(tmp_path / name) for name in runs}
   timing = ("rollout_s", "train_s", "rollout_tokens_per_s", "train_tokens_per_s")
-  for a, b in zip(one, replicas):
-    assert {k: v for k, v in b.items() if k not in timing} == pytest.approx(
-        {k: v for k, v in a.items() if k not in timing}, abs=1e-6)
-  assert one[1]["kl"] > 0
-  start, *trained = (sample.restore(d).params for d in (base_run, *runs.values()))
-  scale = max(float(np.abs(x).max()) for x in jax.tree.leaves(trained[0]))
-  for (path, a), b, s in zip(jax.tree_util.tree_leaves_with_path(trained[0]), jax.tree.leaves(trained[1]),
-                             jax.tree.leaves(start)):
-    np.testing.assert_allclose(b, a, atol=4e-6 * scale, err_msg=jax.tree_util.keystr(path))
-  assert any(not np.allclose(a, s) for a, s in zip(jax.tree.leaves(trained[0]), jax.tree.leaves(start)))
+  for name in ("replicas", "accumulated"):
+    for a, b in zip(records["one"], records[name]):
+      assert {k: v for k, v in b.items() if k not in timing} == pytest.approx(
+          {k: v for k, v in a.items() if k not in timing}, abs=1e-6), name
+  assert records["one"][0]["kl"] > 0
+  start, one, replicas, accumulated = (sample.restore(str(d)).params
+                                       for d in (base_run, *(tmp_path / name for name in runs)))
+  scale = max(float(np.abs(x).max()) for x in jax.tree.leaves(one))
+  for (path, a), b, c in zip(jax.tree_util.tree_leaves_with_path(one), jax.tree.leaves(replicas),
+                             jax.tree.leaves(accumulated)):
+    name = jax.tree_util.keystr(path)
+    np.testing.assert_allclose(b, a, atol=4e-6 * scale, err_msg=name)
+    # AdamW's elementwise step turns the rounding of a summed near-zero gradient (the
+    # embedding and LM head rows of tokens seen once or never) into a step of another size:
+    # those rows differ by up to 1% of their step.
+    if "embed" not in name and "lm_head" not in name:
+      np.testing.assert_allclose(c, a, atol=4e-6 * scale, err_msg=name)
+  assert any(not np.allclose(a, s) for a, s in zip(jax.tree.leaves(one), jax.tree.leaves(start)))
 
 
 def letter_reward(prompts, completions, **_):
