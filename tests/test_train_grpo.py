@@ -510,3 +510,18 @@ def test_help_shows_every_default(capsys):
   with pytest.raises(SystemExit):
     grpo.main(["--help"])
   assert "--dion-rank-fraction" in capsys.readouterr().out
+
+
+def test_a_new_run_takes_the_starting_runs_model_not_its_optimizer(tmp_path):
+  """The run's Config: the starting run's model fields, train.gpt's defaults for the shared
+  flags left off (not the starting run's), the rollout as the global batch, the schedule
+  over --steps x --updates-per-rollout optimizer updates."""
+  from train import grpo_config
+  start = {"num_layers": 3, "hidden_size": 48, "optimizer": "adamw", "lr": 0.5, "weight_decay": 0.3}
+  argv = ["--init-from", str(tmp_path), "--prompts", "p.jsonl", "--reward", "format", "--run-dir", str(tmp_path / "r"),
+          "--steps", "10", "--updates-per-rollout", "3", "--prompts-per-step", "4", "--group-size", "2"]
+  grpo_cfg, shared = grpo_config.parse([*argv, "--lr", "0.01"])
+  cfg = grpo_config.train_config(grpo_cfg, shared, start)
+  assert (cfg.num_layers, cfg.hidden_size) == (3, 48)
+  assert (cfg.optimizer, cfg.lr, cfg.weight_decay) == ("dion", 0.01, config_lib.Config().weight_decay)
+  assert (cfg.global_batch_size, cfg.decay_steps, cfg.warmup_steps) == (8, 30, 1)

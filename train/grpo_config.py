@@ -136,7 +136,11 @@ def saved_flags(run_dir: str) -> dict:
 
 
 def train_config(grpo: GRPOConfig, shared: dict, start: dict) -> config_lib.Config:
-  """The run's Config (module docstring): ``start`` the starting run's saved fields."""
+  """The run's Config (module docstring): ``start`` the saved fields of the starting run
+  (of this run once resumed); a new run takes none of its :data:`SHARED` flags (their
+  defaults are train.gpt's, as ``--help`` says), only what describes its model."""
+  if not grpo.resume:
+    start = {k: v for k, v in start.items() if k not in SHARED}
   decay = shared.get("lr_decay_steps") or grpo.steps * grpo.updates_per_rollout
   cfg = config_lib.Config(**{**start, **shared, "steps": grpo.steps, "seed": grpo.seed, "run_dir": grpo.run_dir,
                              "ckpt_dir": None, "name": None, "resume": grpo.resume, "lr_decay_steps": decay,

@@ -1,4 +1,4 @@
-"""What a run checks before it writes anything: its directory, data and checkpoint.
+"""What a run checks before it writes anything: its model, data, checkpoint and memory.
 
 Each check raises ``UsageError`` with one line that names the problem and the fix
 (``train/cli.py`` prints it, exit code 2); the run directory's own are ``train/rundir.py``'s.
