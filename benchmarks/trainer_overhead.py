@@ -30,7 +30,7 @@ def main(argv=None) -> int:
   from train import loop
 
   run = loop.setup(cfg)
-  batch = loop.global_batch(run, next(run.train_batches))
+  batch = loop.global_batch(run, next(run.data.loader))
   state = jax.tree.map(lambda x: x.copy(), run.state)  # the step donates its input
 
   def step(state, _metrics):  # returns the next call's arguments: the new state, its metrics

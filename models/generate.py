@@ -6,7 +6,8 @@
 
 ``params`` is the GPT's pure dict with its blocks in layer order (``models.to_layers``), on
 one device, or on a mesh as :func:`rollout_params` lays out the training mesh's parameters
-(gathered once, split over tp; XLA partitions the program from those shardings). The batch
+(gathered once, split over tp; XLA partitions the program from those shardings, and from
+the prompts' split over the batch axes, :func:`complete`'s ``batch_sharding``). The batch
 is every prompt repeated ``group_size`` times (GRPO's groups).
 
 Layout. Prompts are left-padded to one length P (a shape bucket), so that every sequence's
@@ -214,10 +215,16 @@ def left_pad(prompts: list[np.ndarray], length: int, pad_id: int = 0) -> tuple[n
 
 def complete(graphdef: Any, params: Any, prompts: list[np.ndarray], max_new_tokens: int,
              sampling: Sampling = Sampling(), seed: int = 0, eos_id: int | None = None,
-             group_size: int = 1, pad_id: int = 0) -> Completions:
+             group_size: int = 1, pad_id: int = 0, batch_sharding: jax.sharding.Sharding | None = None
+             ) -> Completions:
   """Each prompt's ``group_size`` completions, rows ``[i·G, (i+1)·G)`` for prompt i, the
-  prompts left-padded to a :func:`bucket` (module docstring)."""
+  prompts left-padded to a :func:`bucket` (module docstring). With ``batch_sharding`` (the
+  training batch's, over the mesh's batch axes) each device samples its share of the rows:
+  XLA partitions the prefill, the cache and the loop from it (the tokens are those of one
+  device: the sampler's draws are keyed by position, not by device)."""
   prompts_BxP, lengths_B = left_pad(prompts, bucket(max(len(p) for p in prompts)), pad_id)
-  return generate(graphdef, params, np.repeat(prompts_BxP, group_size, 0), np.repeat(lengths_B, group_size),
-                  jax.random.key(seed), max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
-                  pad_id=pad_id)
+  prompts_BxP, lengths_B = np.repeat(prompts_BxP, group_size, 0), np.repeat(lengths_B, group_size)
+  if batch_sharding is not None:
+    prompts_BxP, lengths_B = jax.device_put((prompts_BxP, lengths_B), batch_sharding)
+  return generate(graphdef, params, prompts_BxP, lengths_B, jax.random.key(seed), max_new_tokens=max_new_tokens,
+                  sampling=sampling, eos_id=eos_id, pad_id=pad_id)

@@ -112,17 +112,18 @@ def loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], par: Paralleli
 
 
 def token_logps(graphdef: Any, params: Any, batch: dict[str, jax.Array], par: Parallelism = Parallelism(),
-                temperature: float = 1.0) -> jax.Array:
+                temperature: float = 1.0, entropy: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Each target's log softmax(logits / ``temperature``), float32 [B, T] (0 where the
   target is -1; the vocabulary's padding rows left out), without gradient, by
-  :func:`loss`'s forward: with pp > 1 or cp > 1 the same pipeline and context split."""
+  :func:`loss`'s forward: with pp > 1 or cp > 1 the same pipeline and context split. With
+  ``entropy`` also the entropy of each of those distributions [B, T] (0 where the target is -1)."""
   if par.pp > 1 or par.cp > 1:
     return _manual_call(graphdef, jax.lax.stop_gradient(params), batch, None, None, None, par, False, None,
-                        temperature, mode="logps")
+                        temperature, mode="entropy" if entropy else "logps")
   params = jax.lax.stop_gradient(params)
   model = nnx.merge(graphdef, params)
   x_BxTxD, _ = _forward(model, params, batch, par)
-  return _target_logps(model, x_BxTxD, batch["targets"], par, temperature)
+  return _target_logps(model, x_BxTxD, batch["targets"], par, temperature, entropy)
 
 
 def _forward(model: Any, params: Any, batch: dict[str, jax.Array], par: Parallelism, logit_max: bool = False
@@ -139,17 +140,24 @@ def _token_fields(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 
 def _target_logps(model: Any, x_BxTxD: jax.Array, targets_BxT: jax.Array, par: Parallelism,
-                  temperature: float) -> jax.Array:
+                  temperature: float, entropy: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
   """log softmax(logits / temperature) of each target [B, T], float32, 0 where the target
   is -1; vocab-parallel over tp as ``GPT.token_losses``, the padding rows left out (as the
-  sampler draws)."""
+  sampler draws). With ``entropy`` also each distribution's entropy [B, T]."""
   logits_BxTxV = model.logits(x_BxTxD, par)
   real_V = jnp.arange(logits_BxTxV.shape[-1]) < model.cfg.vocab_size
   logits_BxTxV = jnp.where(real_V, logits_BxTxV, -jnp.inf) / temperature
   onehot_BxTxV = par.constrain(jax.nn.one_hot(targets_BxT, logits_BxTxV.shape[-1], dtype=jnp.float32),
                                "batch", None, "vocab")
   target_logit_BxT = jnp.sum(jnp.where(onehot_BxTxV > 0, logits_BxTxV, 0.0), -1)
-  return jnp.where(targets_BxT >= 0, target_logit_BxT - jax.nn.logsumexp(logits_BxTxV, -1), 0.0)
+  normalizer_BxT = jax.nn.logsumexp(logits_BxTxV, -1)
+  counted_BxT = targets_BxT >= 0
+  logps_BxT = jnp.where(counted_BxT, target_logit_BxT - normalizer_BxT, 0.0)
+  if not entropy:
+    return logps_BxT
+  probs_BxTxV = jnp.exp(logits_BxTxV - normalizer_BxT[..., None])
+  mean_logit_BxT = jnp.sum(jnp.where(real_V, probs_BxTxV * logits_BxTxV, 0.0), -1)
+  return logps_BxT, jnp.where(counted_BxT, normalizer_BxT - mean_logit_BxT, 0.0)
 
 
 def _token_terms(model: Any, x_BxTxD: jax.Array, fields: dict[str, jax.Array], par: Parallelism,
@@ -215,8 +223,8 @@ _manual_loss.defvjp(_manual_fwd, _manual_bwd)
 def _manual_call(graphdef, params, batch, scale, denominator, sequences, par: Parallelism, logit_max: bool,
                  objective: Callable | None, temperature: float, mode: str):
   """The ``shard_map`` of :func:`_manual_loss`; ``mode`` "loss" (value and aux), "grad"
-  (and the gradient) or "logps" (:func:`token_logps`: [B, T], out of the micro-batches
-  and the balanced layout again)."""
+  (and the gradient), "logps" or "entropy" (:func:`token_logps`: [B, T], out of the
+  micro-batches and the balanced layout again; with "entropy" the entropies too)."""
   M, pp, v, cp = par.microbatches, par.pp, par.virtual_stages, par.cp
   B, T = batch["inputs"].shape
   context.check_seq_len(T, cp)
@@ -276,20 +284,20 @@ def _manual_call(graphdef, params, batch, scale, denominator, sequences, par: Pa
     value = _scaled(jax.lax.psum(total, manual) / denominator + extra, scale)
     return value, LossAux(layer_aux.get("logit_max"), router, extra, jax.lax.psum(stats, manual))
 
-  def local_logps(params, micro):  # -> [m, b, T/cp], this device's micro-batches
+  def local_logps(params, micro):  # -> [m, b, T/cp] (each), this device's micro-batches
     model, x_BxTxD, fields, _ = forward(params, micro)
-    logps_BxT = _target_logps(model, x_BxTxD, fields["targets"], par, temperature)
-    return logps_BxT.reshape(-1, B // M, T // cp)
+    out = _target_logps(model, x_BxTxD, fields["targets"], par, temperature, mode == "entropy")
+    return jax.tree.map(lambda x_BxT: x_BxT.reshape(-1, B // M, T // cp), out)
 
   stages = P(pipeline.AXIS) if pp > 1 else P()
   tokens = P(None, None, context.AXIS) if cp > 1 else P()
-  if mode == "logps":
-    logps_MxbxT = jax.shard_map(
+  if mode in ("logps", "entropy"):
+    out_MxbxT = jax.shard_map(
         local_logps, mesh=jax.sharding.get_abstract_mesh(), in_specs=(entry_specs, tokens),
         out_specs=P(pipeline.AXIS if pp > 1 else None, None, context.AXIS if cp > 1 else None),
         axis_names=set(manual))(params, jax.tree.map(microbatched, batch))
-    logps_BxT = logps_MxbxT.swapaxes(0, 1).reshape(B, T)
-    return logps_BxT if cp == 1 else logps_BxT[:, np.argsort(context.token_order(T, cp))]
+    order = np.argsort(context.token_order(T, cp)) if cp > 1 else slice(None)
+    return jax.tree.map(lambda x_MxbxT: x_MxbxT.swapaxes(0, 1).reshape(B, T)[:, order], out_MxbxT)
   aux_specs = LossAux(stages, stages, P(), P())  # a prefix of the aux: None stays None
   return jax.shard_map(
       jax.value_and_grad(local_loss, has_aux=True) if mode == "grad" else local_loss,

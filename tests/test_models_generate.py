@@ -176,3 +176,15 @@ def test_sharded_rollout_writes_the_single_device_tokens():
   got = generate.complete(graphdef, rollout, prompts, 8, sampling, seed=1, group_size=2)
   np.testing.assert_array_equal(np.asarray(got.tokens_BxM), np.asarray(expected.tokens_BxM))
   np.testing.assert_allclose(np.asarray(got.logprobs_BxM), np.asarray(expected.logprobs_BxM), atol=1e-5)
+  # The rollout's rows split over the batch axes (fs=2), the model over tp: each device keeps
+  # 3 of the 6 rows' cache [units, B, S, K, H] with 1 of the 2 key/value heads, and
+  # samples the same tokens.
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(models.BATCH_AXES))
+  split = generate.complete(graphdef, rollout, prompts, 8, sampling, seed=1, group_size=2, batch_sharding=rows)
+  np.testing.assert_array_equal(np.asarray(split.tokens_BxM), np.asarray(expected.tokens_BxM))
+  assert split.tokens_BxM.sharding.shard_shape(split.tokens_BxM.shape) == (3, 8)
+  prompts_BxP, lengths_B = generate.left_pad(prompts, 16)
+  inputs = jax.device_put((np.repeat(prompts_BxP, 2, 0), np.repeat(lengths_B, 2)), rows)
+  text = generate._generate.lower(graphdef, rollout, *inputs, jax.random.key(1), jnp.int32(-1), max_new_tokens=8,
+                                  sampling=sampling, pad_id=0).compile().as_text()
+  assert "f32[2,3,24,1,16]" in text and "f32[2,6,24" not in text

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from train import config as config_lib
-from train import gpt
+from train import gpt, rundir
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -65,7 +65,7 @@ def test_resume_without_config_json_reads_the_checkpoint(tmp_path):
     (run / "checkpoints" / str(step) / "config" / "metadata").write_text(json.dumps(record))
   (run / "checkpoints" / "6").mkdir()  # an empty (damaged) newest step: skipped
   assert config_lib.parse(["--resume", "--run-dir", str(run)]).num_layers == 5
-  assert config_lib.checkpoint_record(str(run / "checkpoints"), 2)["train"]["num_layers"] == 3
+  assert rundir.checkpoint_record(str(run / "checkpoints"), 2)["train"]["num_layers"] == 3
   (run / "config.json").write_text("{}")  # damaged: the checkpoint stands in
   assert config_lib.parse(["--resume", "--run-dir", str(run)]).num_layers == 5
   os.rename(run / "checkpoints", tmp_path / "elsewhere")

@@ -40,7 +40,7 @@ def _lowered_step(tmp_path, optimizer: str, dtype: str | None = None, preset: st
   cfg.check()
   run = loop.setup(cfg)
   assert run.model_cfg.dtype == (dtype or "bfloat16") and run.model_cfg.attention == "cudnn"
-  batch = loop.global_batch(run, next(run.train_batches))
+  batch = loop.global_batch(run, next(run.data.loader))
   with jax.set_mesh(run.mesh):
     return run.train_step.trace(run.state, batch).lower(lowering_platforms=("cuda",))
 

@@ -329,7 +329,7 @@ def test_an_imported_model_is_checked_on_the_data_ids_and_its_positions(tmp_path
            "--mesh", "fs=1", "--eval-tokens", "0", "--steps", "2"]
   run = gpt._setup([*flags, "--data", f"fineweb:{bytes_bin}", "--run-dir", str(tmp_path / "ok")])
   run.checkpoints.close()
-  run.lock.release()
+  run.directory.close()
   assert run.model_cfg.vocab_size == 300
   # The run keeps its own copy of the tokenizer: later commands need not find --init-from.
   copy = tmp_path / "ok" / hf_io.RUN_TOKENIZER

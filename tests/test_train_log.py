@@ -47,8 +47,3 @@ def test_a_non_finite_loss_is_null_read_back_as_nan(tmp_path):
   assert [r["step"] for r in tracker.records] == [1, 2, 2] and tracker.closed
   assert math.isnan(tracker.records[1]["loss"]) and tracker.records[2]["val_loss"] == math.inf
 
-
-def test_json_line_leaves_finite_values_and_other_types_alone():
-  record = {"step": 3, "loss": 2.0, "name": "x", "big": 1e308, "small": -0.0, "inf": -math.inf}
-  assert strict(log.json_line(record)) == {**record, "inf": None}
-  assert log.json_line(record).endswith("}\n") and log.json_line(record).count("\n") == 1

@@ -64,14 +64,14 @@ def test_a_planted_spike_is_not_applied_with_skip_spikes_and_applied_without(  #
   optimizer state and the update count are the step's inputs bit for bit while its values join
   the window; with --skip-spikes 0 it is applied."""
   run = gpt._setup([*TINY, "--eval-tokens", "0", "--run-dir", str(tmp_path / "run"), "--skip-spikes", str(sigmas)])
-  run.lock.release()
+  run.directory.close()
   state = run.state
   with jax.set_mesh(run.mesh):
     for step in range(1, PLANTED):
-      state, metrics = run.train_step(state, loop.global_batch(run, next(run.train_batches)))
+      state, metrics = run.train_step(state, loop.global_batch(run, next(run.data.loader)))
       assert not metrics.skipped, step
     before = jax.device_get(state)
-    state, metrics = run.train_step(state, loop.global_batch(run, out_of_distribution(next(run.train_batches))))
+    state, metrics = run.train_step(state, loop.global_batch(run, out_of_distribution(next(run.data.loader))))
   after = jax.device_get(state)
   assert float(metrics.loss) > 5.0 and float(metrics.grad_norm) > 10.0
   assert bool(metrics.spike) == bool(metrics.skipped) == (sigmas > 0)

@@ -12,7 +12,6 @@ import glob
 import importlib.util
 import json
 import math
-import os
 import struct
 
 import numpy as np

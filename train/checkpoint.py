@@ -46,6 +46,7 @@ import dion_jax
 import models
 from dion_jax.parallel import REPLICA_AXIS
 from train.cli import UsageError
+from train.rundir import existing_steps
 
 # Top-level state fields that older checkpoints lack, restored fresh when absent.
 ADDED_LATER = ("loss_scale", "spikes")
@@ -303,10 +304,3 @@ class Checkpoints:
     """Waits for the pending save (SaveError if it failed) and stops Orbax's threads."""
     self._guarded(self.manager.wait_until_finished)
     self.manager.close()
-
-
-def existing_steps(directory: str) -> list[int]:
-  """Complete checkpoint steps in ``directory`` without creating it (none if it is missing)."""
-  if not os.path.isdir(directory):
-    return []
-  return [int(n) for n in os.listdir(directory) if n.isdigit()]

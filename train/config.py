@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 
-from train import config_file, hub, tracking
+from train import config_file, hub, rundir, tracking
 from train.cli import Parser, UsageError
-from train.flags import CHOICES, DEFAULT_LR, HELP
+from train.flags import CHOICES, DEFAULT_LR, HELP, METAVARS
 
 # The optimizer flags each --optimizer reads (train/optim.py); the others do nothing there.
 _ORTHOGONAL_FLAGS = ("dion_scale_rule", "dion_scalar_optimizer", "ortho_dtype")
@@ -267,22 +266,32 @@ def strip_format(spec: str) -> str:
   return spec
 
 
-def _parser() -> argparse.ArgumentParser:
-  parser = Parser(prog="python -m train.gpt", argument_default=argparse.SUPPRESS,
-                  description="Train a GPT with Dion (or AdamW, Lion, Muon) on a device mesh.")
-  for field in dataclasses.fields(Config):
+def add_flags(parser: argparse.ArgumentParser, fields: list[dataclasses.Field], help: dict[str, str]) -> None:
+  """One flag per dataclass field, named as it (``lr_warmup_steps``: ``--lr-warmup-steps``),
+  typed by its annotation, its values from :data:`train.flags.CHOICES`, its help from
+  ``help``; a bool field is a switch (``--no-X`` too when it defaults to on), a tuple field
+  takes one or more values (repeated flags add up). Left off, a flag sets nothing (the
+  parser's ``argument_default`` should be SUPPRESS), so a resumed run tells the flags given
+  from the saved ones."""
+  for field in fields:
     flag = "--" + field.name.replace("_", "-")
     kind = field.type.split(" |")[0]
     if kind == "bool":
       action = argparse.BooleanOptionalAction if field.default else "store_true"
-      parser.add_argument(flag, action=action, help=HELP[field.name])
-    elif field.name == "data":
-      parser.add_argument(flag, nargs="+", metavar="SPEC", help=HELP[field.name])
+      parser.add_argument(flag, action=action, help=help[field.name])
     elif field.name == "tensorboard":
-      parser.add_argument(flag, nargs="?", const="", metavar="DIR", help=HELP[field.name])
+      parser.add_argument(flag, nargs="?", const="", metavar="DIR", help=help[field.name])
+    elif kind.startswith("tuple"):
+      parser.add_argument(flag, nargs="+", action="extend", metavar=METAVARS.get(field.name), help=help[field.name])
     else:
-      parser.add_argument(flag, type={"int": int, "float": float}.get(kind, str),
-                          choices=CHOICES.get(field.name), help=HELP[field.name])
+      parser.add_argument(flag, type={"int": int, "float": float}.get(kind, str), metavar=METAVARS.get(field.name),
+                          choices=CHOICES.get(field.name), help=help[field.name])
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = Parser(prog="python -m train.gpt", argument_default=argparse.SUPPRESS,
+                  description="Train a GPT with Dion (or AdamW, Lion, Muon) on a device mesh.")
+  add_flags(parser, dataclasses.fields(Config), HELP)
   parser.add_argument("--config", metavar="FILE", help=HELP["config"])
   parser.add_argument("--print-config", action="store_true", help=HELP["print_config"])
   return parser
@@ -307,19 +316,16 @@ def command(argv: list[str] | None = None) -> tuple[Config, bool]:
   if given.get("resume"):
     start = Config(**given)
     saved = saved_config(start.run_path, start.ckpt_path)
-    values = {**saved, **given, **_kept_schedule(saved, given)}
+    values = {**rundir.resumed(saved, given, ("global_batch_size",),
+                               "its data position and consumed tokens count steps of that size"),
+              **_kept_schedule(saved, given)}
   return Config(**values), print_config
 
 
 def _kept_schedule(saved: dict, given: dict) -> dict:
-  """With ``--resume``, what keeps the saved run's data and lr schedule: a new --steps keeps
-  the decay length it started with (``train.preflight.schedule_warning`` says so once the
-  run starts; --lr-decay-steps stretches it), a new --global-batch-size is refused (the
-  data position and consumed tokens count its steps)."""
-  if "global_batch_size" in given and saved.get("global_batch_size", given["global_batch_size"]) != given["global_batch_size"]:
-    raise UsageError(f"--resume --global-batch-size {given['global_batch_size']}: the run was saved with"
-                     f" {saved['global_batch_size']}, and its data position and consumed tokens count steps of"
-                     f" that size; resume with --global-batch-size {saved['global_batch_size']} or start a new --run-dir")
+  """With ``--resume``, a new --steps keeps the decay length the run started with
+  (``train.preflight.schedule_warning`` says so once the run starts; --lr-decay-steps
+  stretches it)."""
   if ("steps" in given and "lr_decay_steps" not in given and saved.get("lr_decay_steps") is None
       and saved.get("steps", given["steps"]) != given["steps"]):
     return {"lr_decay_steps": saved["steps"]}
@@ -331,47 +337,13 @@ _PER_INVOCATION = ("resume", "step", "run_dir", "coordinator", "num_processes", 
                    "distributed_timeout", "profile_steps", "heartbeat_timeout")
 
 
-def checkpoint_record(ckpt_path: str, step: int | None = None) -> dict | None:
-  """The config record (``{"train", "model", ...}``) saved with checkpoint ``step`` of
-  ``ckpt_path``, or with the newest checkpoint that holds a readable one; None if none does.
-  Read as the JSON file Orbax's ``JsonCheckpointHandler`` wrote, without importing jax."""
-  if step is not None:
-    steps = [step]
-  elif os.path.isdir(ckpt_path):
-    steps = sorted((int(n) for n in os.listdir(ckpt_path) if n.isdigit()), reverse=True)
-  else:
-    steps = []
-  for s in steps:
-    try:
-      with open(os.path.join(ckpt_path, str(s), "config", "metadata")) as f:
-        record = json.load(f)
-    except (OSError, ValueError):
-      continue
-    if isinstance(record, dict) and isinstance(record.get("train"), dict):
-      return record
-  return None
-
-
 def saved_config(run_path: str, ckpt_path: str | None = None) -> dict:
-  """The fields saved in ``run_path/config.json``, or, when it is missing or damaged, in the
-  newest checkpoint of ``ckpt_path`` (default RUN_PATH/checkpoints); empty when neither
-  exists. A damaged config.json without a checkpoint to stand in is a UsageError."""
-  path = os.path.join(run_path, "config.json")
-  try:
-    with open(path) as f:
-      record = json.load(f)
-  except (FileNotFoundError, NotADirectoryError):  # no run yet (train.gpt names a bad --run-dir)
-    record = None
-  except (OSError, ValueError):
-    record = {}
-  if not isinstance(record, dict) or not isinstance(record.get("train"), dict):
-    damaged = record is not None
-    record = checkpoint_record(ckpt_path or os.path.join(run_path, "checkpoints"))
-    if record is None:
-      if damaged:
-        raise UsageError(f"{path} is damaged (no \"train\" record) and no checkpoint holds the run's"
-                         " config; restore the file from a backup or start a new --run-dir")
-      return {}
+  """The Config fields saved with the run in ``run_path`` (``train.rundir.saved_record``:
+  its config.json, or its newest checkpoint's record), those of one invocation left out;
+  empty when there is no run."""
+  record = rundir.saved_record(run_path, ckpt_path)
+  if record is None:
+    return {}
   known = {f.name for f in dataclasses.fields(Config)}
   saved = {k: v for k, v in record["train"].items() if k in known and k not in _PER_INVOCATION}
   if "data" in saved:

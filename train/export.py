@@ -32,8 +32,7 @@ import orbax.checkpoint as ocp
 
 from models import hf as hf_map
 from train import checkpoint as ckpt_lib
-from train import cli, preflight, sample
-from train import config as config_lib
+from train import cli, preflight, rundir, sample
 from train import hf as hf_io
 from train import hub
 from train.cli import UsageError
@@ -53,7 +52,7 @@ def export(run_dir: str, output: str, step: int | None = None,
       raise UsageError(str(e)) from None
     # The record saved with the step itself: config.json may be newer, damaged or gone.
     with preflight.reading("--step", str(manager.directory), step):
-      record = config_lib.checkpoint_record(str(manager.directory), step)
+      record = rundir.checkpoint_record(str(manager.directory), step)
       tokenizer_from = hf_io.tokenizer_dir(run_dir, record["train"].get("init_from"))
       leaves = _Leaves(manager, step)
     return hf_io.save(output, cfg, leaves.tree(), record.get("hf_config"), tokenizer_from, max_shard_bytes)

@@ -19,7 +19,12 @@ CHOICES = {"preset": PRESET_NAMES, "dtype": ("float32", "bfloat16", "float16"),
            "qk_norm": ("none", "rms", "rms_scale"),
            "lr_decay_style": DECAY_STYLES, "dion_qr_method": ("auto", "shifted_cqr", "cqr", "rcqr", "qr"),
            "dion_scale_rule": ("fan_ratio", "spectral", "max_one", "none"),
-           "dion_scalar_optimizer": ("adamw", "lion"), "ortho_dtype": ("bfloat16", "float32")}
+           "dion_scalar_optimizer": ("adamw", "lion"), "ortho_dtype": ("bfloat16", "float32"),
+           "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"),
+           "importance_sampling_level": ("token", "sequence"), "scale_rewards": ("group", "batch", "none"),
+           "multi_objective_aggregation": ("sum_then_normalize", "normalize_then_sum")}
+# The placeholder --help shows for a flag's value, where its name does not say it.
+METAVARS = {"data": "SPEC", "reward": "NAME[=WEIGHT]", "prompts": "PATH"}
 
 HELP = {
     "preset": "model size: %s (default tiny: 4 layers x 128, seq 128)" % "|".join(PRESET_NAMES),
@@ -80,8 +85,9 @@ HELP = {
     "lr_warmup_steps": "linear warmup to --lr over this many steps (default: 5%% of the decay steps)",
     "lr_decay_style": "%s after warmup (default cosine; wsd: constant, then linear decay over"
                       " --lr-wsd-decay-steps)" % "|".join(DECAY_STYLES),
-    "lr_decay_steps": "steps over which warmup and decay run (default --steps); set it when a"
-                      " run is split over several invocations",
+    "lr_decay_steps": "optimizer steps over which warmup and decay run (default --steps; train.grpo:"
+                      " --steps x --updates-per-rollout); set it when a run is split over several"
+                      " invocations",
     "lr_wsd_decay_steps": "final decay steps of wsd (default: a fifth of the decay steps)",
     "weight_decay": "decoupled weight decay of the matrices, times the learning rate (default 0.01)",
     "qk_clip_threshold": "QK-clip (MuonClip): after each step, shrink the query and key kernels of every"
@@ -155,8 +161,8 @@ HELP = {
     "resume": "continue from the latest complete checkpoint; flags left off keep the values"
               " saved in the run's config.json (or, without it, in the checkpoint); a new --steps"
               " keeps the saved lr schedule unless --lr-decay-steps is given",
-    "step": "with --resume: continue from this checkpoint step instead of the latest (to go"
-            " back past a damaged or unwanted one); the newer checkpoints are deleted",
+    "step": "with --resume: continue from this checkpoint step (default: the latest; an earlier"
+            " one to go back past a damaged or unwanted one); the newer checkpoints are deleted",
     "coordinator": "multi-host: HOST:PORT of process 0's coordinator",
     "num_processes": "multi-host: number of processes",
     "process_id": "multi-host: this process's index in [0, --num-processes)",
@@ -166,4 +172,65 @@ HELP = {
     "heartbeat_timeout": "multi-host: seconds after which a process whose heartbeat stopped (killed,"
                          " hung, cut off) counts as lost; every other process then ends with one line"
                          " and exit 1 (default 100, jax.distributed.initialize's heartbeat timeout)",
+}
+
+# train.grpo's own flags (train/grpo_config.py); those it shares with train.gpt (the
+# optimizer, its schedule, precision, the mesh, checkpoints) take HELP's text.
+GRPO_HELP = {
+    "init_from": "the python -m train.gpt (or train.grpo) run to start from: its latest checkpoint is"
+                 " the starting policy and, with --beta > 0, the reference (needed)",
+    "prompts": "the prompts (needed): a JSONL file (one object a line), a Parquet file or a folder of"
+               " them, or a Hugging Face datasets dataset saved with save_to_disk (of a DatasetDict,"
+               " its train split); each row's --prompt-column text, or its chat \"messages\" rendered by"
+               " --init-from's chat template, and the columns the rewards read",
+    "prompt_column": "the prompts' text column (default prompt; GSM8K's is question)",
+    "answer_column": "the column the built-in answer reward reads as \"answer\" (default answer)",
+    "reward": "NAME[=WEIGHT] (weight 1 by default), repeatable (needed): a built-in, answer (1 where"
+              " the completion's answer, after its last ####, is the row's: the text after the"
+              " answer's last #### when it has one, as GSM8K's; compared without commas and a"
+              " trailing period, as GSM8K's evaluation) or format (1 where the completion ends with"
+              " #### and an answer), or module:function, called as TRL calls one:"
+              " function(prompts=[...], completions=[...], **columns) -> one float per completion",
+    "run_dir": "directory for config.json, metrics.jsonl and checkpoints (needed)",
+    "steps": "GRPO steps of the run, each one rollout and --updates-per-rollout optimizer updates"
+             " (default 100)",
+    "seed": "seed of the prompts' order and the sampler (default 0)",
+    "resume": "continue the run in --run-dir from its latest checkpoint (or --step) with the flags"
+              " saved in its config.json; only --steps, --save-every, --keep, --mesh,"
+              " --micro-batch-size and --max-skipped may change",
+    "prompts_per_step": "prompts of each rollout, in a seeded order, epoch after epoch (default 8)",
+    "group_size": "completions of each prompt, G >= 2 (default 8; TRL's num_generations)",
+    "max_new_tokens": "most tokens of a completion (default 64; TRL's max_completion_length)",
+    "temperature": "sampling temperature, > 0; the log-probabilities are those of softmax(logits / T)"
+                   " (default 1.0)",
+    "top_k": "sample among the K likeliest tokens only (default: all)",
+    "top_p": "sample among the likeliest tokens whose probability reaches P only, in (0, 1] (default 1: all)",
+    "updates_per_rollout": "optimizer updates on each rollout (default 1; TRL's num_iterations)",
+    "loss_type": "grpo|bnpo|dr_grpo|dapo|cispo|sapo, TRL 1.16's: the clipped ratio averaged per"
+                 " sequence, over the batch's tokens, over B x --max-new-tokens or over the rollout's"
+                 " tokens; cispo the policy gradient weighted by the ratio capped at --epsilon-high"
+                 " (MiniMax-M1), over the rollout's tokens; sapo a soft gate instead of the clip"
+                 " (Soft Adaptive Policy Optimization), per sequence (default dapo)",
+    "importance_sampling_level": "token|sequence: the ratio to the rollout's policy per token, or"
+                                 " for every token of a completion the geometric mean of its"
+                                 " tokens' (GSPO) (default token)",
+    "epsilon_low": "lower clip of the ratio: 1 - epsilon (default 0.2; TRL's epsilon)",
+    "epsilon_high": "upper clip of the ratio: 1 + epsilon (default 0.28, DAPO's clip-higher); with"
+                    " --loss-type cispo the cap on the ratio itself (ScaleRL recommends 5.0)",
+    "beta": "weight of the k3 KL to the starting policy (default 0: no reference kept)",
+    "use_bias_correction_kl": "multiply the KL term by the ratio, for the unbiased reverse-KL gradient"
+                              " (DeepSeek-V3.2; default on, as TRL's)",
+    "scale_rewards": "group|batch|none: divide each advantage by the rewards' std within its"
+                     " prompt's group, over the rollout, or not at all (default group)",
+    "multi_objective_aggregation": "sum_then_normalize|normalize_then_sum: with several rewards,"
+                                   " weight and sum them, then center within each group"
+                                   " (--scale-rewards); or normalize each within its group first,"
+                                   " then sum and normalize over the rollout (GDPO)"
+                                   " (default sum_then_normalize)",
+    "top_entropy_quantile": "the policy loss counts on the tokens whose entropy is in this top"
+                            " quantile of the rollout's only, in [0, 1] (default 1: all; Beyond the"
+                            " 80/20 Rule recommends 0.2)",
+    "sapo_temperature_pos": "--loss-type sapo: the gate's temperature on tokens of positive advantage"
+                            " (default 1.0)",
+    "sapo_temperature_neg": "--loss-type sapo: the gate's temperature on the other tokens (default 1.05)",
 }

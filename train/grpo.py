@@ -1,397 +1,392 @@
 """GRPO fine-tuning of a trained GPT with verifiable rewards:
-``python -m train.grpo --init-from RUN_DIR --prompts FILE.jsonl --reward answer --reward format=0.2``.
+``python -m train.grpo --init-from RUN_DIR --prompts FILE --reward answer --reward format=0.2 --run-dir DIR``.
 
-Each step takes ``--prompts-per-step`` rows of the prompts file (in a seeded order, epoch
-after epoch), writes ``--group-size`` G completions of each with ``models.generate``'s
-key/value cache from the current policy (on-policy), scores them with the reward functions,
-and takes ``--updates-per-rollout`` optimizer steps on the rollout
-(``train/grpo_objective.py``: group-normalized advantages, the clipped ratio to the
-rollout's policy, k3 KL to the frozen starting policy with ``--beta`` > 0, the
-``--loss-type`` aggregation).
+Each step takes ``--prompts-per-step`` rows of the prompts (in a seeded order, epoch
+after epoch), samples ``--group-size`` G completions of each with ``models.generate``'s
+key/value cache from the current policy (on-policy; the rollout's rows split over the
+mesh's batch axes and the model over tp, as the training step's), scores them with the
+reward functions (``train/grpo_rewards.py``), turns the rewards into advantages and takes
+``--updates-per-rollout`` optimizer steps on the rollout with TRL 1.16's objective
+(``train/grpo_objective.py``: the ``--loss-type``, importance sampling level, high-entropy
+mask and KL to the frozen starting policy with ``--beta`` > 0).
 
-Prompts: one JSON object a line, ``"prompt"`` (text, tokenized as ``train.sample`` does)
-or chat ``"messages"`` (rendered by the tokenizer's chat template with the generation
-prompt), plus any columns the rewards read.
+What is GRPO's own is here: the prompts, the rollouts, the rewards and advantages. The
+rest is ``python -m train.gpt``'s (``train/loop.py``): the same set-up steps, the same
+jitted step (``train/step.py``, with GRPO's per-token objective in ``models.loss``: the
+non-finite guard, float16 loss scaling, clipping, accumulation over
+``--micro-batch-size``, Dion's per-replica path on rp, QK-clip, the schedules and
+weight-decay groups), the same optimizer flags (``train/grpo_config.py``), the same run
+directory (``train/rundir.py``: lock, config.json, metrics.jsonl, checkpoints, resume) and
+exit codes: a step whose update is not finite changes nothing and is counted,
+``--max-skipped`` in a row stop the run with exit 3.
 
-Rewards: ``NAME[=WEIGHT]`` (weight 1 by default), NAME a built-in or ``module:function``,
-called as ``function(prompts=[...], completions=[...], **columns)`` with one list entry
-per completion (TRL's convention) and returning one float per completion. Built in, for
-answers written after the marker ``####`` (GSM8K's):
+Prompts (``data/prompts.py``): JSONL, Parquet, or a dataset saved by ``datasets``; each
+row's ``--prompt-column`` text (tokenized as ``train.sample`` does) or chat
+``"messages"`` (rendered by the tokenizer's chat template with the generation prompt),
+and any columns the rewards read.
 
-- ``answer``: 1 if the text after the completion's last ``####`` is the row's ``"answer"``
-  column (stripped), else 0;
-- ``format``: 1 if the completion ends with ``####`` and a non-empty answer, else 0.
+The run directory holds ``config.json`` (the run's Config as train.gpt's, so
+``train.sample`` and ``train.export`` read the result as a run; GRPO's flags under
+"grpo"), ``metrics.jsonl`` (one record a step: reward mean/std overall and per function,
+advantage std, loss, KL, clip shares, learning rate, gradient norm, skipped updates,
+completion lengths, the share cut at ``--max-new-tokens``, rollout and update tokens/s)
+and checkpoints of the trainer's state. ``--resume`` continues from the latest checkpoint
+with the saved flags and the same rollouts as a run that never stopped: the prompts'
+order and the sampler's seed follow from ``--seed`` and the step, the reference is the
+starting run's checkpoint it began from.
 
-The run directory holds ``config.json`` (the starting run's, so ``train.sample`` and
-``train.export`` read the result as a run), ``metrics.jsonl`` (one record per step, its
-fields listed in ``train/log.py``; also to ``--tensorboard [DIR]`` and ``--wandb PROJECT``)
-and Orbax checkpoints of the policy. On ``--mesh`` (train.gpt's axes; one device by default) the policy is
-sharded as in training and takes any optimizer of train.gpt; the rollout gathers it once
-(``models.generate.rollout_params``). The log-probabilities and the loss take training's
-forward (``models.token_logps``, ``models.loss`` with GRPO's per-token objective): on pp
-pipelined in pp micro-batches, on cp split over the sequence (padded on the right to
-2·cp chunks). ``--resume`` continues from the latest
-checkpoint (policy, optimizer state, reference) with the flags saved in config.json (only
-``--steps`` and ``--save-every`` may change) and the same rollouts as a run that never
-stopped: the prompts' order and the sampler's seed follow from ``--seed`` and the step.
-A run holds its directory's lock (``train.rundir``); a second run there is refused.
-
-Bad input prints one ``error: ...`` line and exits with code 2: a missing run, prompts
-file or reward module, an empty prompts file, G < 2, a prompt that leaves less than
-``--max-new-tokens`` of the model's ``seq_len``, a reward that raises or is not finite, a
-pp that does not divide a step's completions, a flag ``--resume`` may not change, a run
+Bad input prints one ``error: ...`` line and exits with code 2 before anything is
+written: a missing run, prompts file, column or reward module, an empty prompts file,
+G < 2, a prompt that leaves less than ``--max-new-tokens`` of the model's ``seq_len``, a
+reward that raises or is not finite (the first rollout is scored during set-up), a
+rollout that does not split over the mesh, a flag ``--resume`` may not change, a run
 directory in use.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import json
-import math
-import os
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+import data
 import models
+from data import prompts as prompts_lib
+from dion_jax.parallel import format_mesh_spec
 from models import generate
 from train import checkpoint as ckpt_lib
-from train import cli, flags, grpo_objective, grpo_rewards, log, loop, optim, rundir, sample, tracking
+from train import cli, grpo_config, grpo_objective, grpo_rewards, loop, rundir, sample, trainer
 from train import config as config_lib
 from train import gpt as gpt_entry
+from train import step as step_lib
 from train.cli import UsageError
-
-def read_prompts(path: str, tokenizer, limit: int) -> tuple[list[dict], list[np.ndarray]]:
-  """The prompts file's rows and their tokens; each prompt at most ``limit`` tokens."""
-  if not os.path.isfile(path):
-    raise UsageError(f"--prompts {path} does not exist; pass a JSONL file of prompts")
-  rows, tokens = [], []
-  with open(path) as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise UsageError(f"--prompts {path}:{number}: not JSON ({e.msg})") from None
-      if "messages" in row:
-        if tokenizer.chat is None:
-          raise UsageError(f"--prompts {path}:{number}: chat messages need a tokenizer with a chat"
-                           " template (a run started from --init-from hf:DIR)")
-        text = tokenizer.chat.render(row["messages"], add_generation_prompt=True)
-        ids = tokenizer.encode(text, special=False)
-        row = {**row, "prompt": text}
-      elif isinstance(row.get("prompt"), str):
-        ids = tokenizer.encode(row["prompt"])
-      else:
-        raise UsageError(f"--prompts {path}:{number}: a line needs a \"prompt\" string or chat \"messages\"")
-      if not 1 <= len(ids) <= limit:
-        raise UsageError(f"--prompts {path}:{number}: the prompt has {len(ids)} tokens; it must have"
-                         f" 1 to {limit} (the model's seq_len less --max-new-tokens)")
-      rows.append(row)
-      tokens.append(np.asarray(ids, np.int32))
-  if not rows:
-    raise UsageError(f"--prompts {path} holds no prompts")
-  return rows, tokens
+from train.grpo_config import GRPOConfig
+from train.interrupt import Agreement, Interrupt
 
 
-def _parser() -> argparse.ArgumentParser:
-  p = cli.Parser(prog="python -m train.grpo", description="GRPO fine-tuning of a train.gpt run.")
-  p.add_argument("--init-from", metavar="RUN_DIR", help="the python -m train.gpt run to start from (needed)")
-  p.add_argument("--prompts", help="JSONL file of prompts (\"prompt\" or \"messages\"; needed)")
-  p.add_argument("--reward", action="append",
-                 help="NAME[=WEIGHT]: a built-in (answer, format) or module:function; repeatable")
-  p.add_argument("--run-dir", required=True, help="directory for config.json, metrics.jsonl and checkpoints")
-  p.add_argument("--steps", type=int, default=100)
-  p.add_argument("--prompts-per-step", type=int, default=8)
-  p.add_argument("--group-size", type=int, default=8, help="completions per prompt, G >= 2")
-  p.add_argument("--max-new-tokens", type=int, default=64)
-  p.add_argument("--temperature", type=float, default=1.0)
-  p.add_argument("--top-k", type=int, default=None)
-  p.add_argument("--top-p", type=float, default=1.0)
-  p.add_argument("--updates-per-rollout", type=int, default=1)
-  p.add_argument("--loss-type", choices=grpo_objective.AGGREGATIONS, default="dapo")
-  p.add_argument("--epsilon-low", type=float, default=0.2)
-  p.add_argument("--epsilon-high", type=float, default=0.28)
-  p.add_argument("--beta", type=float, default=0.0, help="weight of the KL to the starting policy")
-  p.add_argument("--no-scale-rewards", action="store_true", help="center advantages without dividing by the std")
-  p.add_argument("--optimizer", choices=flags.OPTIMIZERS, default="adamw")
-  p.add_argument("--mesh", default="fs=1", help="mesh axes as for train.gpt (default fs=1)")
-  p.add_argument("--lr", type=float, default=1e-5)
-  p.add_argument("--clip-grad", type=float, default=1.0)
-  p.add_argument("--save-every", type=int, default=50)
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--tensorboard", nargs="?", const="", metavar="DIR", help=flags.HELP["tensorboard"])
-  p.add_argument("--wandb", metavar="PROJECT", help=flags.HELP["wandb"])
-  p.add_argument("--resume", action="store_true",
-                 help="continue the run in --run-dir from its latest checkpoint with its saved flags"
-                      " (only --steps and --save-every may change)")
-  return p
+class Prompts(NamedTuple):
+  """GRPO's own part of a run (``loop.Run.data``)."""
+  grpo: GRPOConfig
+  rows: list[dict]
+  texts: list[str]  # each row's prompt as the rewards see it
+  tokens: list[np.ndarray]
+  tokenizer: Any
+  rewards: list[tuple[str, Callable, float]]
+  objective: grpo_objective.Objective
+  graphdef: Any
+  reference: Any | None  # the starting policy's parameters (with --beta > 0)
+  first: Rollout | None  # the first step's rollout, made in set-up to score and compile
 
 
-# Flags a resumed run may change; the others fix its rollouts and updates, so they are the saved run's.
-_RESUMABLE = ("resume", "run_dir", "steps", "save_every", "tensorboard", "wandb")
-_PATHS = ("init_from", "prompts")
+class Rollout(NamedTuple):
+  """One step's completions, their rewards and the update batch."""
+  batch: dict  # grpo_objective.update_batch's
+  tokens_BxT: np.ndarray  # prompt (left-padded) and completion
+  pad_B: np.ndarray
+  mask_BxM: np.ndarray  # 1 on the completion tokens
+  old_BxM: jax.Array  # the rollout policy's log-probabilities
+  ref_BxM: jax.Array | None  # the reference's (with --beta > 0)
+  rewards_BxR: np.ndarray
+  advantages_B: np.ndarray
+  lengths_B: np.ndarray
+  ended_B: np.ndarray  # the completion ends with eos
+  entropy: float | None  # mean over the completion tokens (with --top-entropy-quantile < 1)
+  seconds: float  # sampling, scoring and the log-probabilities
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
-  """The flags of ``argv``. With ``--resume``, the flags saved in RUN_DIR/config.json fill
-  in those not given, and a given flag other than :data:`_RESUMABLE` that differs from
-  the saved one is refused (a UsageError naming it)."""
-  parser = _parser()
-  values = vars(parser.parse_args(argv))
-  unset = object()  # not a string, so argparse passes it through no type
-  parser.set_defaults(**{**dict.fromkeys(values, unset), "reward": None})  # an appending flag starts from None
-  given = {k: v for k, v in vars(parser.parse_args(argv)).items()  # only the flags on the command line
-           if v is not unset and v is not None}
-  given.update({k: os.path.abspath(given[k]) for k in _PATHS if k in given})
-  if given.get("resume"):
-    saved = saved_flags(given["run_dir"])
-    for key, value in given.items():
-      if key not in _RESUMABLE and key in saved and saved[key] != value:
-        flag = "--" + key.replace("_", "-")
-        raise UsageError(f"--resume {flag} {value}: the run in {given['run_dir']} was saved with {flag}"
-                         f" {saved[key]}; drop the flag (the saved one is used) or start a new --run-dir")
-    values.update({k: v for k, v in saved.items() if k not in ("resume", "run_dir")})
-  values.update(given)
-  missing = [k for k in ("init_from", "prompts", "reward") if values[k] is None]
-  if missing:
-    raise UsageError(f"{', '.join('--' + k.replace('_', '-') for k in missing)} needed (or --resume a run)")
-  return argparse.Namespace(**values)
-
-
-def saved_flags(run_dir: str) -> dict:
-  """The GRPO flags saved in ``run_dir/config.json`` (the ``"grpo"`` record)."""
+def read_prompts(grpo: GRPOConfig, tokenizer, limit: int) -> tuple[list[dict], list[str], list[np.ndarray]]:
+  """The rows of ``--prompts``, their prompt texts and tokens; each prompt 1 to ``limit`` tokens."""
   try:
-    with open(os.path.join(run_dir, "config.json")) as f:
-      return json.load(f)["grpo"]
-  except (OSError, ValueError, KeyError, TypeError):
-    raise UsageError(f"--resume: {run_dir} holds no readable GRPO run (config.json with a \"grpo\" record);"
-                     " start it without --resume") from None
+    rows = prompts_lib.read_rows(grpo.prompts)
+  except data.DataError as e:
+    raise UsageError(f"--prompts {e}") from None
+  texts, tokens = [], []
+  for number, row in enumerate(rows, 1):
+    where = f"--prompts {grpo.prompts} row {number}"
+    if isinstance(row.get(grpo.prompt_column), str):
+      text = row[grpo.prompt_column]
+      ids = tokenizer.encode(text)
+    elif "messages" in row:
+      if tokenizer.chat is None:
+        raise UsageError(f"{where}: chat messages need a tokenizer with a chat template (a run started"
+                         " from --init-from hf:DIR)")
+      text = tokenizer.chat.render(row["messages"], add_generation_prompt=True)
+      ids = tokenizer.encode(text, special=False)
+    else:
+      raise UsageError(f"{where} has no --prompt-column {grpo.prompt_column!r} text nor chat \"messages\""
+                       f" (its columns: {', '.join(row)}); pass --prompt-column NAME")
+    if "answer" in (r.partition("=")[0] for r in grpo.reward) and grpo.answer_column not in row:
+      raise UsageError(f"{where} has no --answer-column {grpo.answer_column!r}, which --reward answer reads"
+                       f" (its columns: {', '.join(row)}); pass --answer-column NAME")
+    if not 1 <= len(ids) <= limit:
+      raise UsageError(f"{where}: the prompt has {len(ids)} tokens; it must have 1 to {limit} (the"
+                       " model's seq_len less --max-new-tokens)")
+    texts.append(text)
+    tokens.append(np.asarray(ids, np.int32))
+  return rows, texts, tokens
 
 
-def _check(args: argparse.Namespace) -> None:
-  if args.group_size < 2:
-    raise UsageError(f"--group-size must be >= 2 (advantages compare completions of one prompt), got {args.group_size}")
-  for name in ("steps", "prompts_per_step", "max_new_tokens", "updates_per_rollout", "save_every"):
-    if getattr(args, name) < 1:
-      raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-  if not (math.isfinite(args.temperature) and args.temperature > 0):
-    raise UsageError(f"--temperature must be a finite number > 0 (GRPO samples), got {args.temperature}")
-  if not 0 < args.top_p <= 1:
-    raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
-  if args.top_k is not None and args.top_k < 1:
-    raise UsageError(f"--top-k must be positive, got {args.top_k}")
-  if not (args.beta >= 0 and args.epsilon_low >= 0 and args.epsilon_high >= 0 and args.lr > 0):
-    raise UsageError("--beta, --epsilon-low and --epsilon-high must be >= 0 and --lr > 0")
-  saved = ckpt_lib.existing_steps(os.path.join(os.path.abspath(args.run_dir), "checkpoints"))
-  if args.resume and not saved:
-    raise UsageError(f"--resume: {args.run_dir} holds no GRPO checkpoint; start it without --resume")
-  if args.resume and max(saved) >= args.steps:
-    raise UsageError(f"--resume: the checkpoint is at step {max(saved)}, which already reaches --steps"
-                     f" {args.steps}; pass a larger --steps")
-  if not args.resume and os.path.exists(os.path.join(args.run_dir, "config.json")):
-    raise UsageError(f"--run-dir {args.run_dir} already holds a run; choose a new directory or pass --resume")
-  tracking.check(args.tensorboard, args.wandb)
-  rundir.check_usable(os.path.abspath(args.run_dir), "--run-dir")
-  rundir.Lock(os.path.abspath(args.run_dir)).check()
+def _check_split(grpo: GRPOConfig, mesh: jax.sharding.Mesh) -> None:
+  sizes = dict(mesh.shape)
+  dp = sizes["rp"] * sizes["fs"] * sizes["ep"]
+  if grpo.rollout_size % (dp * sizes["pp"]):
+    raise UsageError(f"--mesh {format_mesh_spec(sizes)}: the {grpo.rollout_size} completions of a step"
+                     f" (--prompts-per-step x --group-size) split over {dp} data-parallel ranks (rp x fs x ep)"
+                     f" and into pp={sizes['pp']} micro-batches on each; choose sizes whose product"
+                     f" {dp * sizes['pp']} divides")
 
 
-def _make_update(graphdef: Any, tx: optax.GradientTransformation, objective: grpo_objective.Objective,
-                 temperature: float, clip_grad: float, par: models.Parallelism) -> Callable:
-  terms = functools.partial(grpo_objective.weighted, objective)
-
-  def loss_fn(params, batch):  # batch: grpo_objective.update_batch's
-    loss, aux = models.loss(graphdef, params, batch, par, denominator=jnp.float32(1), aux=True,
-                            objective=terms, temperature=temperature)
-    return loss, aux.stats
-
-  @jax.jit
-  def update(params, opt_state, batch):
-    (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
-    grad_norm = optax.tree.norm(grads)
-    grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, clip_grad / (grad_norm + 1e-6)), grads)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss, stats, grad_norm
-
-  return update
-
-
-def _setup(argv: list[str] | None) -> tuple:
-  """Flags, the starting model, tokenizer, rewards and prompts; bad input raises here."""
-  args = parse(argv)
-  _check(args)
-  gpt_entry.start_jax(config_lib.Config(mesh=args.mesh))  # host devices for the mesh, before JAX starts
-  mesh = loop.make_mesh(args.mesh)
-  pp = dict(mesh.shape)["pp"]
-  if (args.prompts_per_step * args.group_size) % pp:
-    raise UsageError(f"--mesh {args.mesh}: the pipeline splits the {args.prompts_per_step * args.group_size}"
-                     f" completions of a step (--prompts-per-step x --group-size) into pp={pp} micro-batches;"
-                     " choose sizes whose product pp divides")
-  par = models.Parallelism(mesh, microbatches=pp)
+def setup(argv: list[str] | None) -> loop.Run:
+  """The run of ``argv``: ``loop.setup``'s steps, with GRPO's own model (the starting
+  policy), data (the prompts and rewards) and objective; the first rollout compiles the step."""
+  grpo, cfg = _config(argv)
+  directory, start_step = loop.check_directory(cfg)
+  mesh = loop.make_mesh(cfg.mesh or f"fs={len(jax.devices())}")
+  _check_split(grpo, mesh)
+  accum = trainer.batch_split(cfg, mesh)
+  par = trainer.parallelism(cfg, mesh, accum)
+  starting, model_cfg, graphdef = _starting_policy(grpo, cfg, par)
+  prompts = _prompts(grpo, model_cfg, graphdef, starting)
   with jax.set_mesh(mesh):
-    restored = sample.restore(os.path.abspath(args.init_from), par=par)
-  tokenizer = sample.run_tokenizer(os.path.abspath(args.init_from))
-  rewards = grpo_rewards.reward_functions(args.reward)
-  M = args.max_new_tokens
-  limit = restored.cfg.seq_len - M
+    state, train_step = trainer.make_trainer(cfg, model_cfg, graphdef, starting.params, par, accum,
+                                             functools.partial(grpo_objective.weighted, prompts.objective),
+                                             grpo.temperature)
+  checkpoints = ckpt_lib.Checkpoints(cfg.ckpt_path, cfg.keep, create=False)  # made once checked
+  state, _, _ = trainer.resume_state(checkpoints, start_step, state, cfg, model_cfg, par)
+  record = {**loop.config_record(cfg, model_cfg, _start_record(grpo).get("hf_config")),
+            "grpo": dataclasses.asdict(grpo), "init_step": starting.step}
+  run = loop.Run(cfg=cfg, model_cfg=model_cfg, mesh=mesh, par=par, directory=directory, checkpoints=checkpoints,
+                 record=record, state=state, start_step=start_step, train_step=train_step, data=prompts)
+  first = rollout(run, state.params, start_step + 1)
+  loop.compile_within_memory(train_step, state, first.batch, mesh, model_cfg)
+  run.data = prompts._replace(first=first)
+  loop.start_trackers(run)
+  loop.open_directory(run)
+  return run
+
+
+def _config(argv: list[str] | None) -> tuple[GRPOConfig, config_lib.Config]:
+  """GRPO's flags and the run's Config (``train/grpo_config.py``), checked; JAX started for its mesh."""
+  grpo, shared = grpo_config.parse(argv)
+  grpo.check()
+  cfg = grpo_config.train_config(grpo, shared, config_lib.saved_config(grpo.run_dir if grpo.resume else grpo.init_from))
+  gpt_entry.start_jax(cfg)  # host devices for the mesh, before JAX starts
+  return grpo, cfg
+
+
+def _start_record(grpo: GRPOConfig) -> dict:
+  """The record of the run GRPO starts from (this run's own once resumed)."""
+  return rundir.saved_record(grpo.run_dir if grpo.resume else grpo.init_from) or {}
+
+
+def _starting_policy(grpo: GRPOConfig, cfg: config_lib.Config, par: models.Parallelism
+                     ) -> tuple[sample.Restored, models.GPTConfig, Any]:
+  """The --init-from run's checkpoint (the one a resumed run started from) on ``par``'s
+  mesh, and its model computing as the flags say (dtype, attention, remat)."""
+  with jax.set_mesh(par.mesh):
+    starting = sample.restore(grpo.init_from, _start_record(grpo).get("init_step") if grpo.resume else None, par)
+  model_cfg = dataclasses.replace(starting.cfg, **trainer.compute_settings(cfg))
+  trainer.check_model(cfg, model_cfg, par.mesh)
+  return starting, model_cfg, models.abstract(model_cfg, par)[0]
+
+
+def _prompts(grpo: GRPOConfig, model_cfg: models.GPTConfig, graphdef: Any, starting: sample.Restored) -> Prompts:
+  """GRPO's data: the prompts, the rewards, the objective, the reference (with --beta > 0)."""
+  tokenizer = sample.run_tokenizer(grpo.init_from)
+  rewards = grpo_rewards.reward_functions(list(grpo.reward), grpo.answer_column)
+  limit = model_cfg.seq_len - grpo.max_new_tokens
   if limit < 1:
-    raise UsageError(f"--max-new-tokens {M} leaves no room for a prompt in seq_len {restored.cfg.seq_len}")
-  rows, prompt_tokens = read_prompts(args.prompts, tokenizer, limit)
-  saved = config_lib.saved_config(os.path.abspath(args.init_from))
-  train_cfg = config_lib.Config(**{**saved, "optimizer": args.optimizer, "lr": args.lr, "lr_warmup_steps": 0,
-                                   "lr_decay_style": "constant", "steps": args.steps,
-                                   "run_dir": os.path.abspath(args.run_dir), "ckpt_dir": None, "resume": False,
-                                   "tensorboard": args.tensorboard, "wandb": args.wandb, "profile_steps": None})
-  return args, par, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg
+    raise UsageError(f"--max-new-tokens {grpo.max_new_tokens} leaves no room for a prompt in seq_len"
+                     f" {model_cfg.seq_len}")
+  rows, texts, tokens = read_prompts(grpo, tokenizer, limit)
+  objective = grpo_objective.Objective(
+      grpo.epsilon_low, grpo.epsilon_high, grpo.beta, grpo.loss_type, grpo.max_new_tokens,
+      grpo.importance_sampling_level, grpo.sapo_temperature_pos, grpo.sapo_temperature_neg,
+      grpo.use_bias_correction_kl)
+  # The step donates the policy's buffers: the reference keeps its own.
+  reference = jax.tree.map(jnp.copy, starting.params) if grpo.beta > 0 else None
+  return Prompts(grpo, rows, texts, tokens, tokenizer, rewards, objective, graphdef, reference, None)
 
 
-def train(setup: tuple) -> int:
-  """The GRPO steps (module docstring); a reward's bad output prints ``error: ...``, exit 2."""
+def rollout(run: loop.Run, params: Any, step: int) -> Rollout:
+  """Step ``step``'s rollout from the policy ``params``: the prompts, completions, rewards,
+  advantages, the rollout policy's (and reference's) log-probabilities, the update batch."""
+  p, grpo = run.data, run.data.grpo
+  G, M = grpo.group_size, grpo.max_new_tokens
+  t0 = time.perf_counter()
+  order = np.random.default_rng(grpo.seed).permutation(len(p.rows))
+  picks = [order[((step - 1) * grpo.prompts_per_step + j) % len(p.rows)] for j in range(grpo.prompts_per_step)]
+  batch_sharding = NamedSharding(run.mesh, P(models.BATCH_AXES))
+  with jax.set_mesh(run.mesh):
+    out = generate.complete(p.graphdef, generate.rollout_params(params, run.par), [p.tokens[i] for i in picks], M,
+                            generate.Sampling(grpo.temperature, grpo.top_k, grpo.top_p),
+                            seed=grpo.seed * 1_000_003 + step, eos_id=p.tokenizer.eod, group_size=G,
+                            batch_sharding=batch_sharding)
+  completions_BxM, lengths_B = np.asarray(out.tokens_BxM), np.asarray(out.lengths_B)
+  ended_B = np.asarray([n > 0 and row[n - 1] == p.tokenizer.eod for row, n in zip(completions_BxM, lengths_B)])
+  texts = [p.tokenizer.decode(row[:n - int(end)]) for row, n, end in zip(completions_BxM, lengths_B, ended_B)]
+  rewards_BxR = grpo_rewards.score(p.rewards, [p.rows[i] for i in picks], [p.texts[i] for i in picks for _ in range(G)],
+                                   texts, G)
+  advantages_B = np.asarray(grpo_objective.advantages(
+      jnp.asarray(rewards_BxR, jnp.float32), jnp.asarray([w for _, _, w in p.rewards], jnp.float32), G,
+      grpo.scale_rewards, grpo.multi_objective_aggregation))
+  prompts_BxP, prompt_lengths = generate.left_pad([p.tokens[i] for i in picks],
+                                                  generate.bucket(max(len(p.tokens[i]) for i in picks)))
+  tokens_BxT = np.concatenate([np.repeat(prompts_BxP, G, 0), completions_BxM], 1)
+  pad_B = prompts_BxP.shape[1] - np.repeat(prompt_lengths, G)
+  mask_BxM = (np.arange(M)[None] < lengths_B[:, None]).astype(np.float32)
+  old_BxM, keep_BxM, entropy = _logps_and_keep(run, params, tokens_BxT, pad_B, mask_BxM)
+  ref_BxM = None if p.reference is None else _logps(run, p.reference, tokens_BxT, pad_B, M)
+  made = Rollout(None, tokens_BxT, pad_B, mask_BxM, old_BxM, ref_BxM, rewards_BxR, advantages_B, lengths_B, ended_B,
+                 entropy, 0.0)
+  return made._replace(batch=_update_batch(run, made, keep_BxM), seconds=time.perf_counter() - t0)
+
+
+def _update_batch(run: loop.Run, made: Rollout, keep_BxM: jax.Array | None) -> dict:
+  """The rollout's update batch (``grpo_objective.update_batch``), split over the batch axes."""
+  with jax.set_mesh(run.mesh):
+    batch = _jitted_update_batch(made.tokens_BxT, made.pad_B, made.old_BxM, made.ref_BxM,
+                                 jnp.asarray(made.advantages_B), jnp.asarray(made.mask_BxM), run.data.objective,
+                                 jnp.float32(made.mask_BxM.sum()), keep_BxM, run.par.cp)
+    return jax.device_put(batch, NamedSharding(run.mesh, P(models.BATCH_AXES)))
+
+
+_jitted_update_batch = jax.jit(grpo_objective.update_batch, static_argnames=("objective", "cp"))
+
+
+def _logps(run: loop.Run, params: Any, tokens_BxT: np.ndarray, pad_B: np.ndarray, completion: int,
+           entropy: bool = False) -> Any:
+  with jax.set_mesh(run.mesh):
+    return _token_logps(run.data.graphdef, params, tokens_BxT, pad_B, completion, run.data.grpo.temperature,
+                        run.par, entropy)
+
+
+_token_logps = jax.jit(grpo_objective.token_logps, static_argnums=(0, 4, 5, 6, 7))
+
+
+def _logps_and_keep(run: loop.Run, params: Any, tokens_BxT: np.ndarray, pad_B: np.ndarray, mask_BxM: np.ndarray
+                    ) -> tuple[jax.Array, jax.Array | None, float | None]:
+  """The completion tokens' log-probabilities under ``params`` [B, M]; with
+  ``--top-entropy-quantile`` < 1 also the high-entropy mask and the mean entropy."""
+  quantile = run.data.grpo.top_entropy_quantile
+  M = mask_BxM.shape[1]
+  if quantile >= 1:
+    return _logps(run, params, tokens_BxT, pad_B, M), None, None
+  logps_BxM, entropies_BxM = _logps(run, params, tokens_BxT, pad_B, M, entropy=True)
+  keep_BxM = grpo_objective.high_entropy_mask(entropies_BxM, jnp.asarray(mask_BxM), quantile)
+  return logps_BxM, keep_BxM, float(jnp.sum(entropies_BxM * mask_BxM) / max(mask_BxM.sum(), 1))
+
+
+def train(run: loop.Run) -> int:
+  """The GRPO steps in ``loop.run_loop`` (its exit codes); a reward's bad output later in
+  the run prints ``error: ...``, exit 2."""
   try:
-    return _steps(*setup)
+    return loop.run_loop(run, lambda progress, interrupt: _steps(run, progress, interrupt))
   except UsageError as e:
     print(f"error: {e}", file=sys.stderr)
     return cli.EXIT_USAGE
 
 
-def _state(params: Any, opt_state: Any, reference: Any | None) -> dict:
-  """What a checkpoint holds: the policy, its optimizer state, the reference (with KL).
-  The prompts' order and the sampler's seeds follow from --seed and the step."""
-  return {"params": params, "opt_state": opt_state, **({"reference": reference} if reference is not None else {})}
-
-
-def _restore(checkpoints: ckpt_lib.Checkpoints, step: int, like: dict, par: models.Parallelism) -> dict:
-  """Checkpoint ``step``'s state laid out like the live ``like`` (``train.checkpoint``)."""
-  shapes = checkpoints.manager.item_metadata(step)["state"]
-  saved = checkpoints.manager.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(ckpt_lib.saved_structs(shapes, like))))
-  return ckpt_lib.from_saved(saved["state"], like, par.pp, par.virtual_stages)
-
-
-def _write_record(run_dir: str, record: dict) -> None:
-  os.makedirs(run_dir, exist_ok=True)
-  with open(os.path.join(run_dir, "config.json"), "w") as f:
-    json.dump(record, f, indent=2)
-
-
-def _steps(args, par, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg) -> int:
-  """The steps, holding the run directory's lock (``train.rundir``); a directory this call
-  made stays only if a step was written into it."""
-  created = not os.path.exists(train_cfg.run_path)
-  lock = rundir.Lock(train_cfg.run_path)
-  lock.acquire()
+def _steps(run: loop.Run, progress: loop.Progress, interrupt: Interrupt) -> None:
+  cfg, grpo = run.cfg, run.data.grpo
+  primary = jax.process_index() == 0
+  metrics = run.directory.metrics(run.trackers) if primary else None
+  if primary:
+    print(f"GRPO on {grpo.init_from} ({run.model_cfg.num_params() / 1e6:.2f}M parameters, {run.model_cfg.dtype})"
+          f" with {cfg.optimizer} on mesh {format_mesh_spec(dict(run.mesh.shape))}, steps"
+          f" {run.start_step + 1}..{grpo.steps}, run directory {cfg.run_path}", flush=True)
+  agreement = Agreement(run.mesh)
+  made = run.data.first
   try:
-    with jax.set_mesh(par.mesh):
-      return _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg)
-  finally:
-    rundir.remove_partial_saves(train_cfg.ckpt_path)
-    lock.release()
-    if created and not os.listdir(train_cfg.run_path):
-      os.rmdir(train_cfg.run_path)
-
-
-def _trackers(train_cfg: config_lib.Config, record: dict) -> list:
-  return tracking.start(train_cfg.run_path, record, train_cfg.tensorboard_path, train_cfg.wandb)
-
-
-def _steps_on_mesh(args, par, restored, tokenizer, rewards, rows, prompt_tokens, train_cfg) -> int:
-  M, G = args.max_new_tokens, args.group_size
-  graphdef, params = restored.graphdef, restored.params
-  tx = optim.optimizer(train_cfg, params, par.mesh, models.param_specs(params))
-  opt_state = tx.init(params)
-  objective = grpo_objective.Objective(args.epsilon_low, args.epsilon_high, args.beta, args.loss_type, M)
-  update = _make_update(graphdef, tx, objective, args.temperature, args.clip_grad, par)
-  logps = jax.jit(functools.partial(grpo_objective.token_logps, par=par), static_argnums=(0, 4, 5))
-  make_batch = jax.jit(functools.partial(grpo_objective.update_batch, objective=objective, cp=par.cp))
-  reference = params if args.beta > 0 else None
-  sampling = generate.Sampling(args.temperature, args.top_k, args.top_p)
-  weights_R = jnp.asarray([w for _, _, w in rewards], jnp.float32)
-
-  with open(os.path.join(os.path.abspath(args.init_from), "config.json")) as f:
-    hf_config = json.load(f).get("hf_config")  # what train.export writes back
-  record = {"train": train_cfg.to_json(), "model": dataclasses.asdict(restored.cfg), "grpo": vars(args),
-            **({"hf_config": hf_config} if hf_config else {})}
-  order = np.random.default_rng(args.seed).permutation(len(rows))
-  metrics = checkpoints = None  # the run directory is written once a first step has passed
-  start = 0
-  if args.resume:
-    checkpoints = ckpt_lib.Checkpoints(train_cfg.ckpt_path, keep=2, create=False)
-    start = checkpoints.latest_step()
-    state = _restore(checkpoints, start, _state(params, opt_state, reference), par)
-    params, opt_state, reference = state["params"], state["opt_state"], state.get("reference")
-    _write_record(args.run_dir, record)  # the new --steps / --save-every for the next --resume
-    metrics = log.MetricsFile(args.run_dir, _trackers(train_cfg, record))
-  try:
-    for step in range(start + 1, args.steps + 1):
-      picks = [order[((step - 1) * args.prompts_per_step + j) % len(rows)] for j in range(args.prompts_per_step)]
+    for step in range(run.start_step + 1, grpo.steps + 1):
+      progress.step = step
+      made = made if made is not None else rollout(run, progress.state.params, step)
       t0 = time.perf_counter()
-      out = generate.complete(graphdef, generate.rollout_params(params, par), [prompt_tokens[i] for i in picks], M,
-                              sampling,
-                              seed=args.seed * 1_000_003 + step, eos_id=tokenizer.eod, group_size=G)
-      completions_BxM, lengths_B = np.asarray(out.tokens_BxM), np.asarray(out.lengths_B)
-      rollout_s = time.perf_counter() - t0
-      ended_B = np.asarray([length > 0 and row[length - 1] == tokenizer.eod
-                            for row, length in zip(completions_BxM, lengths_B)])
-      texts = [tokenizer.decode(row[:length - int(end)]) for row, length, end in zip(completions_BxM, lengths_B, ended_B)]
-      prompts_text = [rows[i].get("prompt", "") for i in picks for _ in range(G)]
-      rewards_BxR = grpo_rewards.score(rewards, [rows[i] for i in picks], prompts_text, texts, G)
-      advantages_B = grpo_objective.advantages(jnp.asarray(rewards_BxR, jnp.float32), weights_R, G,
-                                               not args.no_scale_rewards)
-      prompts_BxP, prompt_lengths = generate.left_pad([prompt_tokens[i] for i in picks],
-                                                      generate.bucket(max(len(prompt_tokens[i]) for i in picks)))
-      prompts_BxP, prompt_lengths = np.repeat(prompts_BxP, G, 0), np.repeat(prompt_lengths, G)
-      tokens_BxT = np.concatenate([prompts_BxP, completions_BxM], 1)
-      pad_B = jnp.asarray(prompts_BxP.shape[1] - prompt_lengths)
-      mask_BxM = (np.arange(M)[None] < lengths_B[:, None]).astype(np.float32)
-      old_BxM = logps(graphdef, params, tokens_BxT, pad_B, M, args.temperature)
-      ref_BxM = None if reference is None else logps(graphdef, reference, tokens_BxT, pad_B, M, args.temperature)
-      batch = make_batch(tokens_BxT, pad_B, old_BxM, ref_BxM, advantages_B, jnp.asarray(mask_BxM),
-                         num_items=jnp.float32(mask_BxM.sum()))
-      t1 = time.perf_counter()
-      for _ in range(args.updates_per_rollout):
-        params, opt_state, loss, stats, grad_norm = update(params, opt_state, batch)
-      jax.block_until_ready(params)
-      train_s = time.perf_counter() - t1
-      total_B = rewards_BxR @ np.asarray(weights_R, np.float64)
-      entry = {"step": step, "reward_mean": float(total_B.mean()), "reward_std": float(total_B.std()),
-               **{f"reward/{name}/mean": float(rewards_BxR[:, j].mean()) for j, (name, _, _) in enumerate(rewards)},
-               **{f"reward/{name}/std": float(rewards_BxR[:, j].std()) for j, (name, _, _) in enumerate(rewards)},
-               "advantage_std": float(jnp.std(advantages_B)), "loss": float(loss), "kl": float(stats.kl),
-               "clip_low": float(stats.clip_low), "clip_high": float(stats.clip_high),
-               "grad_norm": float(grad_norm), "completion_length_mean": float(lengths_B.mean()),
-               "completion_length_max": int(lengths_B.max()), "truncated": float(np.mean(~ended_B)),
-               "rollout_tokens_per_s": float(lengths_B.sum() / rollout_s),
-               "train_tokens_per_s": float(args.updates_per_rollout * mask_BxM.sum() / train_s),
-               "rollout_s": rollout_s, "train_s": train_s}
-      if metrics is None:
-        trackers = _trackers(train_cfg, record)  # first: one that cannot start leaves no run behind
-        _write_record(args.run_dir, record)
-        metrics = log.MetricsFile(args.run_dir, trackers, mode="w")
-        checkpoints = ckpt_lib.Checkpoints(train_cfg.ckpt_path, keep=2, create=True)
-      metrics.write(entry)
-      print(f"step {step:5d}/{args.steps} | reward {entry['reward_mean']:.4f} ± {entry['reward_std']:.4f} |"
-            f" kl {entry['kl']:.3e} | clip {entry['clip_low'] + entry['clip_high']:.3f} | length"
-            f" {entry['completion_length_mean']:.1f} | rollout {rollout_s:.2f}s, train {train_s:.2f}s", flush=True)
-      if step % args.save_every == 0 or step == args.steps:
-        saved = ckpt_lib.to_saved(_state(params, opt_state, reference), par.pp, par.virtual_stages)
-        checkpoints.save(step, saved, {"step": step}, record)
+      updates = _updates(run, progress, made)
+      train_s = time.perf_counter() - t0
+      record = _record(run, step, made, updates, train_s)
+      if metrics is not None:
+        metrics.write(record)
+        print(_line(record, grpo.steps), flush=True)
+      made = None
+      run.checkpoints.check_for_errors()
+      stop = agreement(interrupt.signum or 0)  # a signal to any process stops all after this step
+      if progress.diverged:
+        break
+      if step == grpo.steps or stop or (cfg.save_every and step % cfg.save_every == 0):
+        loop.save(run, step, progress.state, {})
+      if stop:
+        break
+    progress.signum = agreement.latest()
   finally:
     if metrics is not None:
       metrics.close()
-      checkpoints.close()
-  return 0
+
+
+def _updates(run: loop.Run, progress: loop.Progress, made: Rollout) -> list[step_lib.StepMetrics]:
+  """``--updates-per-rollout`` steps on the rollout (each skipped one counted); with the
+  high-entropy mask each after the first takes it from the current policy, as TRL's."""
+  out = []
+  batch = made.batch
+  for update in range(run.data.grpo.updates_per_rollout):
+    if update and "keep" in batch:
+      _, keep_BxM, _ = _logps_and_keep(run, progress.state.params, made.tokens_BxT, made.pad_B, made.mask_BxM)
+      batch = _update_batch(run, made, keep_BxM)
+    with jax.set_mesh(run.mesh):
+      progress.state, metrics = run.train_step(progress.state, batch)
+    metrics = jax.device_get(metrics)
+    out.append(metrics)
+    progress.count(bool(metrics.skipped), run.cfg.max_skipped)
+    if progress.diverged:
+      break
+  return out
+
+
+def _record(run: loop.Run, step: int, made: Rollout, updates: list[step_lib.StepMetrics], train_s: float) -> dict:
+  """Step ``step``'s metrics.jsonl record; the updates' numbers are means over them."""
+  rewards, grpo = run.data.rewards, run.data.grpo
+  total_B = made.rewards_BxR @ np.asarray([w for _, _, w in rewards], np.float64)
+  mean = lambda values: float(np.mean(values))  # noqa: E731
+  stats = [m.objective_stats for m in updates]
+  tokens = float(made.lengths_B.sum())
+  record = {"step": step, "reward_mean": float(total_B.mean()), "reward_std": float(total_B.std()),
+            **{f"reward/{name}/mean": float(made.rewards_BxR[:, j].mean()) for j, (name, _, _) in enumerate(rewards)},
+            **{f"reward/{name}/std": float(made.rewards_BxR[:, j].std()) for j, (name, _, _) in enumerate(rewards)},
+            "advantage_std": float(np.std(made.advantages_B)), "loss": mean([m.loss for m in updates]),
+            "kl": mean([s.kl for s in stats]), "clip_low": mean([s.clip_low for s in stats]),
+            "clip_high": mean([s.clip_high for s in stats]), "grad_norm": mean([m.grad_norm for m in updates]),
+            "learning_rate": float(updates[-1].learning_rate), "skipped": sum(int(m.skipped) for m in updates),
+            "completion_length_mean": float(made.lengths_B.mean()), "completion_length_max": int(made.lengths_B.max()),
+            "truncated": float(np.mean(~made.ended_B)), "rollout_tokens_per_s": tokens / made.seconds,
+            "train_tokens_per_s": len(updates) * tokens / train_s, "rollout_s": made.seconds, "train_s": train_s}
+  if made.entropy is not None:
+    record["entropy"] = made.entropy
+  if run.model_cfg.dtype == "float16":
+    record["loss_scale"] = float(updates[-1].loss_scale)
+  if grpo.loss_type == "cispo":  # TRL's name for its one clip share
+    record["cispo_clip_ratio"] = record.pop("clip_high")
+    del record["clip_low"]
+  return record
+
+
+def _line(record: dict, steps: int) -> str:
+  clipped = record.get("cispo_clip_ratio", record.get("clip_low", 0.0) + record.get("clip_high", 0.0))
+  return (f"step {record['step']:5d}/{steps} | reward {record['reward_mean']:.4f} ± {record['reward_std']:.4f} |"
+          f" loss {record['loss']:.4E} | kl {record['kl']:.3e} | clip {clipped:.3f} | length"
+          f" {record['completion_length_mean']:.1f} | rollout {record['rollout_s']:.2f} s"
+          f" ({record['rollout_tokens_per_s']:.0f} tokens/s) | update {record['train_s']:.2f} s"
+          f" ({record['train_tokens_per_s']:.0f} tokens/s) | skipped {record['skipped']}")
 
 
 def main(argv: list[str] | None = None) -> int:
-  return cli.run(lambda: _setup(argv), train)
+  return cli.run(lambda: setup(argv), train)
 
 
 if __name__ == "__main__":

@@ -8,22 +8,35 @@ completions) and returns one finite float per completion.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import re
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
 from train.cli import UsageError
 
 MARKER = "####"
+_NUMBER = re.compile(r"-?[0-9.,]+")
 
 
-def answer_reward(prompts: list[str], completions: list[str], answer: list[Any], **_) -> list[float]:
-  """1 where the text after the completion's last ``####`` is the row's answer, else 0."""
+def final_answer(text: str) -> str:
+  """The answer a text gives: what follows its last ``####`` (all of it without one), its
+  first line, the number it starts with when it starts with one, without commas and a
+  trailing period (GSM8K's evaluation: ``#### 1,234.`` is ``1234``)."""
+  after = text.rsplit(MARKER, 1)[-1].strip().split("\n", 1)[0].strip()
+  number = _NUMBER.match(after)
+  answer = (number.group() if number else after).replace(",", "")
+  return answer[:-1] if answer.endswith(".") else answer
+
+
+def answer_reward(prompts: list[str], completions: list[str], column: str = "answer", **columns) -> list[float]:
+  """1 where the completion's answer after its last ``####`` is the row's ``column``'s
+  (:func:`final_answer` of each: a GSM8K answer's reasoning and marker are dropped), else 0."""
   del prompts
-  return [float(MARKER in c and c.rsplit(MARKER, 1)[1].strip() == str(a).strip())
-          for c, a in zip(completions, answer)]
+  return [float(MARKER in c and final_answer(c) == final_answer(str(a)))
+          for c, a in zip(completions, columns[column])]
 
 
 def format_reward(prompts: list[str], completions: list[str], **_) -> list[float]:
@@ -35,8 +48,9 @@ def format_reward(prompts: list[str], completions: list[str], **_) -> list[float
 BUILTIN_REWARDS = {"answer": answer_reward, "format": format_reward}
 
 
-def reward_functions(specs: list[str]) -> list[tuple[str, Callable, float]]:
-  """``(name, function, weight)`` of each ``NAME[=WEIGHT]``."""
+def reward_functions(specs: list[str], answer_column: str = "answer") -> list[tuple[str, Callable, float]]:
+  """``(name, function, weight)`` of each ``NAME[=WEIGHT]``; the built-in answer reward
+  reads ``answer_column``."""
   out = []
   for spec in specs:
     name, _, weight = spec.partition("=")
@@ -45,7 +59,8 @@ def reward_functions(specs: list[str]) -> list[tuple[str, Callable, float]]:
     except ValueError:
       raise UsageError(f"--reward {spec}: the weight after '=' must be a number") from None
     if name in BUILTIN_REWARDS:
-      out.append((name, BUILTIN_REWARDS[name], weight))
+      fn = BUILTIN_REWARDS[name]
+      out.append((name, functools.partial(fn, column=answer_column) if fn is answer_reward else fn, weight))
       continue
     module, _, function = name.partition(":")
     if not module or not function:

@@ -11,7 +11,7 @@ data (``sft:``) the line also shows the examples consumed so far and the epoch, 
 over the steps of one pass over the data's rows (1.500: half way through the second
 pass). Only process 0 writes; :func:`read_metrics` is the one reader of what it writes.
 
-``metrics.jsonl`` is strict JSON, one object a line (:class:`MetricsFile`, which
+``metrics.jsonl`` is strict JSON, one object a line (``train.rundir.MetricsFile``, which
 ``train.grpo`` writes through too): a value that is not finite (the loss of an interval
 whose steps were all skipped) is ``null``, never the bare ``NaN`` that ``jq`` and strict
 parsers refuse. Every record also goes to the run's trackers (``train/tracking.py``:
@@ -40,6 +40,7 @@ import os
 import time
 from collections.abc import Sequence
 
+from train import rundir
 from train.cli import UsageError
 
 # Dense bf16 peak TFLOP/s per device, by jax's device_kind.
@@ -52,31 +53,6 @@ def peak_tflops(device_kind: str) -> float | None:
     if name.lower() in device_kind.lower():
       return peak
   return None
-
-
-def json_line(record: dict) -> str:
-  """``record`` as one line of strict JSON, a non-finite float written as null."""
-  finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-  return json.dumps(finite, allow_nan=False) + "\n"
-
-
-class MetricsFile:
-  """A run's ``metrics.jsonl`` and its trackers: each record goes to all of them."""
-
-  def __init__(self, run_path: str, trackers: Sequence = (), mode: str = "a"):
-    self.file = open(os.path.join(run_path, "metrics.jsonl"), mode)
-    self.trackers = trackers
-
-  def write(self, record: dict) -> None:
-    self.file.write(json_line(record))
-    self.file.flush()
-    for tracker in self.trackers:
-      tracker.log(record)
-
-  def close(self) -> None:
-    self.file.close()
-    for tracker in self.trackers:
-      tracker.close()
 
 
 class Logger:
@@ -94,7 +70,7 @@ class Logger:
     self.flops_per_token, self.num_devices = flops_per_token, num_devices
     self.peak = peak_tflops(device_kind)
     self.primary = primary
-    self.metrics = MetricsFile(run_path, trackers) if primary else None
+    self.metrics = rundir.MetricsFile(run_path, trackers) if primary else None
     self._reset(time.perf_counter())
 
   def _reset(self, now: float) -> None:

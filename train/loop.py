@@ -1,19 +1,24 @@
-"""The training run: setup (mesh, data, model, optimizer, checkpoint) and the loop.
+"""A training run, set up and stepped: ``python -m train.gpt``'s, and the parts
+``python -m train.grpo`` shares with it.
 
-:func:`setup` checks everything a run needs before it writes anything, raising
-``UsageError`` / ``ValueError`` with one line that names the problem and the fix;
-:func:`train` then runs the steps, logs, evaluates and saves.
+:func:`setup` reads as its steps: check the run directory, make the mesh, load the data,
+make the model, make the trainer (optimizer and jitted step, ``train/trainer.py``), resume
+its state, compile the step within the devices' memory, then take the directory.
+Each check raises ``UsageError`` / ``ValueError`` with one line that names the problem and
+the fix, before anything is written. :func:`train` runs the steps in :func:`run_loop`,
+which holds the directory and turns the loop's end into an exit code, as it does for
+GRPO's loop.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import signal
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,18 +30,16 @@ import data
 import dion_jax
 import models
 from dion_jax.parallel import format_mesh_spec
-from models import context
 from train import checkpoint as ckpt_lib
 from train import evaluation
 from train import hf as hf_io
-from train import optim
 from train import peers
 from train import preflight
 from train import profiling
 from train import rundir
-from train import spikes
 from train import step as step_lib
 from train import tracking
+from train import trainer
 from train.cli import UsageError
 from train.config import Config
 from train.interrupt import Agreement, Interrupt
@@ -45,26 +48,82 @@ from train.log import Logger
 EXIT_FAILED = 1
 EXIT_DIVERGED = 3
 
+
+class Batches(NamedTuple):
+  """train.gpt's data: the loader of this process's rows and what evaluates and counts them."""
+  loader: Any  # grain iterator of this process's rows, its position checkpointed
+  sharding: NamedSharding  # a global batch's, over the batch axes
+  valid_rows: dict | None  # the validation set, int32 [R, seq_len] each (``train/evaluation.py``)
+  eval_step: Any
+  steps_per_epoch: int | None  # sft: data: steps of one pass over its rows (None for token data)
+  examples: int | None  # sft: data: examples consumed before the start (None: not recorded)
+
+
 @dataclasses.dataclass
 class Run:
+  """A run, set up: what :func:`train` and ``train.grpo`` step through."""
   cfg: Config
   model_cfg: models.GPTConfig
   mesh: jax.sharding.Mesh
   par: models.Parallelism
+  directory: rundir.RunDirectory
+  checkpoints: ckpt_lib.Checkpoints
+  record: dict  # config.json's, saved with each checkpoint
   state: step_lib.TrainState
   start_step: int
   train_step: Any
-  eval_step: Any
-  train_batches: Any  # grain iterator of this process's rows
-  valid_rows: dict | None  # the validation set, int32 [R, seq_len] each (``train/evaluation.py``)
-  batch_sharding: NamedSharding
-  checkpoints: ckpt_lib.Checkpoints
-  saved_config: dict
-  eod: int | None  # the end-of-document token when windows carry document masks
-  lock: rundir.Lock
-  steps_per_epoch: int | None  # sft: data: steps of one pass over its rows (None for token data)
-  examples: int | None  # sft: data: examples consumed before start_step (None: not recorded)
+  data: Any  # train.gpt: Batches; train.grpo: its prompts, rewards and sampler
   trackers: list = dataclasses.field(default_factory=list)  # TensorBoard, W&B (``train/tracking.py``)
+
+
+def setup(cfg: Config) -> Run:
+  """The run of ``cfg`` (module docstring)."""
+  directory, start_step = check_directory(cfg)
+  mesh = make_mesh(cfg.mesh or f"fs={len(jax.devices())}")
+  accum = trainer.batch_split(cfg, mesh)
+  tokenizer = hf_io.load_tokenizer(hf_io.tokenizer_dir(cfg.run_path, cfg.init_from))
+  eod = tokenizer.eod if cfg.document_mask else None
+  source, valid_source = _sources(cfg, tokenizer)
+  model_cfg = trainer.model_config(cfg, cfg.vocab_size or source.vocab_size)
+  trainer.check_model(cfg, model_cfg, mesh)
+  preflight.check_data(cfg, model_cfg, source, valid_source, eod)
+  par = trainer.parallelism(cfg, mesh, accum)
+  with jax.set_mesh(mesh):
+    if cfg.hf_dir is not None and not cfg.resume:
+      graphdef, params = hf_io.load(cfg.hf_dir, model_cfg, par)
+    else:
+      graphdef, params = models.init(model_cfg, par, cfg.seed)
+    state, train_step = trainer.make_trainer(cfg, model_cfg, graphdef, params, par, accum)
+    eval_step = step_lib.make_eval_step(graphdef, par, 1 if par.pp > 1 else accum)
+  batches = _batches(cfg, model_cfg, mesh, source, valid_source, eod, eval_step)
+  checkpoints = ckpt_lib.Checkpoints(cfg.ckpt_path, cfg.keep, create=False)  # made once checked
+  state, meta, saved = trainer.resume_state(checkpoints, start_step, state, cfg, model_cfg, par)
+  if meta is not None:
+    batches.loader.set_state(meta["data"])
+    batches = batches._replace(examples=meta.get("examples"))  # None: saved before examples were counted
+  # The first batch compiles the step, read and put back.
+  position = batches.loader.get_state()
+  first = _global_batch(batches.sharding, (cfg.global_batch_size, model_cfg.seq_len), next(batches.loader))
+  batches.loader.set_state(position)
+  compile_within_memory(train_step, state, first, mesh, model_cfg)
+  run = Run(cfg=cfg, model_cfg=model_cfg, mesh=mesh, par=par, directory=directory, checkpoints=checkpoints,
+            record=config_record(cfg, model_cfg), state=state, start_step=start_step, train_step=train_step,
+            data=batches)
+  if jax.process_index() == 0:
+    start_trackers(run)
+    open_directory(run)
+    if cfg.hf_dir is not None and os.path.isdir(cfg.hf_dir):
+      hf_io.copy_tokenizer(cfg.hf_dir, cfg.run_path)
+    if saved is not None:
+      preflight.schedule_warning(cfg, saved["train"])
+  return run
+
+
+def check_directory(cfg: Config) -> tuple[rundir.RunDirectory, int]:
+  """The run's directory, checked (``RunDirectory.check``; its lock and whether it is usable
+  by process 0 only), and the step the run starts after."""
+  directory = rundir.RunDirectory(cfg.run_path, cfg.ckpt_path)
+  return directory, directory.check(cfg.resume, cfg.step, cfg.steps, primary=jax.process_index() == 0)
 
 
 def make_mesh(spec: str) -> jax.sharding.Mesh:
@@ -84,119 +143,19 @@ def make_mesh(spec: str) -> jax.sharding.Mesh:
   return dion_jax.make_mesh(sizes, devices[:needed])
 
 
-def _attention(cfg: Config, dtype: str) -> str:
-  fused = jax.default_backend() == "gpu" and dtype in ("bfloat16", "float16")
-  if cfg.attention == "auto":
-    return "cudnn" if fused else "xla"
-  if cfg.attention == "cudnn" and not fused:
-    raise UsageError(f"--attention cudnn needs an NVIDIA GPU and --dtype bfloat16 or float16"
-                     f" (here: {jax.default_backend()}, {dtype}); use --attention xla")
-  return cfg.attention
-
-
-# MoE flags that change the training, not the weights: they apply to imported models too.
-_ROUTING_FLAGS = ("moe_capacity_factor", "moe_aux_loss_coeff", "moe_z_loss_coeff")
-
-
-def _model_config(cfg: Config, vocab_size: int | None) -> models.GPTConfig:
-  dtype = cfg.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-  if cfg.hf_dir is not None:
-    hf_config = hf_io.read_config(cfg.hf_dir)
-    longest = hf_config.get("max_position_embeddings")
-    if cfg.seq_len and longest and cfg.seq_len > longest:
-      raise UsageError(f"--seq-len {cfg.seq_len} exceeds the {longest} positions {cfg.hf_dir} was"
-                       f" trained for (max_position_embeddings); choose at most {longest}")
-    seq_len = cfg.seq_len or min(longest or 1024, 1024)
-    routing = {name: getattr(cfg, name) for name in _ROUTING_FLAGS if getattr(cfg, name) is not None}
-    return hf_io.model_config(cfg.hf_dir, seq_len=seq_len, dtype=dtype, remat=cfg.remat,
-                              attention=_attention(cfg, dtype), **routing)
-  overrides = {"vocab_size": vocab_size, "remat": cfg.remat, "dtype": dtype,
-               "attention": _attention(cfg, dtype)}
-  for flag, field in (("num_layers", "num_layers"), ("hidden_size", "d_model"),
-                      ("num_attention_heads", "num_heads"), ("seq_len", "seq_len"), ("qk_norm", "qk_norm"),
-                      ("num_experts", "num_experts"), ("moe_top_k", "moe_top_k"), ("moe_every", "moe_every"),
-                      ("moe_ffn_hidden_size", "moe_mlp_dim"),
-                      *((name, name) for name in _ROUTING_FLAGS)):
-    if getattr(cfg, flag) is not None:
-      overrides[field] = getattr(cfg, flag)
-  if cfg.moe_shared_expert:
-    overrides["moe_shared_expert"] = True
-  try:
-    return models.preset(cfg.preset, **overrides)
-  except ValueError as e:
-    raise UsageError(str(e)) from None
-
-
-def _tokenizer(cfg: Config):
-  """The tokenizer of sft: data: the run's copy of --init-from's (``train/hf.py``), else
-  --init-from's tokenizer.json when it has one, else bytes."""
-  return hf_io.load_tokenizer(hf_io.tokenizer_dir(cfg.run_path, cfg.init_from))
-
-
-def _batch_split(cfg: Config, mesh: jax.sharding.Mesh) -> int:
-  """Micro-batches per step, after checking that the batch splits over the mesh."""
-  sizes = dict(mesh.shape)
-  dp = sizes["rp"] * sizes["fs"] * sizes["ep"]
-  if cfg.global_batch_size % dp:
-    raise UsageError(f"--global-batch-size {cfg.global_batch_size} does not split over the {dp}"
-                     f" data-parallel ranks (rp x fs x ep = {sizes['rp']} x {sizes['fs']} x"
-                     f" {sizes['ep']}); choose a multiple of {dp}")
-  per_rank = cfg.global_batch_size // dp
-  # A pipeline needs micro-batches in multiples of pp: by default exactly pp of them.
-  micro = cfg.micro_batch_size or max(per_rank // sizes["pp"], 1)
-  if per_rank % micro:
-    raise UsageError(f"--micro-batch-size {micro} does not divide the {per_rank} sequences per"
-                     f" data-parallel rank (--global-batch-size {cfg.global_batch_size} over"
-                     f" {dp} ranks); choose a divisor of {per_rank}")
-  return per_rank // micro
-
-
-def _loss_scaling(cfg: Config, model_cfg: models.GPTConfig) -> tuple[step_lib.Scaling | None, float]:
-  """float16's dynamic loss scaling and its initial scale; none (scale 1) for other dtypes."""
-  if model_cfg.dtype != "float16":
-    return None, 1.0
-  return step_lib.Scaling(cfg.loss_scale_window, cfg.min_loss_scale), cfg.initial_loss_scale
-
-
-def config_record(cfg: Config, model_cfg: models.GPTConfig) -> dict:
-  train = dataclasses.replace(cfg, run_dir=cfg.run_path,
-                              ckpt_dir=cfg.ckpt_path if cfg.ckpt_dir else None).to_json()
-  record = {"train": train, "model": dataclasses.asdict(model_cfg)}
-  if cfg.hf_dir is not None:  # what train.export writes back, even if the directory goes
-    record["hf_config"] = hf_io.read_config(cfg.hf_dir)
-  return record
-
-
-def setup(cfg: Config) -> Run:
-  lock = rundir.Lock(cfg.run_path)
-  primary = jax.process_index() == 0
-  if primary:
-    preflight.check_run_dir(cfg, lock)
-  mesh = make_mesh(cfg.mesh or f"fs={len(jax.devices())}")
-  accum = _batch_split(cfg, mesh)
-  pp = dict(mesh.shape)["pp"]
-  tokenizer = _tokenizer(cfg)
-  eod = tokenizer.eod if cfg.document_mask else None
+def _sources(cfg: Config, tokenizer) -> tuple[Any, Any]:
   source = data.load_source(cfg.data_spec, progress=jax.process_index() == 0, tokenizer=tokenizer,
                             packed=cfg.pack)
   valid_source = (data.load_source(cfg.valid_spec, progress=False, tokenizer=tokenizer, packed=cfg.pack)
                   if cfg.valid_spec else None)
-  vocab = cfg.vocab_size or source.vocab_size
-  if vocab is None and cfg.hf_dir is None:
+  if cfg.vocab_size is None and source.vocab_size is None and cfg.hf_dir is None:
     raise UsageError(f"--data {' '.join(cfg.data)} does not record its vocabulary size; pass"
                      " --vocab-size (e.g. 50257 for GPT-2 tokens)")
-  model_cfg = _model_config(cfg, vocab)
-  if cfg.qk_clip_threshold is not None:
-    try:
-      models.qk_clip.check(model_cfg, cfg.qk_clip_threshold)
-    except ValueError as e:
-      raise UsageError(f"--qk-clip-threshold: {e}") from None
-  try:
-    context.check_seq_len(model_cfg.seq_len, dict(mesh.shape)["cp"])
-  except ValueError as e:
-    raise UsageError(f"--seq-len / --mesh: {e}") from None
-  preflight.check_experts(model_cfg, mesh)
-  preflight.check_data(cfg, model_cfg, source, valid_source, eod)
+  return source, valid_source
+
+
+def _batches(cfg: Config, model_cfg: models.GPTConfig, mesh: jax.sharding.Mesh, source, valid_source,
+             eod: int | None, eval_step) -> Batches:
   valid_rows = None
   if valid_source is not None and cfg.eval_tokens > 0:
     # Fine-tuning data is evaluated whole, as train.eval evaluates it; token data up to --eval-tokens.
@@ -206,87 +165,57 @@ def setup(cfg: Config) -> Run:
   if isinstance(source, data.SFTSource):
     steps_per_epoch = len(data.make_dataset(source, seq_len=model_cfg.seq_len,
                                             global_batch_size=cfg.global_batch_size, num_epochs=1))
-  existing = ckpt_lib.existing_steps(cfg.ckpt_path)
-  preflight.check_resumable(cfg, existing)
-  par = models.Parallelism(mesh, sequence_parallel=cfg.sequence_parallel,
-                           microbatches=accum if pp > 1 else 1, virtual_stages=cfg.virtual_stages)
-
-  batch_sharding = NamedSharding(mesh, P(models.BATCH_AXES))
-  shard = data.process_batch_shard(batch_sharding, (cfg.global_batch_size, model_cfg.seq_len))
-  train_batches = data.make_loader(source, seq_len=model_cfg.seq_len,
-                                   global_batch_size=cfg.global_batch_size, seed=cfg.seed,
-                                   shard_index=shard[0], shard_count=shard[1], eod=eod)
-  with jax.set_mesh(mesh):
-    if cfg.hf_dir is not None and not cfg.resume:
-      graphdef, params = hf_io.load(cfg.hf_dir, model_cfg, par)
-    else:
-      graphdef, params = models.init(model_cfg, par, cfg.seed)
-    tx = optim.optimizer(cfg, params, mesh, models.param_specs(params))
-    scaling, initial_scale = _loss_scaling(cfg, model_cfg)
-    fresh_scale = step_lib.initial_loss_scale(initial_scale)
-    state = step_lib.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), fresh_scale, spikes.empty())
-    train_step = step_lib.make_train_step(graphdef, par, tx, optim.schedule(cfg),
-                                          optim.per_replica_mask(cfg, params, mesh),
-                                          1 if pp > 1 else accum, cfg.clip_grad, scaling,
-                                          None if cfg.qk_clip_threshold is None else
-                                          (cfg.qk_clip_threshold, model_cfg), cfg.skip_spikes)
-    eval_step = step_lib.make_eval_step(graphdef, par, 1 if pp > 1 else accum)
-
-  checkpoints = ckpt_lib.Checkpoints(cfg.ckpt_path, cfg.keep, create=False)  # made below, once checked
-  start_step, record, examples = 0, config_record(cfg, model_cfg), 0
-  if cfg.resume:
-    start_step = preflight.resume_step(cfg, existing)
-    with preflight.reading("--resume --step", cfg.ckpt_path, start_step):
-      meta, saved = checkpoints.read_json(start_step)
-      preflight.check_same_model(saved, model_cfg, cfg, cfg.ckpt_path)
-      with jax.set_mesh(mesh):
-        state = checkpoints.restore_state(start_step, state, pp, cfg.virtual_stages)
-      train_batches.set_state(meta["data"])
-      examples = meta.get("examples")  # None: saved before examples were counted
-    if saved["model"]["dtype"] != model_cfg.dtype:  # a scale belongs to the dtype it was found for
-      state = state._replace(loss_scale=fresh_scale)
-    if start_step >= cfg.steps:
-      raise UsageError(f"--resume: the checkpoint is at step {start_step}, which already reaches"
-                       f" --steps {cfg.steps}; pass a larger --steps to train further")
-  # Compiled now (the first step reuses it) to refuse a step the devices cannot hold before
-  # anything is written; the first batch is read and put back.
-  position = train_batches.get_state()
-  first = _global_batch(batch_sharding, (cfg.global_batch_size, model_cfg.seq_len), next(train_batches))
-  train_batches.set_state(position)
-  if primary:
-    print("compiling the training step", flush=True)
-  t0 = time.perf_counter()
-  compile_within_memory(train_step, state, first, mesh, model_cfg)
-  # Before the run directory is written: a tracker that cannot start (W&B's login) is one error line.
-  trackers = tracking.start(cfg.run_path, record, cfg.tensorboard_path, cfg.wandb) if primary else []
-  if primary:
-    print(f"compiled the training step in {time.perf_counter() - t0:.1f} s", flush=True)
-    lock.acquire()
-    os.makedirs(cfg.ckpt_path, exist_ok=True)
-    if cfg.hf_dir is not None and os.path.isdir(cfg.hf_dir):
-      hf_io.copy_tokenizer(cfg.hf_dir, cfg.run_path)
-    if preflight.drop_newer(cfg, start_step, existing):
-      checkpoints.manager.reload()
-    if cfg.resume:
-      preflight.schedule_warning(cfg, saved["train"])
-    with open(os.path.join(cfg.run_path, "config.json"), "w") as f:
-      json.dump(record, f, indent=2)
-  return Run(cfg, model_cfg, mesh, par, state, start_step, train_step, eval_step, train_batches,
-             valid_rows, batch_sharding, checkpoints, record, eod, lock, steps_per_epoch, examples, trackers)
+  sharding = NamedSharding(mesh, P(models.BATCH_AXES))
+  shard = data.process_batch_shard(sharding, (cfg.global_batch_size, model_cfg.seq_len))
+  loader = data.make_loader(source, seq_len=model_cfg.seq_len, global_batch_size=cfg.global_batch_size,
+                            seed=cfg.seed, shard_index=shard[0], shard_count=shard[1], eod=eod)
+  return Batches(loader, sharding, valid_rows, eval_step, steps_per_epoch, 0)
 
 
 def compile_within_memory(train_step, state: Any, batch: dict, mesh: jax.sharding.Mesh,
                           model_cfg: models.GPTConfig) -> None:
   """Compiles the step for ``state`` and ``batch`` (later calls reuse the executable) and
-  refuses one whose memory the devices cannot hold (``preflight.check_memory``)."""
+  refuses one whose memory the devices cannot hold (``preflight.check_memory``), before
+  anything is written."""
+  primary = jax.process_index() == 0
+  if primary:
+    print("compiling the training step", flush=True)
+  t0 = time.perf_counter()
   with jax.set_mesh(mesh):
     compiled = train_step.lower(state, batch).compile()
   preflight.check_memory(compiled.memory_analysis(), mesh, model_cfg)
+  if primary:
+    print(f"compiled the training step in {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def config_record(cfg: Config, model_cfg: models.GPTConfig, hf_config: dict | None = None) -> dict:
+  """config.json's record: the flags and the model; with ``--init-from hf:DIR`` DIR's
+  config.json (``hf_config``, or read from DIR), which train.export writes back even if the
+  directory goes."""
+  train = dataclasses.replace(cfg, run_dir=cfg.run_path,
+                              ckpt_dir=cfg.ckpt_path if cfg.ckpt_dir else None).to_json()
+  record = {"train": train, "model": dataclasses.asdict(model_cfg)}
+  if cfg.hf_dir is not None:
+    record["hf_config"] = hf_config or hf_io.read_config(cfg.hf_dir)
+  return record
+
+
+def start_trackers(run: Run) -> None:
+  """Process 0 starts the run's trackers (``--tensorboard``, ``--wandb``), before the
+  directory is written: one that cannot start (W&B's login) is one error line."""
+  run.trackers = tracking.start(run.cfg.run_path, run.record, run.cfg.tensorboard_path, run.cfg.wandb)
+
+
+def open_directory(run: Run) -> None:
+  """Process 0 takes the run's directory (``RunDirectory.open``: lock, config.json, the
+  checkpoints past a ``--step`` back deleted, which the manager then forgets)."""
+  if run.directory.open(run.record, run.start_step):
+    run.checkpoints.manager.reload()
 
 
 def global_batch(run: Run, local: dict) -> dict:
   """This process's rows of a batch (the loader's output) as one global array per key."""
-  return _global_batch(run.batch_sharding, (run.cfg.global_batch_size, run.model_cfg.seq_len), local)
+  return _global_batch(run.data.sharding, (run.cfg.global_batch_size, run.model_cfg.seq_len), local)
 
 
 def _global_batch(sharding: NamedSharding, shape: tuple[int, int], local: dict) -> dict:
@@ -297,140 +226,90 @@ def evaluate(run: Run, state: step_lib.TrainState) -> tuple[float, int]:
   """The validation loss (``train/evaluation.py``: the mean over every counted target of
   the validation rows, each row once) and the targets it counted."""
   with jax.set_mesh(run.mesh):
-    return evaluation.mean_loss(run.eval_step, state.params, run.valid_rows, run.cfg.global_batch_size,
-                                run.batch_sharding)
+    return evaluation.mean_loss(run.data.eval_step, state.params, run.data.valid_rows, run.cfg.global_batch_size,
+                                run.data.sharding)
 
 
 # Examples in a global batch of packed rows: each row's last segment id is its count.
 count_examples = jax.jit(lambda segment_ids_BxT: jnp.sum(jnp.max(segment_ids_BxT, axis=1)))
 
 
-def save(run: Run, step: int, state: step_lib.TrainState, examples: int) -> None:
+def save(run: Run, step: int, state: step_lib.TrainState, meta: dict) -> None:
+  """Starts the background save of checkpoint ``step``: ``state`` and ``meta`` (JSON) with
+  the run's record."""
   with jax.set_mesh(run.mesh):
-    tree = ckpt_lib.to_saved(state, dict(run.mesh.shape)["pp"], run.cfg.virtual_stages)
-  meta = {"step": step, "data": run.train_batches.get_state(), "examples": examples}
-  run.checkpoints.save(step, tree, meta, run.saved_config)
+    tree = ckpt_lib.to_saved(state, run.par.pp, run.par.virtual_stages)
+  run.checkpoints.save(step, tree, {"step": step, **meta}, run.record)
 
 
-def train(run: Run) -> int:
-  """Runs the steps; holds the run directory's lock until it returns. Exit codes: 0 done,
-  1 a checkpoint failed to save, out of memory or a lost process (``train/peers.py``),
-  3 diverged, 130 / 143 stopped by SIGINT / SIGTERM (``train/interrupt.py``)."""
-  def release():
-    rundir.remove_partial_saves(run.cfg.ckpt_path)
-    run.lock.release()
+@dataclasses.dataclass
+class Progress:
+  """Where a run's loop stands: what :func:`run_loop` judges its end by."""
+  step: int  # the last step begun
+  state: step_lib.TrainState
+  skipped_in_a_row: int = 0  # optimizer updates
+  diverged: int = 0  # the skipped updates in a row that reached --max-skipped (0: not reached)
+  signum: int = 0  # the signal every process agreed to stop on (0: none)
 
-  with peers.together(release):  # several processes: an error in one, or a lost one, ends all
-    try:
-      with Interrupt(release) as interrupt:
-        return _train(run, interrupt)
-    finally:
-      release()
+  def count(self, skipped: bool, max_skipped: int) -> None:
+    """Counts an update, skipped or applied; once ``max_skipped`` in a row were skipped the
+    run has diverged, whatever the updates read after them."""
+    self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+    if not self.diverged and self.skipped_in_a_row >= max_skipped:
+      self.diverged = self.skipped_in_a_row
 
 
-def _train(run: Run, interrupt: Interrupt) -> int:
-  cfg = run.cfg
-  tokens_per_step = cfg.global_batch_size * run.model_cfg.seq_len
-  logger = Logger(cfg.run_path, cfg.steps, tokens_per_step, run.model_cfg.flops_per_token(),
-                  run.mesh.size, jax.devices()[0].device_kind, jax.process_index() == 0,
-                  run.steps_per_epoch, run.examples, run.trackers)
-  profile = profiling.Steps(cfg.profile_range, profiling.directory(cfg.run_path))
-  mesh_desc = format_mesh_spec(dict(run.mesh.shape))
-  logger.message(f"training {cfg.init_from or cfg.preset} ({run.model_cfg.num_params() / 1e6:.2f}M parameters,"
-                 f" {run.model_cfg.dtype}) with {cfg.optimizer} on mesh {mesh_desc}"
-                 f" ({jax.process_count()} process(es)), steps {run.start_step + 1}..{cfg.steps},"
-                 f" run directory {cfg.run_path}")
-  if cfg.ignored_flags():
-    logger.message(f"warning: --optimizer {cfg.optimizer} does not read {', '.join(cfg.ignored_flags())};"
-                   " they are recorded in config.json but change nothing")
-  state, consecutive = run.state, 0
-  diverged = 0  # the skipped steps in a row that reached --max-skipped (a step read after them may be fine)
-  pending = None  # the previous step's metrics, read while the next step runs
-  scaled = run.model_cfg.dtype == "float16"
-
-  def account(step: int, metrics: step_lib.StepMetrics, examples: jax.Array | None) -> None:
-    nonlocal consecutive, diverged
-    m = jax.device_get(metrics)
-    logger.step(float(m.loss - m.router_loss), float(m.grad_norm), float(m.learning_rate), bool(m.skipped),
-                float(m.loss_scale) if scaled else None,
-                None if cfg.qk_clip_threshold is None else (float(m.max_logit), int(m.clipped_heads)),
-                (float(m.router_loss), float(m.expert_load), float(m.dropped)) if run.model_cfg.num_experts else None,
-                None if examples is None else int(examples), bool(m.spike) if cfg.skip_spikes else None)
-    consecutive = consecutive + 1 if m.skipped else 0
-    diverged = diverged or (consecutive if consecutive >= cfg.max_skipped else 0)
-    peers.progress(step)
-    if step % cfg.log_interval == 0 or step == cfg.steps:
-      logger.flush(step)
-
+def run_loop(run: Run, steps: Callable[[Progress, Interrupt], None]) -> int:
+  """Runs ``steps(progress, interrupt)``, the loop, holding the run's directory until it
+  returns, and its end as an exit code: 0 done, 1 a checkpoint failed to save, the
+  device ran out of memory or another process was lost (``train/peers.py``), 3 diverged (``--max-skipped`` updates in a row skipped, or a
+  state that ends non-finite), 130 / 143 stopped by SIGINT / SIGTERM (``train/interrupt.py``),
+  each but 0 with one ``error: ...`` line."""
+  progress = Progress(run.start_step, run.state)
   start = time.perf_counter()
-  step = run.start_step
-  agreement = Agreement(run.mesh)
-  try:
-    for step in range(run.start_step + 1, cfg.steps + 1):
-      with jax.set_mesh(run.mesh), profile.step(step):
-        batch = global_batch(run, next(run.train_batches))
-        state, metrics = run.train_step(state, batch)
-        examples = count_examples(batch["segment_ids"]) if run.steps_per_epoch else None
-      profile.after(step, state)
-      run.checkpoints.check_for_errors()
-      stop = agreement(interrupt.signum or 0, metrics.loss)  # a signal to any process stops all after this step
-      if pending is not None:
-        account(*pending)
-      pending = (step, metrics, examples)
-      if diverged:
-        break
-      is_last = step == cfg.steps
-      evaluating = run.valid_rows is not None and (
-          is_last or (cfg.eval_every and step % cfg.eval_every == 0))
-      saving = is_last or stop or (cfg.save_every and step % cfg.save_every == 0)
-      if evaluating or saving:
-        account(*pending)
-        pending = None
-        if diverged:
-          break
-      if evaluating:
-        t0 = time.perf_counter()
-        loss, targets = evaluate(run, state)
-        logger.validation(step, loss, targets, time.perf_counter() - t0)
-      if saving:
-        save(run, step, state, logger.examples)
-        logger.message(f"saving the checkpoint of step {step} to {cfg.ckpt_path} (in the background)")
-      if stop:
-        break
-    if pending is not None:
-      account(*pending)
-    run.checkpoints.close()
-  except ckpt_lib.SaveError as e:
-    return peers.fail(str(e), EXIT_FAILED)
-  except jax.errors.JaxRuntimeError as e:
-    # A step that failed to allocate raises RESOURCE_EXHAUSTED; what waited on its output
-    # (the agreement, a step later) raises INTERNAL with the same "Out of memory".
-    if "RESOURCE_EXHAUSTED" not in str(e) and "Out of memory" not in str(e):
-      raise
-    kept = run.checkpoints.saving or run.start_step
-    kept = f"the checkpoint of step {kept} is in {cfg.ckpt_path}" if kept else "no checkpoint was written"
-    return peers.fail(f"out of device memory by step {step} ({str(e).splitlines()[0][:160]}); {kept}; lower"
-                      " --micro-batch-size or --seq-len, add --remat, or shard over more devices (--mesh)",
-                      EXIT_FAILED)
-  finally:
-    profile.close()
-    logger.close()
-  last_saved = run.checkpoints.saving or run.start_step
-  signum = agreement.latest()
-  if signum:
-    where = "" if interrupt.signum == signum else " sent to another process"
-    print(f"error: stopped by {signal.Signals(signum).name}{where} after step {step}; the checkpoint of"
-          f" step {last_saved} is saved in {cfg.ckpt_path}; continue with --resume", file=sys.stderr)
-    return 128 + signum
-  if diverged:
-    kept = (f"the last good checkpoint is step {last_saved} in {cfg.ckpt_path}" if last_saved
-            else "no checkpoint was written")
+  with peers.together(run.directory.close):  # several processes: an error in one, or a lost one, ends all
+    try:
+      with Interrupt(run.directory.close) as interrupt:
+        try:
+          steps(progress, interrupt)
+          run.checkpoints.close()
+        except ckpt_lib.SaveError as e:
+          return peers.fail(str(e), EXIT_FAILED)
+        except jax.errors.JaxRuntimeError as e:
+          # A step that failed to allocate raises RESOURCE_EXHAUSTED; what waited on its output
+          # (the agreement, a step later) raises INTERNAL with the same "Out of memory".
+          if "RESOURCE_EXHAUSTED" not in str(e) and "Out of memory" not in str(e):
+            raise
+          return peers.fail(f"out of device memory by step {progress.step} ({str(e).splitlines()[0][:160]});"
+                            f" {_kept(run)}; lower --micro-batch-size or --seq-len, add --remat, or shard over"
+                            " more devices (--mesh)", EXIT_FAILED)
+        return _exit_code(run, progress, interrupt, time.perf_counter() - start)
+    finally:
+      run.directory.close()
+
+
+def _kept(run: Run) -> str:
+  saved = run.checkpoints.saving or run.start_step
+  return f"the checkpoint of step {saved} is in {run.cfg.ckpt_path}" if saved else "no checkpoint was written"
+
+
+def _exit_code(run: Run, progress: Progress, interrupt: Interrupt, seconds: float) -> int:
+  cfg, step = run.cfg, progress.step
+  if progress.signum:
+    where = "" if interrupt.signum == progress.signum else " sent to another process"
+    print(f"error: stopped by {signal.Signals(progress.signum).name}{where} after step {step}; the checkpoint"
+          f" of step {run.checkpoints.saving or run.start_step} is saved in {cfg.ckpt_path}; continue with"
+          " --resume", file=sys.stderr)
+    return 128 + progress.signum
+  if progress.diverged:
+    saved = run.checkpoints.saving or run.start_step
+    kept = f"the last good checkpoint is step {saved} in {cfg.ckpt_path}" if saved else "no checkpoint was written"
     spiking = " or a spiking loss or gradient norm (--skip-spikes)" if cfg.skip_spikes else ""
-    print(f"error: stopped after {diverged} consecutive iterations with a non-finite loss,"
+    print(f"error: stopped after {progress.diverged} consecutive iterations with a non-finite loss,"
           f" gradient or update{spiking} (--max-skipped {cfg.max_skipped}); {kept}; lower --lr, raise"
           " --lr-warmup-steps or check the data", file=sys.stderr)
     return EXIT_DIVERGED
-  if not jax.jit(step_lib.all_finite)(state.params, state.opt_state):
+  if not jax.jit(step_lib.all_finite)(progress.state.params, progress.state.opt_state):
     # The step's guard keeps a finite state finite, so this one started non-finite.
     origin = (f"as in the checkpoint of step {run.start_step} in {cfg.ckpt_path} it resumed from"
               if run.start_step else "from the initialization")
@@ -438,5 +317,82 @@ def _train(run: Run, interrupt: Interrupt) -> int:
           f" {origin}, and every step on them is skipped; resume from an earlier checkpoint or"
           " start a new --run-dir", file=sys.stderr)
     return EXIT_DIVERGED
-  logger.message(f"done: {cfg.steps - run.start_step} steps in {time.perf_counter() - start:.1f} s")
+  if jax.process_index() == 0:
+    print(f"done: {cfg.steps - run.start_step} steps in {seconds:.1f} s", flush=True)
   return 0
+
+
+def train(run: Run) -> int:
+  """Runs ``python -m train.gpt``'s steps (:func:`run_loop`): each a global batch from the
+  loader through the jitted step; evaluations every ``--eval-every`` steps, checkpoints every
+  ``--save-every``, a log line every ``--log-interval`` (``train/log.py``)."""
+  return run_loop(run, lambda progress, interrupt: _steps(run, progress, interrupt))
+
+
+def _steps(run: Run, progress: Progress, interrupt: Interrupt) -> None:
+  cfg, batches = run.cfg, run.data
+  logger = Logger(cfg.run_path, cfg.steps, cfg.global_batch_size * run.model_cfg.seq_len,
+                  run.model_cfg.flops_per_token(), run.mesh.size, jax.devices()[0].device_kind,
+                  jax.process_index() == 0, batches.steps_per_epoch, batches.examples, run.trackers)
+  profile = profiling.Steps(cfg.profile_range, profiling.directory(cfg.run_path))
+  logger.message(f"training {cfg.init_from or cfg.preset} ({run.model_cfg.num_params() / 1e6:.2f}M parameters,"
+                 f" {run.model_cfg.dtype}) with {cfg.optimizer} on mesh {format_mesh_spec(dict(run.mesh.shape))}"
+                 f" ({jax.process_count()} process(es)), steps {run.start_step + 1}..{cfg.steps},"
+                 f" run directory {cfg.run_path}")
+  if cfg.ignored_flags():
+    logger.message(f"warning: --optimizer {cfg.optimizer} does not read {', '.join(cfg.ignored_flags())};"
+                   " they are recorded in config.json but change nothing")
+  pending = None  # the previous step's metrics, read while the next step runs
+  scaled = run.model_cfg.dtype == "float16"
+
+  def account(step: int, metrics: step_lib.StepMetrics, examples: jax.Array | None) -> None:
+    m = jax.device_get(metrics)
+    logger.step(float(m.loss - m.router_loss), float(m.grad_norm), float(m.learning_rate), bool(m.skipped),
+                float(m.loss_scale) if scaled else None,
+                None if cfg.qk_clip_threshold is None else (float(m.max_logit), int(m.clipped_heads)),
+                (float(m.router_loss), float(m.expert_load), float(m.dropped)) if run.model_cfg.num_experts else None,
+                None if examples is None else int(examples), bool(m.spike) if cfg.skip_spikes else None)
+    progress.count(bool(m.skipped), cfg.max_skipped)
+    peers.progress(step)
+    if step % cfg.log_interval == 0 or step == cfg.steps:
+      logger.flush(step)
+
+  agreement = Agreement(run.mesh)
+  try:
+    for step in range(run.start_step + 1, cfg.steps + 1):
+      progress.step = step
+      with jax.set_mesh(run.mesh), profile.step(step):
+        batch = global_batch(run, next(batches.loader))
+        progress.state, metrics = run.train_step(progress.state, batch)
+        examples = count_examples(batch["segment_ids"]) if batches.steps_per_epoch else None
+      profile.after(step, progress.state)
+      run.checkpoints.check_for_errors()
+      stop = agreement(interrupt.signum or 0, metrics.loss)  # a signal to any process stops all after this step
+      if pending is not None:
+        account(*pending)
+      pending = (step, metrics, examples)
+      if progress.diverged:
+        break
+      is_last = step == cfg.steps
+      evaluating = batches.valid_rows is not None and (is_last or (cfg.eval_every and step % cfg.eval_every == 0))
+      saving = is_last or stop or (cfg.save_every and step % cfg.save_every == 0)
+      if evaluating or saving:
+        account(*pending)
+        pending = None
+        if progress.diverged:
+          break
+      if evaluating:
+        t0 = time.perf_counter()
+        loss, targets = evaluate(run, progress.state)
+        logger.validation(step, loss, targets, time.perf_counter() - t0)
+      if saving:
+        save(run, step, progress.state, {"data": batches.loader.get_state(), "examples": logger.examples})
+        logger.message(f"saving the checkpoint of step {step} to {cfg.ckpt_path} (in the background)")
+      if stop:
+        break
+    if pending is not None:
+      account(*pending)
+    progress.signum = agreement.latest()
+  finally:
+    profile.close()
+    logger.close()

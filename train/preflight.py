@@ -1,13 +1,12 @@
-"""What a run checks before it writes anything: its directory, data and checkpoint.
+"""What a run checks before it writes anything: its model, data, checkpoint and memory.
 
 Each check raises ``UsageError`` with one line that names the problem and the fix
-(``train/cli.py`` prints it, exit code 2). :func:`train.loop.setup` calls them in order.
+(``train/cli.py`` prints it, exit code 2); the run directory's own are ``train/rundir.py``'s.
 """
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import sys
 from collections.abc import Iterator
 
@@ -15,7 +14,6 @@ import jax
 
 import data
 import models
-from train import checkpoint as ckpt_lib
 from train import rundir
 from train.cli import UsageError
 from train.config import Config
@@ -32,24 +30,6 @@ def check_experts(model_cfg: models.GPTConfig, mesh: jax.sharding.Mesh) -> None:
   if model_cfg.num_experts % sizes["ep"]:
     raise UsageError(f"--mesh ep={sizes['ep']} does not divide the {model_cfg.num_experts} experts;"
                      " choose an ep that divides --num-experts (each ep rank holds experts/ep)")
-
-
-def check_resumable(cfg: Config, existing: list[int]) -> None:
-  where = cfg.ckpt_path
-  if cfg.resume and not os.path.isdir(where):
-    raise UsageError(f"--resume: the checkpoint directory {where} does not exist; check"
-                     " --run-dir/--name/--ckpt-dir, or drop --resume to start a new run")
-  if cfg.resume and not existing:
-    raise UsageError(f"--resume: {where} holds no complete checkpoint; drop --resume to start"
-                     " a new run")
-  if not cfg.resume and existing:
-    raise UsageError(f"{where} already holds checkpoints (latest step {max(existing)}); pass"
-                     " --resume to continue that run, or --name/--run-dir for a new one")
-  # A run killed before its first save left a log: appending to it would mix two runs.
-  metrics = os.path.join(cfg.run_path, "metrics.jsonl")
-  if not cfg.resume and os.path.exists(metrics) and os.path.getsize(metrics):
-    raise UsageError(f"{cfg.run_path} already holds a run's metrics.jsonl but no checkpoint; choose a"
-                     " new --run-dir/--name, or delete the old run directory")
 
 
 def check_same_model(saved: dict, model_cfg: models.GPTConfig, cfg: Config, where: str) -> None:
@@ -92,28 +72,11 @@ def check_data(cfg: Config, model_cfg: models.GPTConfig, source, valid_source, e
                      " or --eval-tokens 0 for no validation") from None
 
 
-def check_run_dir(cfg: Config, lock: rundir.Lock) -> None:
-  """The run and checkpoint directories are usable and free."""
-  rundir.check_usable(cfg.run_path, "--run-dir")
-  rundir.check_usable(cfg.ckpt_path, "--ckpt-dir")
-  lock.check()
-
-
-def resume_step(cfg: Config, existing: list[int]) -> int:
-  """The checkpoint step ``--resume`` continues from: ``--step`` or the latest."""
-  if cfg.step is None:
-    return max(existing)
-  if cfg.step not in existing:
-    raise UsageError(f"--step {cfg.step}: {cfg.ckpt_path} has checkpoints at steps"
-                     f" {', '.join(map(str, sorted(existing)))}; pass one of them")
-  return cfg.step
-
-
 def damaged(command: str, ckpt_path: str, step: int | None, error: BaseException) -> UsageError:
   """The one-line error of a checkpoint that does not restore: its step, the cause, and
   the way back to an older one (``command`` is the flags that pick a step: ``--resume --step``
   in train.gpt, ``--step`` in train.eval and train.export)."""
-  existing = ckpt_lib.existing_steps(ckpt_path)
+  existing = rundir.existing_steps(ckpt_path)
   step = max(existing, default=0) if step is None else step
   cause = f"{type(error).__name__}: {error}".split(" See full")[0].splitlines()[0][:200]
   older = [s for s in existing if s < step]
@@ -163,19 +126,6 @@ def check_memory(stats, mesh: jax.sharding.Mesh, model_cfg: models.GPTConfig) ->
     raise UsageError(f"a training step needs {need / 2**30:,.1f} GiB, more than {where}"
                      f" (--seq-len {model_cfg.seq_len}); lower --seq-len or --micro-batch-size, add"
                      " --remat, or shard over more devices (--mesh)")
-
-
-def drop_newer(cfg: Config, step: int, existing: list[int]) -> bool:
-  """Deletes the checkpoints after ``step`` when ``--step`` went back to it (the run will
-  save those steps anew), with one line saying so; whether there were any."""
-  newer = sorted(s for s in existing if s > step)
-  if not newer:
-    return False
-  print(f"warning: --step {step}: deleting the newer checkpoints of steps {', '.join(map(str, newer))}",
-        file=sys.stderr)
-  for s in newer:
-    shutil.rmtree(os.path.join(cfg.ckpt_path, str(s)))
-  return True
 
 
 def schedule_warning(cfg: Config, saved_train: dict) -> None:

@@ -177,17 +177,25 @@ def _parser() -> argparse.ArgumentParser:
   return parser
 
 
+def check_sampling(temperature: float, top_k: int | None, top_p: float, greedy: bool = True) -> None:
+  """Raises UsageError for sampling flags ``models.generate.Sampling`` cannot take; a
+  ``--temperature`` of 0 (greedy) only where ``greedy`` is allowed."""
+  lowest = 0 if greedy else math.nextafter(0, 1)
+  if not (math.isfinite(temperature) and temperature >= lowest):
+    raise UsageError(f"--temperature must be a finite number {'>= 0 (0 is greedy)' if greedy else '> 0 (it samples)'},"
+                     f" got {temperature}")
+  if not 0 < top_p <= 1:
+    raise UsageError(f"--top-p must be in (0, 1] (1 keeps every token), got {top_p}")
+  if top_k is not None and top_k < 1:
+    raise UsageError(f"--top-k must be positive, got {top_k}")
+
+
 def _restore(argv: list[str] | None) -> tuple[argparse.Namespace, Restored, Any]:
   """The flags and the restored model; bad input raises here, before any generation."""
   args = _parser().parse_args(argv)
   if args.max_new_tokens < 0:
     raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-  if not (math.isfinite(args.temperature) and args.temperature >= 0):
-    raise UsageError(f"--temperature must be a finite number >= 0 (0 is greedy), got {args.temperature}")
-  if not 0 < args.top_p <= 1:
-    raise UsageError(f"--top-p must be in (0, 1] (1 keeps every token), got {args.top_p}")
-  if args.top_k is not None and args.top_k < 1:
-    raise UsageError(f"--top-k must be positive, got {args.top_k}")
+  check_sampling(args.temperature, args.top_k, args.top_p)
   run_dir = os.path.abspath(args.run_dir)
   model = restore(run_dir, args.step)
   tokenizer = run_tokenizer(run_dir)

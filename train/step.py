@@ -22,6 +22,11 @@ e.g. a prompt token of fine-tuning data or padding, is not counted): every micro
 and every replica divides its sum by the global count, so that their losses and
 gradients add up to exactly the global mean however the targets fall.
 
+With a per-token ``objective`` (``models.loss``'s: GRPO's, ``train/grpo_objective.py``) the
+loss is the objective's terms summed over the global batch, their weights already its
+normalization (no division by the counted targets); its statistics are summed over
+micro-batches and replicas like the loss and reported in :class:`StepMetrics`.
+
 A mixture-of-experts model's loss includes its routers' auxiliary losses, averaged over the
 global batch's sequences in the same way; their statistics (tokens per expert, drops) are
 summed over micro-batches and replicas for the log.
@@ -81,6 +86,7 @@ class StepMetrics(NamedTuple):
   expert_load: jax.Array  # the worst MoE layer's max/mean tokens per expert (0 without experts)
   dropped: jax.Array  # share of token-expert assignments over capacity (0 without experts)
   spike: jax.Array  # bool: skipped as a loss or gradient-norm spike (``train/spikes.py``)
+  objective_stats: Any = None  # the objective's statistics summed over the batch (None without one)
 
 
 def initial_loss_scale(scale: float) -> LossScale:
@@ -125,10 +131,13 @@ def keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
 
 
 def make_gradient(graphdef: Any, par: models.Parallelism, per_replica: Any | None, accum: int,
-                  logit_max: bool = False) -> Callable[..., tuple[tuple[jax.Array, models.LossAux], Any]]:
+                  logit_max: bool = False, objective: Callable | None = None, temperature: float = 1.0
+                  ) -> Callable[..., tuple[tuple[jax.Array, models.LossAux], Any]]:
   """``gradient(params, batch, scale) -> ((loss, aux), grads)``: the mean loss of a
   global batch over ``accum`` micro-batches and its gradients (with ``per_replica``,
-  those leaves one per rp replica), ``scale`` the loss's factor (None: 1).
+  those leaves one per rp replica), ``scale`` the loss's factor (None: 1). With a
+  per-token ``objective`` (``models.loss``'s, at ``temperature``) the loss is its terms'
+  sum over the global batch.
 
   With rp > 1 every replica sums its micro-batches' gradients unreduced over rp, in a
   ``shard_map`` manual over rp (``dion_jax.parallel.synced_over_replicas``), and the gradients
@@ -143,7 +152,7 @@ def make_gradient(graphdef: Any, par: models.Parallelism, per_replica: Any | Non
 
     def loss_fn(params, batch):
       return models.loss(graphdef, params, batch, par, scale, denominator, sequences, aux=True,
-                         logit_max=logit_max)
+                         logit_max=logit_max, objective=objective, temperature=temperature)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if accum == 1:
@@ -168,7 +177,8 @@ def make_gradient(graphdef: Any, par: models.Parallelism, per_replica: Any | Non
 
   def gradient(params, batch, scale=None):
     # With replicas, each divides by its share: the replicas' losses are averaged.
-    grad_fn = summed_over_micro(scale, counted(batch) / rp, batch["inputs"].shape[0] / rp)
+    denominator = jnp.float32(1) if objective is not None else counted(batch)
+    grad_fn = summed_over_micro(scale, denominator / rp, batch["inputs"].shape[0] / rp)
     if rp == 1:
       return grad_fn(params, batch)
     keep = jax.tree.map(lambda _: False, params) if per_replica is None else per_replica
@@ -183,13 +193,15 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
                     lr_schedule: optax.Schedule, per_replica: Any | None, accum: int,
                     clip_grad: float, scaling: Scaling | None = None,
                     qk_clip: tuple[float, models.GPTConfig] | None = None, skip_spikes: float = 0.0,
+                    objective: Callable | None = None, temperature: float = 1.0,
                     ) -> Callable[[TrainState, dict], tuple[TrainState, StepMetrics]]:
   """The jitted step; ``scaling`` None leaves the loss unscaled (the state's scale unused);
   ``qk_clip`` is (threshold, the model's config) or None; ``skip_spikes`` > 0 skips a step
   whose loss or gradient norm is that many standard deviations above the state's window
-  (``train/spikes.py``; the state must keep one), 0 applies it."""
+  (``train/spikes.py``; the state must keep one), 0 applies it; ``objective`` a per-token
+  objective of ``models.loss`` (at ``temperature``) in place of the cross-entropy."""
   logit_max = qk_clip is not None
-  mean_grads = make_gradient(graphdef, par, per_replica, accum, logit_max)
+  mean_grads = make_gradient(graphdef, par, per_replica, accum, logit_max, objective, temperature)
 
   def applied_norm(grads):
     if per_replica is None:
@@ -226,7 +238,7 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
                      None if state.spikes is None else spikes.record(state.spikes, loss, norm))
     routing = (jnp.zeros(()), jnp.zeros(())) if aux.router is None else _routing(aux.router)
     return new, StepMetrics(loss, norm, lr_schedule(state.updates), ~applied, state.loss_scale.scale, max_logit,
-                            jnp.where(applied, clipped, 0), aux.router_loss, *routing, spike)
+                            jnp.where(applied, clipped, 0), aux.router_loss, *routing, spike, aux.stats)
 
   return jax.jit(step, donate_argnums=0)
 
@@ -234,11 +246,12 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
 def _merge(a: models.LossAux, *rest: models.LossAux, replicas: int = 1) -> models.LossAux:
   """LossAux of several micro-batches or replicas: logit maxima maxed, router statistics
   summed, router losses summed (each already its share of the global mean; replicas'
-  shares are averaged, as their losses are)."""
+  shares are averaged, as their losses are), an objective's statistics summed (each
+  already weighted for the global batch)."""
+  add = lambda x, y: None if x is None else jax.tree.map(jnp.add, x, y)  # noqa: E731
   for b in rest:
     a = models.LossAux(None if a.logit_max is None else jnp.maximum(a.logit_max, b.logit_max),
-                       None if a.router is None else jax.tree.map(jnp.add, a.router, b.router),
-                       a.router_loss + b.router_loss)
+                       add(a.router, b.router), a.router_loss + b.router_loss, add(a.stats, b.stats))
   return a._replace(router_loss=a.router_loss / replicas)
 
 

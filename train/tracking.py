@@ -7,7 +7,7 @@
   run's ``config.json`` record, its files in ``RUN_DIR/wandb``; ``WANDB_MODE=offline``
   writes them without a network (``wandb sync`` uploads them later).
 
-Each tracker gets every record of ``metrics.jsonl`` (``train.log.MetricsFile``): one
+Each tracker gets every record of ``metrics.jsonl`` (``train.rundir.MetricsFile``): one
 scalar per numeric field, named as the field (``loss``, ``val_loss``, ``learning_rate``,
 ``grad_norm``, ``tokens_per_s``, ``mfu``, ``skipped``; GRPO's ``reward_mean``,
 ``reward/NAME/mean``, ``kl``, ``clip_low``, ...), at the record's ``step``; a
