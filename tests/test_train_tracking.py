@@ -17,7 +17,7 @@ import struct
 import numpy as np
 import pytest
 
-from tests.test_train_grpo import SEQ_LEN, base_run, prompts_file  # noqa: F401  fixtures
+from tests.test_train_grpo import base_run  # noqa: F401  fixture
 from tests.test_train_gpt import SMALL
 from train import gpt, grpo, tracking
 

@@ -143,12 +143,13 @@ HELP = {
     "eval_every": "steps between validation evaluations, 0 for only at the end (default 100)",
     "eval_tokens": ("validation tokens per evaluation (default 16384); an sft: validation file is"
                     " evaluated whole, each example once; 0 turns validation off"),
-    "tensorboard": "also write the log's metrics as TensorBoard event files into DIR (default"
-                   " RUN_DIR/tensorboard; needs the tensorboard extra)",
-    "wandb": "also log the metrics and the config to this Weights & Biases project (needs the wandb"
-             " extra; WANDB_MODE=offline writes the run into RUN_DIR/wandb without a network)",
+    "tensorboard": "also write the log's metrics as TensorBoard event files into DIR (default off;"
+                   " DIR defaults to RUN_DIR/tensorboard; needs the tensorboard extra)",
+    "wandb": "also log the metrics and the config to this Weights & Biases project (default none;"
+             " needs the wandb extra; WANDB_MODE=offline writes the run into RUN_DIR/wandb without a"
+             " network)",
     "profile_steps": "A:B: trace steps A to B with jax.profiler into RUN_DIR/profile (TensorBoard's"
-                     " profile plugin, Perfetto), each step named with its number",
+                     " profile plugin, Perfetto), each step named with its number (default none)",
     "config": "read flags from a YAML or JSON file (keys: these flags without dashes, e.g."
               " lr_warmup_steps: 10; or a run's config.json); flags given here override it",
     "print_config": "print the resolved flags as YAML (a --config file) and exit",

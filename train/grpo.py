@@ -317,7 +317,7 @@ def _steps(run: loop.Run, progress: loop.Progress, interrupt: Interrupt) -> None
         print(_line(record, grpo.steps), flush=True)
       made = None
       run.checkpoints.check_for_errors()
-      stop = agreement(interrupt.signum or 0)  # a signal to any process stops all after this step
+      stop = agreement(interrupt.signum or 0, progress.state.updates)  # a signal to any process stops all after this step
       if progress.diverged:
         break
       if step == grpo.steps or stop or (cfg.save_every and step % cfg.save_every == 0):
