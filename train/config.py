@@ -24,7 +24,7 @@ from train.flags import CHOICES, DEFAULT_LR, HELP
 _ORTHOGONAL_FLAGS = ("dion_scale_rule", "dion_scalar_optimizer", "ortho_dtype")
 OPTIMIZER_FLAGS = {
     "dion": ("dion_rank_fraction", "dion_momentum", "dion_qr_method", "dion_scale_rule",
-             "dion_scalar_optimizer", "dion_replicate_sync"),
+             "dion_scalar_optimizer", "dion_replicate_sync", "grad_norm"),
     **dict.fromkeys(("dion2", "nordion2", "normuon", "muon"), _ORTHOGONAL_FLAGS),
     "adamw": (), "lion": (),
 }
@@ -72,6 +72,7 @@ class Config:
   scalar_weight_decay: float = 0.0
   qk_clip_threshold: float | None = None
   clip_grad: float = 1.0
+  grad_norm: str = "rms"
   max_skipped: int = 10
   # float16 loss scaling
   initial_loss_scale: float = 2.0**16
@@ -334,4 +335,5 @@ def saved_config(run_path: str, ckpt_path: str | None = None) -> dict:
     saved["data"] = tuple(saved["data"])
   if "weight_decay" in saved:  # Runs saved before --scalar-weight-decay decayed all alike.
     saved.setdefault("scalar_weight_decay", saved["weight_decay"])
+  saved.setdefault("grad_norm", "exact")  # Runs saved before --grad-norm took the mean's norm.
   return saved

@@ -19,7 +19,8 @@ CHOICES = {"preset": PRESET_NAMES, "dtype": ("float32", "bfloat16", "float16"),
            "qk_norm": ("none", "rms", "rms_scale"),
            "lr_decay_style": DECAY_STYLES, "dion_qr_method": ("auto", "shifted_cqr", "cqr", "rcqr", "qr"),
            "dion_scale_rule": ("fan_ratio", "spectral", "max_one", "none"),
-           "dion_scalar_optimizer": ("adamw", "lion"), "ortho_dtype": ("bfloat16", "float32")}
+           "dion_scalar_optimizer": ("adamw", "lion"), "ortho_dtype": ("bfloat16", "float32"),
+           "grad_norm": ("rms", "exact")}
 
 HELP = {
     "preset": "model size: %s (default tiny: 4 layers x 128, seq 128)" % "|".join(PRESET_NAMES),
@@ -90,7 +91,12 @@ HELP = {
                            " microsoft/dion's recipe; runs saved before this flag resume with"
                            " --weight-decay's value)",
     "clip_grad": "clip the gradient to this global norm, 0 for none (default 1.0); with Dion's"
-                 " per-replica gradients the norm of their mean",
+                 " per-replica gradients the norm --grad-norm says",
+    "grad_norm": "rms|exact: the gradient norm of --clip-grad and the log where Dion's replicas keep"
+                 " their own gradients (rp > 1): rms (default) the root mean square of the replicas'"
+                 " norms, an upper bound of their mean's norm, for one scalar all-reduce; exact the"
+                 " mean's norm, for an all-reduce of every Dion matrix's gradient over rp each step"
+                 " (as many bytes as AdamW's gradient sync, which Dion's compressed sync avoids)",
     "max_skipped": "stop after this many consecutive skipped steps (default 10): steps whose"
                    " loss, gradient, new parameters or optimizer state would not be finite,"
                    " float16 overflows included; skipped steps change nothing",
