@@ -37,6 +37,9 @@ import jax
 
 from benchmarks import plan_model, plan_optimizer
 from dion_jax.parallel.mesh import AXES, format_mesh_spec
+from train.config import Config
+
+TRAINER = Config()  # the trainer's defaults, which the planner's are
 
 
 class GPU(NamedTuple):
@@ -99,12 +102,15 @@ def merged(collectives: list[plan_model.Collective]) -> list[plan_model.Collecti
   return list(out.values())
 
 
-def plan(model: str = "small", mesh: str | dict = "", optimizer: str = "dion", rank_fraction: float = 0.25,
-         fraction: float = 0.25, global_batch: int = 0, micro: int | None = None, seq_len: int | None = None,
-         gpu: str = "h100", per_node: int = 8, links: dict[str, str] | None = None, mfu: float = 0.5,
-         dtype: str = "bfloat16", compare: bool = True, network: dict[str, Link] = LINKS) -> dict[str, Any]:
+def plan(model: str = "small", mesh: str | dict = "", optimizer: str = TRAINER.optimizer,
+         rank_fraction: float = TRAINER.dion_rank_fraction, fraction: float = 0.25, global_batch: int = 0,
+         micro: int | None = None, seq_len: int | None = None, gpu: str = "h100", per_node: int = 8,
+         links: dict[str, str] | None = None, mfu: float = 0.5, dtype: str = "bfloat16", compare: bool = True,
+         network: dict[str, Link] = LINKS) -> dict[str, Any]:
   """The plan of one step as a JSON-ready dict (see the module docstring); ``links``
-  overrides the link kind of some axes, ``network`` the kinds' bandwidth and latency."""
+  overrides the link kind of some axes, ``network`` the kinds' bandwidth and latency.
+  Defaults are ``python -m train.gpt``'s (Dion at its default rank; Dion2's fraction 1/4)
+  on a GPU (bfloat16 activations)."""
   cfg = plan_model.load_config(model, seq_len, dtype)
   sizes = plan_model.sizes_of(mesh)
   devices = math.prod(sizes.values())
@@ -151,7 +157,7 @@ def plan(model: str = "small", mesh: str | dict = "", optimizer: str = "dion", r
       "needs_remat": not fits["activations"] and fits["activations_remat"],
       "bound": "communication" if comm > compute else "compute",
   }
-  out["caveats"] = caveats(cfg, sizes, optimizer)
+  out["caveats"] = caveats(sizes)
   if compare:
     out["versus"] = {o: _summary(plan(model, sizes, o, rank_fraction, fraction, global_batch, micro, seq_len, gpu,
                                       per_node, links, mfu, dtype, compare=False, network=network))
@@ -159,20 +165,14 @@ def plan(model: str = "small", mesh: str | dict = "", optimizer: str = "dion", r
   return out
 
 
-def caveats(cfg, sizes: dict[str, int], optimizer: str) -> list[str]:
-  """Where the plan is not the compiler's (tests/test_benchmarks_plan.py checks the rest)."""
-  batch = [a for a in ("rp", "fs", "ep") if sizes[a] > 1]
+def caveats(sizes: dict[str, int]) -> list[str]:
+  """Where the plan is not the compiler's (tests/test_benchmarks_plan.py and
+  tests/test_train_comm.py check the rest)."""
   out = ["activations are an estimate, 1.4-3.9x below the compiled step's temporary memory on CPU"
          " (docs/planning.md): the loss's vocabulary-sized buffers and remat's recomputed layer are not counted"]
   if sizes["cp"] > 1 and sizes["pp"] > 1:
     out.append("cp beside pp is planned as designed; compiled on CPU, the tables' gathers, their gradients and"
                " the pipeline's sends group differently over cp and pp (tiny, cp=2,tp=2,pp=2: tp exact)")
-  if sizes["pp"] > 1 and batch:
-    out.append("pp beside batch axes: compiled on CPU, the pipeline also reshards the batch over them and"
-               " gathers the embedding's cotangents over them each iteration (tiny, pp=2,fs=2: 1.5x the planned"
-               " bytes over fs)")
-  if optimizer in ("dion2", "nordion2"):
-    out.append(f"{optimizer}: its selection's traffic is estimated as the fraction of Muon's")
   return out
 
 
@@ -273,9 +273,15 @@ def main(argv: list[str] | None = None) -> int:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--model", default="small", help="small|350m|1b|8b|70b|405b|tiny|tiny-moe, hf:DIR or CONFIG.json")
   parser.add_argument("--mesh", default="fs=8", help="rp=..,fs=..,ep=..,cp=..,tp=..,pp=.. (default fs=8)")
-  parser.add_argument("--optimizer", default="dion", choices=plan_optimizer.OPTIMIZERS)
-  parser.add_argument("--rank-fraction", type=float, default=0.25, help="Dion's rank fraction (default 0.25)")
-  parser.add_argument("--fraction", type=float, default=0.25, help="Dion2/NorDion2's selected fraction")
+  parser.add_argument("--optimizer", default=TRAINER.optimizer, choices=plan_optimizer.OPTIMIZERS,
+                      help=f"the step's optimizer (default {TRAINER.optimizer}, as python -m train.gpt)")
+  parser.add_argument("--rank-fraction", type=float, default=TRAINER.dion_rank_fraction,
+                      help=f"Dion's rank fraction (default {TRAINER.dion_rank_fraction:g}, as python -m train.gpt)")
+  parser.add_argument("--fraction", type=float, default=0.25,
+                      help="Dion2/NorDion2's selected fraction (default 0.25, as python -m train.gpt)")
+  parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                      help="activations' dtype (default bfloat16, python -m train.gpt's on a GPU; float32 is"
+                           " its CPU default, to compare with a CPU run)")
   parser.add_argument("--global-batch-size", type=int, default=0, help="sequences per step (default: one per rank)")
   parser.add_argument("--micro-batch-size", type=int, default=None, help="sequences per rank and micro-batch")
   parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
@@ -291,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   kwargs = dict(optimizer=args.optimizer, rank_fraction=args.rank_fraction, fraction=args.fraction,
                 global_batch=args.global_batch_size, micro=args.micro_batch_size, seq_len=args.seq_len,
-                gpu=args.gpu, per_node=args.gpus_per_node, mfu=args.mfu)
+                gpu=args.gpu, per_node=args.gpus_per_node, mfu=args.mfu, dtype=args.dtype)
   try:
     kwargs["links"] = _links(args.links)
     kwargs["network"] = {"nvlink": _link("--nvlink", args.nvlink), "ib": _link("--ib", args.ib)}
