@@ -27,6 +27,7 @@ import models
 from dion_jax.parallel import format_mesh_spec
 from models import context
 from train import checkpoint as ckpt_lib
+from train import comm
 from train import evaluation
 from train import hf as hf_io
 from train import optim
@@ -224,7 +225,7 @@ def setup(cfg: Config) -> Run:
                                           optim.per_replica_mask(cfg, params, mesh),
                                           1 if pp > 1 else accum, cfg.clip_grad, scaling,
                                           None if cfg.qk_clip_threshold is None else
-                                          (cfg.qk_clip_threshold, model_cfg))
+                                          (cfg.qk_clip_threshold, model_cfg), cfg.grad_norm)
     eval_step = step_lib.make_eval_step(graphdef, par, 1 if pp > 1 else accum)
 
   checkpoints = ckpt_lib.Checkpoints(cfg.ckpt_path, cfg.keep, create=False)  # made below, once checked
@@ -251,9 +252,11 @@ def setup(cfg: Config) -> Run:
   if primary:
     print("compiling the training step", flush=True)
   t0 = time.perf_counter()
-  compile_within_memory(train_step, state, first, mesh, model_cfg)
+  compiled = compile_within_memory(train_step, state, first, mesh, model_cfg)
+  record["communication"] = comm.describe(compiled, mesh, cfg, params, models.param_specs(params))
   if primary:
     print(f"compiled the training step in {time.perf_counter() - t0:.1f} s", flush=True)
+    print("\n".join(comm.lines(record["communication"], mesh)), flush=True)
     lock.acquire()
     os.makedirs(cfg.ckpt_path, exist_ok=True)
     if cfg.hf_dir is not None and os.path.isdir(cfg.hf_dir):
@@ -269,12 +272,13 @@ def setup(cfg: Config) -> Run:
 
 
 def compile_within_memory(train_step, state: Any, batch: dict, mesh: jax.sharding.Mesh,
-                          model_cfg: models.GPTConfig) -> None:
+                          model_cfg: models.GPTConfig) -> jax.stages.Compiled:
   """Compiles the step for ``state`` and ``batch`` (later calls reuse the executable) and
   refuses one whose memory the devices cannot hold (``preflight.check_memory``)."""
   with jax.set_mesh(mesh):
     compiled = train_step.lower(state, batch).compile()
   preflight.check_memory(compiled.memory_analysis(), mesh, model_cfg)
+  return compiled
 
 
 def global_batch(run: Run, local: dict) -> dict:
