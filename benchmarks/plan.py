@@ -35,9 +35,11 @@ from typing import Any, NamedTuple
 
 import jax
 
+import models
 from benchmarks import plan_model, plan_optimizer
 from dion_jax.parallel.mesh import AXES, format_mesh_spec
 from train.config import Config
+from train.optim import RANK_BY_WIDTH, default_rank_fraction
 
 TRAINER = Config()  # the trainer's defaults, which the planner's are
 
@@ -102,15 +104,16 @@ def merged(collectives: list[plan_model.Collective]) -> list[plan_model.Collecti
   return list(out.values())
 
 
-def plan(model: str = "small", mesh: str | dict = "", optimizer: str = TRAINER.optimizer,
-         rank_fraction: float = TRAINER.dion_rank_fraction, fraction: float = 0.25, global_batch: int = 0,
+def plan(model: str | models.GPTConfig = "small", mesh: str | dict = "", optimizer: str = TRAINER.optimizer,
+         rank_fraction: float | None = None, fraction: float = 0.25, global_batch: int = 0,
          micro: int | None = None, seq_len: int | None = None, gpu: str = "h100", per_node: int = 8,
          links: dict[str, str] | None = None, mfu: float = 0.5, dtype: str = "bfloat16", compare: bool = True,
          network: dict[str, Link] = LINKS) -> dict[str, Any]:
   """The plan of one step as a JSON-ready dict (see the module docstring); ``links``
   overrides the link kind of some axes, ``network`` the kinds' bandwidth and latency.
-  Defaults are ``python -m train.gpt``'s (Dion at its default rank; Dion2's fraction 1/4)
-  on a GPU (bfloat16 activations)."""
+  Defaults are ``python -m train.gpt``'s (Dion at its default rank for the model's width,
+  ``train.optim.default_rank_fraction``; Dion2's fraction 1/4) on a GPU (bfloat16
+  activations)."""
   cfg = plan_model.load_config(model, seq_len, dtype)
   sizes = plan_model.sizes_of(mesh)
   devices = math.prod(sizes.values())
@@ -122,6 +125,8 @@ def plan(model: str = "small", mesh: str | dict = "", optimizer: str = TRAINER.o
   global_batch = global_batch or sizes["rp"] * sizes["fs"] * sizes["ep"] * max(sizes["pp"], 1)
   step = plan_model.step_shape(cfg, sizes, global_batch, micro)
   params = plan_model.leaves(cfg, sizes["pp"])
+  if rank_fraction is None:
+    rank_fraction = default_rank_fraction(max(min(p.shape[-2:]) for p in params if p.label == "dion"))
   per_replica = optimizer == "dion"
   collectives = plan_model.model_collectives(cfg, sizes, step, params, per_replica)
   update, state = plan_optimizer.update(params, sizes, optimizer, rank_fraction, fraction, per_replica)
@@ -143,7 +148,7 @@ def plan(model: str = "small", mesh: str | dict = "", optimizer: str = TRAINER.o
   }
   fits = {k: 2 * p_bytes + state + memory[k] <= hw.hbm_bytes for k in ("activations", "activations_remat")}
   out = {
-      "model": model, "mesh": format_mesh_spec(sizes), "devices": devices, "optimizer": optimizer,
+      "model": model if isinstance(model, str) else "GPTConfig", "mesh": format_mesh_spec(sizes), "devices": devices, "optimizer": optimizer,
       "rank_fraction": rank_fraction if optimizer == "dion" else None, "gpu": gpu,
       "global_batch": global_batch, "micro_batch": step.micro, "micro_batches": step.accum, "seq_len": cfg.seq_len,
       "parameters_total": cfg.num_params(), "links": link_of, "collectives": rows,
@@ -275,8 +280,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--mesh", default="fs=8", help="rp=..,fs=..,ep=..,cp=..,tp=..,pp=.. (default fs=8)")
   parser.add_argument("--optimizer", default=TRAINER.optimizer, choices=plan_optimizer.OPTIMIZERS,
                       help=f"the step's optimizer (default {TRAINER.optimizer}, as python -m train.gpt)")
-  parser.add_argument("--rank-fraction", type=float, default=TRAINER.dion_rank_fraction,
-                      help=f"Dion's rank fraction (default {TRAINER.dion_rank_fraction:g}, as python -m train.gpt)")
+  parser.add_argument("--rank-fraction", type=float, default=None,
+                      help="Dion's rank fraction (default: python -m train.gpt's for the model's width,"
+                           + ", ".join(f" {f:g} from {w}" for w, f in RANK_BY_WIDTH) + ")")
   parser.add_argument("--fraction", type=float, default=0.25,
                       help="Dion2/NorDion2's selected fraction (default 0.25, as python -m train.gpt)")
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),

@@ -49,6 +49,7 @@ step (``train.loop.setup``'s: scan, clipping, guard, update) on every kind of me
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -103,10 +104,14 @@ class Step(NamedTuple):
   accum: int
 
 
-def load_config(model: str, seq_len: int | None = None, dtype: str = "bfloat16") -> models.GPTConfig:
-  """``small|350m|1b|8b|70b|405b|tiny|tiny-moe``, ``hf:DIR`` (its config.json) or a
-  GPTConfig ``*.json``. 1b/8b/70b/405b are Llama 3's shapes; the others the presets."""
+def load_config(model: str | models.GPTConfig, seq_len: int | None = None, dtype: str = "bfloat16"
+                ) -> models.GPTConfig:
+  """``small|350m|1b|8b|70b|405b|tiny|tiny-moe``, ``hf:DIR`` (its config.json), a
+  GPTConfig ``*.json`` or a GPTConfig. 1b/8b/70b/405b are Llama 3's shapes; the others the
+  presets."""
   over = {"dtype": dtype} | ({"seq_len": seq_len} if seq_len else {})
+  if isinstance(model, models.GPTConfig):
+    return dataclasses.replace(model, **over)
   if model in LLAMA3:
     return models.GPTConfig(**{**LLAMA3_COMMON, "seq_len": 8192, **LLAMA3[model], **over})
   if model in models.PRESETS:
@@ -247,8 +252,12 @@ def model_collectives(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, 
       over = ("cp", "fs") if "experts" in leaf.name else dense
       # the kernels of this stage's layers, as used: sharded over tp (and experts over ep)
       used = local_bytes(leaf, {**sizes, "rp": 1, **{a: 1 for a in over}})
-      for axes, nbytes in _in_cp_steps(sizes, over, 2 * used, None if "experts" in leaf.name else "sharded"):
-        add("fs gathers", "all-gather", axes, nbytes, 2 * leaf.shape[1], times=iterations)
+      for axes, nbytes in _in_cp_steps(sizes, over, used, None if "experts" in leaf.name else "sharded"):
+        if pp > 1 and leaf.shape[1] == 1:  # XLA hoists a one-layer stage's forward gathers out of the loop
+          add("fs gathers", "all-gather", axes, nbytes, 1, times=1)
+          add("fs gathers", "all-gather", axes, nbytes, 1, times=iterations)
+        else:
+          add("fs gathers", "all-gather", axes, 2 * nbytes, 2 * leaf.shape[1], times=iterations)
     else:
       tables += local_bytes(leaf, {a: (sizes[a] if a == "tp" else 1) for a in AXES})
       table_count += 1

@@ -3,9 +3,9 @@ compiles (scan, clipping, guard, update; loops counted per run): equal to
 ``benchmarks.plan`` per group of mesh axes on every kind of mesh, and over the replicas
 to what Dion's compressed sync should send, counted by hand from the parameters' shapes.
 
-Each case sets up the trainer once (module cache) with ``tiny`` (or ``tiny-moe``) and a
-global batch of 8, as a user would; set-up compiles the step, and its record in
-``config.json`` is what the tests read.
+Each case sets up the trainer once (module cache) with ``tiny`` (or ``tiny-moe``; shrunk
+where the plan is checked) and a global batch of 8, as a user would; set-up compiles the
+step, and its record in ``config.json`` is what the tests read.
 """
 import functools
 import json
@@ -30,13 +30,18 @@ BATCH = 8
 RTOL, SLACK = 0.02, 128
 
 
+# The plan's cases shrink the preset's width and length (64, 32 tokens; 4 layers, so that a
+# pipeline stage holds more than one, as it does in practice).
+SHRUNK = ("--hidden-size", "64", "--num-attention-heads", "2", "--seq-len", "32")
+
+
 @functools.cache
-def trainer_step(preset: str, mesh: str, optimizer: str, rank: float = 0.25) -> dict:
+def trainer_step(preset: str, mesh: str, optimizer: str, rank: float = 0.25, flags: tuple[str, ...] = ()) -> dict:
   """``config.json``'s record of a run set up with these flags (nothing trained)."""
   run_dir = tempfile.mkdtemp(prefix="test_train_comm_")
   cfg = config_lib.parse(["--preset", preset, "--mesh", mesh, "--optimizer", optimizer,
                           "--global-batch-size", str(BATCH), "--dion-rank-fraction", str(rank),
-                          "--eval-tokens", "0", "--run-dir", run_dir])
+                          "--eval-tokens", "0", "--run-dir", run_dir, *flags])
   run = loop.setup(cfg)
   run.lock.release()
   with open(os.path.join(run_dir, "config.json")) as f:
@@ -52,8 +57,9 @@ def _compiled(record) -> dict[tuple[str, ...], dict[str, int]]:
 def _planned(record) -> dict[tuple[str, ...], int]:
   train = record["train"]
   sizes = dion_jax.parse_mesh_spec(train["mesh"])
-  plan = plan_lib.plan(train["preset"], sizes, train["optimizer"], rank_fraction=train["dion_rank_fraction"],
-                       global_batch=BATCH, dtype=record["model"]["dtype"], compare=False)
+  plan = plan_lib.plan(models.GPTConfig(**record["model"]), sizes, train["optimizer"],
+                       rank_fraction=train["dion_rank_fraction"], global_batch=BATCH, dtype=record["model"]["dtype"],
+                       compare=False)
   return {tuple(axes.split(",")): b for axes, b in plan["bytes_by_axes"].items()}
 
 
@@ -71,7 +77,7 @@ FAST = [("rp", "dion"), ("rp x fs", "adamw"), ("rp x fs x tp", "dion"), ("fs x t
 
 
 def _assert_plan_matches(kind, optimizer):
-  record = trainer_step("tiny-moe" if kind == "ep" else "tiny", MESHES[kind], optimizer)
+  record = trainer_step("tiny-moe" if kind == "ep" else "tiny", MESHES[kind], optimizer, flags=SHRUNK)
   planned, compiled = _planned(record), {axes: b["payload"] for axes, b in _compiled(record).items()}
   for axes in set(planned) | set(compiled):
     got, want = compiled.get(axes, 0), planned.get(axes, 0)
@@ -104,27 +110,38 @@ def _replica_formula(preset: str, mesh: str, optimizer: str, rank: float) -> int
   specs, labels = models.param_specs(params), dion_jax.default_labels(params)
   total = 4  # the loss
   for p, spec, label in zip(*(jax.tree.leaves(t, is_leaf=lambda x: isinstance(x, P)) for t in (params, specs, labels))):
-    m, n = p.shape[-2:]
-    r = dion_jax.dion_rank(rank, 1, m, n)
-    compressed = optimizer == "dion" and label == "dion" and (m + n) * r < m * n
-    values = math.prod(p.shape[:-2]) * (m + n) * r if compressed else math.prod(p.shape)
+    values = math.prod(p.shape)
+    if optimizer == "dion" and label == "dion":
+      m, n = p.shape[-2:]
+      r = dion_jax.dion_rank(rank, 1, m, n)
+      if (m + n) * r < m * n:
+        values = math.prod(p.shape[:-2]) * (m + n) * r
     total += 4 * values // math.prod(sizes[a] for a in dion_jax.parallel.axis_names(*spec))
   return 2 * (sizes["rp"] - 1) * total // sizes["rp"]
 
 
+REPLICA_CASES = [("rp=8", "dion", 0.25), ("rp=8", "dion", 1.0), ("rp=8", "adamw", 0.25),
+                 ("rp=4,fs=2", "dion", 0.25), ("rp=4,fs=2", "adamw", 0.25)]
+
+
+@pytest.mark.parametrize("mesh,optimizer,rank", REPLICA_CASES)
+def test_the_replicas_exchange_what_they_must(mesh, optimizer, rank):
+  """Over rp, Dion sends the P and R of its compressed matrices ((m + n)·r per matrix, split
+  over fs) and the other gradient shards; at full rank, where P and R would save nothing,
+  the gradient, as AdamW does. tiny, batch 8: achieved within 60 bytes (scalars)."""
+  wire = _wire_over_replicas(trainer_step("tiny", mesh, optimizer, rank))
+  want = _replica_formula("tiny", mesh, optimizer, rank)
+  assert abs(wire - want) <= 1e-3 * want + SLACK, (wire, want)
+
+
 @pytest.mark.parametrize("mesh,ratio", [("rp=8", 0.5), ("rp=4,fs=2", 1.0)])
-def test_dion_sends_over_the_replicas_what_its_compressed_sync_should(mesh, ratio):
-  """Over rp, Dion at rank 1/4 sends its P and R ((m + n)·r per matrix, split over fs);
-  at full rank, where that saves nothing, the gradient, as AdamW does. Achieved, tiny,
-  wire bytes per device and step: rp=8 0.445x AdamW's, rp=4,fs=2 0.446x (before issue 37:
-  1.33x and 1.63x: the norm of the replicas' mean gradient all-reduced every gradient,
-  and P's mean over rp was taken on the whole P of every fs rank)."""
-  got = {(opt, rank): _wire_over_replicas(trainer_step("tiny", mesh, opt, rank))
-         for opt, rank in (("dion", 0.25), ("dion", 1.0), ("adamw", 0.25))}
-  for (opt, rank), wire in got.items():
-    want = _replica_formula("tiny", mesh, opt, rank)
-    assert abs(wire - want) <= 1e-3 * want + SLACK, (opt, rank, wire, want)
-  assert got["dion", 0.25] <= ratio * got["adamw", 0.25]
+def test_dion_at_rank_one_quarter_sends_less_than_adamw(mesh, ratio):
+  """The issue's floors, whole trainer step, wire bytes over rp, trip counts. Achieved,
+  tiny, batch 8: rp=8 0.445x AdamW's, rp=4,fs=2 0.446x (before issue 37: 1.33x and 1.63x:
+  the norm of the replicas' mean gradient all-reduced every gradient, and P's mean over rp
+  was taken on the whole P of every fs rank)."""
+  dion, adamw = (_wire_over_replicas(trainer_step("tiny", mesh, o, 0.25)) for o in ("dion", "adamw"))
+  assert dion <= ratio * adamw, dion / adamw
 
 
 def test_the_log_and_config_say_what_a_step_sends():
@@ -134,7 +151,7 @@ def test_the_log_and_config_say_what_a_step_sends():
     record = trainer_step("tiny", "rp=8", "dion", rank)["communication"]
     groups = record["dion_replica_sync"]
     assert groups and all(g["compressed"] == compressed for g in groups)
-    assert sum(len(g["parameters"]) for g in groups) == 6 * 4  # q, k, v, out, up, down of 4 layers
+    assert sum(len(g["parameters"]) for g in groups) == 6  # the stacked q, k, v, out, up and down kernels
     lines = comm.lines(record, dion_jax.make_mesh("rp=8"))
     rp = record["bytes_per_device_and_step"]["rp"]
     assert lines[0].startswith(f"communication over rp: {rp['payload'] / 1e6:.2f} MB payload, {rp['wire'] / 1e6:.2f}"
