@@ -69,7 +69,7 @@ def _dion(leaf: Leaf, sizes: dict[str, int], rank_fraction: float, per_replica: 
       add(purpose, "all-reduce", total + mean, nbytes)
 
   if per_replica and sizes["rp"] > 1 and not compressed:
-    add("replica gradient mean", "all-reduce", ["rp"], local_bytes(leaf, sizes))
+    add("replica gradient mean", "all-reduce", ["rp"], stacked * local_bytes(leaf, sizes))
   p_group = live(sizes, cols_ax + replica)
   p_bytes = b * rows * r * 4
   spread = p_group and b % group(sizes, p_group) == 0
