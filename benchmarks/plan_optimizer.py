@@ -102,7 +102,7 @@ def _orthogonal(leaf: Leaf, sizes: dict[str, int], optimizer: str, stacked: int)
   block = int(math.ceil(b / n) * n * shape[-2] * shape[-1] * 2)  # bfloat16
   out = [Collective("orthogonal all-to-all", "all-to-all", axes, 2 * block, 2)
          for axes in (fan_in_ax, fan_out_ax) if axes]
-  return out + _normuon_norms(optimizer, fan_in_ax, fan_out_ax, b, shape), _state(leaf, sizes, optimizer, stacked)
+  return out + _normuon_norms(sizes, optimizer, fan_in_ax, fan_out_ax, b, shape), _state(leaf, sizes, optimizer, stacked)
 
 
 def _selected(leaf: Leaf, sizes: dict[str, int], optimizer: str, fraction: float, scope: str, stacked: int):
@@ -132,17 +132,17 @@ def _selected(leaf: Leaf, sizes: dict[str, int], optimizer: str, fraction: float
   else:
     rows = padded * max(1, math.ceil(fraction * s_local)) * l_local * 2
     out += [Collective("orthogonal all-to-all", "all-to-all", axes, 2 * rows, 2) for axes in (s_ax, l_ax) if axes]
-  return out + _normuon_norms(optimizer, fan_in_ax, fan_out_ax, b, shape), _state(leaf, sizes, optimizer, stacked)
+  return out + _normuon_norms(sizes, optimizer, fan_in_ax, fan_out_ax, b, shape), _state(leaf, sizes, optimizer, stacked)
 
 
-def _normuon_norms(optimizer: str, fan_in_ax, fan_out_ax, b: int, shape) -> list[Collective]:
+def _normuon_norms(sizes: dict[str, int], optimizer: str, fan_in_ax, fan_out_ax, b: int, shape) -> list[Collective]:
   """NorMuon's per-neuron sums of squares over fan_in, and the Frobenius norms of U
   before and after its normalization."""
   if optimizer not in ("normuon", "nordion2"):
     return []
   out = [Collective("normuon norms", "all-reduce", fan_in_ax, b * shape[-1] * 4, 1)] if fan_in_ax else []
   if fan_in_ax + fan_out_ax:
-    out.append(Collective("normuon norms", "all-reduce", fan_in_ax + fan_out_ax, 2 * b * 4, 2))
+    out.append(Collective("normuon norms", "all-reduce", live(sizes, fan_in_ax + fan_out_ax), 2 * b * 4, 2))
   return out
 
 
