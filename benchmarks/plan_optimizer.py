@@ -49,7 +49,7 @@ def _dion(leaf: Leaf, sizes: dict[str, int], rank_fraction: float, per_replica: 
   shape = local_shape(leaf, sizes)
   b = stacked * math.prod(shape[a] for a in fr.batch_axes)
   rows, cols, r = shape[fr.row_axis], shape[fr.col_axis], fr.rank
-  compressed = per_replica and sizes["rp"] > 1 and (fr.rows + fr.cols) * r < fr.rows * fr.cols
+  compressed = per_replica and sizes["rp"] > 1 and fr.compressible
   replica = ("rp",) if compressed else ()
   out = []
 

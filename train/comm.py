@@ -52,7 +52,7 @@ def replica_sync(cfg: Config, params: Any, specs: Any, mesh: jax.sharding.Mesh) 
     fr = dion_jax.matrix_frame(p.shape, dion_jax.DionDimensionNumbers(), rank, 1, spec, path)
     key = (fr.rows, fr.cols, fr.rank)
     group = groups.setdefault(key, {"rows": fr.rows, "cols": fr.cols, "rank": fr.rank,
-                                    "compressed": (fr.rows + fr.cols) * fr.rank < fr.rows * fr.cols,
+                                    "compressed": fr.compressible,
                                     "parameters": []})
     group["parameters"].append(path)
   return list(groups.values())

@@ -78,7 +78,7 @@ class Config:
   initial_loss_scale: float = 2.0**16
   loss_scale_window: int = 1000
   min_loss_scale: float = 1.0
-  dion_rank_fraction: float = 1.0
+  dion_rank_fraction: float | None = None
   dion_momentum: float = 0.95
   dion_qr_method: str = "auto"
   dion_scale_rule: str = "fan_ratio"
@@ -190,7 +190,7 @@ class Config:
                        f" ends at --min-lr, so choose it in [0, {self.learning_rate:g}]")
     if not 0 <= self.dion_momentum < 1:
       raise UsageError(f"--dion-momentum must be in [0, 1), got {self.dion_momentum:g}")
-    if not 0 < self.dion_rank_fraction <= 1:
+    if self.dion_rank_fraction is not None and not 0 < self.dion_rank_fraction <= 1:
       raise UsageError(f"--dion-rank-fraction must be in (0, 1], got {self.dion_rank_fraction}")
     for name in ("lr", "initial_loss_scale", "min_loss_scale", "qk_clip_threshold"):
       if getattr(self, name) is not None and getattr(self, name) <= 0:

@@ -108,8 +108,10 @@ HELP = {
                          " in a row (default 1000, as Megatron's)",
     "min_loss_scale": "--dtype float16: never halve the loss scale below this (default 1, as"
                       " Megatron's)",
-    "dion_rank_fraction": "Dion's rank r / min(m, n), in (0, 1] (default 1; 0.25 cuts"
-                          " its compute and data-parallel traffic)",
+    "dion_rank_fraction": "Dion's rank r / min(m, n), in (0, 1] (default by the model's width: full rank"
+                          " below 768, 1/4 from 768, i.e. small, 350m, 1b and imported models; lower"
+                          " ranks cut Dion's compute and what its replicas exchange, (m + n)·r per"
+                          " matrix instead of m·n)",
     "dion_momentum": "Dion's error-feedback momentum mu (default 0.95)",
     "dion_qr_method": "auto|shifted_cqr|cqr|rcqr|qr orthonormalization of Dion's power iteration"
                       " (default auto: shifted_cqr, batched Cholesky QR with no loop over"

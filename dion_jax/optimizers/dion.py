@@ -107,7 +107,7 @@ def leaf_frames(
 
 def _compressed(fr: MatrixFrame, layout: Layout) -> bool:
   """Whether P and R are averaged over replicas instead of the gradient."""
-  return layout.per_replica and (fr.rows + fr.cols) * fr.rank < fr.rows * fr.cols
+  return layout.per_replica and fr.compressible
 
 
 def _placement(view: MatrixView, layout: Layout) -> Placement:
