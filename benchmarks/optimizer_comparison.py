@@ -1,8 +1,8 @@
-"""Dion against Muon, AdamW and Lion on the ``tiny`` GPT: a small learning-rate sweep each.
+"""Dion against Muon, AdamW and Lion on a GPT preset: a small learning-rate sweep each.
 
     python -m benchmarks.optimizer_comparison --steps 200 --lrs-scale 0.5 1 2
 
-Trains the ``tiny`` preset on the embedded corpus (``--data stdlib``) with every optimizer
+Trains a preset (``--preset``, default ``tiny``) on the embedded corpus (``--data stdlib``) with every optimizer
 of ``--optimizers`` at the trainer's default learning rate times each ``--lrs-scale``,
 all with the same steps, batch, sequence length and seed, hence the same tokens in the
 same order. Each run is ``python -m train.gpt`` in a subprocess, one after the other
@@ -14,8 +14,8 @@ per optimizer the lr of the lowest final validation loss; draws the best runs wi
 ``python -m train.plot`` into ``OUT_DIR/optimizer_comparison.png``; and writes the table
 to ``OUT_DIR/optimizer_comparison.{json,md}``.
 
-Optimizer names: ``dion`` (``--dion-rank-fraction 1``), ``dion-1/4`` (rank fraction
-0.25), ``dion2`` (fraction 1/4), ``nordion2`` (fraction 1/4), ``normuon``, ``muon``, ``adamw``, ``lion``. A name may carry its own scales,
+Optimizer names: ``dion`` (``--dion-rank-fraction 1``), ``dion-1/2`` and ``dion-1/4`` (rank
+fractions 0.5 and 0.25), ``dion2`` (fraction 1/4), ``nordion2`` (fraction 1/4), ``normuon``, ``muon``, ``adamw``, ``lion``. A name may carry its own scales,
 ``dion-1/4:0.5,1,2``, to spend a tight budget where it matters; the rest use
 ``--lrs-scale``. The run directories (checkpoints included, outside OUT_DIR by default)
 are kept; with ``--reuse`` a run whose ``metrics.jsonl`` already holds its final
@@ -41,6 +41,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # name -> (trainer optimizer, extra trainer flags)
 OPTIMIZERS = {
     "dion": ("dion", ["--dion-rank-fraction", "1"]),
+    "dion-1/2": ("dion", ["--dion-rank-fraction", "0.5"]),
     "dion-1/4": ("dion", ["--dion-rank-fraction", "0.25"]),
     "dion2": ("dion2", []),
     "nordion2": ("nordion2", []),
@@ -82,7 +83,7 @@ def train(name: str, lr: float, args, run_dir: str) -> float:
   """Trains one run in a subprocess; returns its wall time in seconds."""
   optimizer, extra = OPTIMIZERS[name]
   shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl is appended to: start clean
-  cmd = [sys.executable, "-m", "train.gpt", "--preset", "tiny", "--data", "stdlib",
+  cmd = [sys.executable, "-m", "train.gpt", "--preset", args.preset, "--data", "stdlib",
          "--optimizer", optimizer, "--lr", repr(lr), *extra, "--steps", str(args.steps),
          "--eval-every", str(args.steps), "--save-every", "0", "--seed", str(args.seed),
          "--run-dir", run_dir, *args.extra]
@@ -110,6 +111,7 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--preset", default="tiny", help="the model preset of every run (default tiny)")
   parser.add_argument("--steps", type=int, default=200, help="optimizer steps of every run (default 200)")
   parser.add_argument("--lrs-scale", type=float, nargs="+", default=[0.5, 1.0, 2.0],
                       help="multiples of the trainer's default lr to sweep (default 0.5 1 2)")
@@ -170,12 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     print("best lr at the edge of its sweep (widen it to be sure): " + ", ".join(edge))
   command = "python -m benchmarks.optimizer_comparison " + " ".join(argv if argv is not None else sys.argv[1:])
   with open(os.path.join(args.out_dir, "optimizer_comparison.json"), "w") as f:
-    json.dump({"command": command, "steps": args.steps, "preset": "tiny", "data": "stdlib",
+    json.dump({"command": command, "steps": args.steps, "preset": args.preset, "data": "stdlib",
                "runs": [{k: v for k, v in r.items() if k != "run_dir"} for r in rows],
                "best": [{"optimizer": r["optimizer"], "lr": r["lr"], "val_loss": r["val_loss"]} for r in summary],
                "best_at_sweep_edge": edge}, f, indent=1)
   with open(os.path.join(args.out_dir, "optimizer_comparison.md"), "w") as f:
-    f.write(f"# Optimizer comparison: tiny GPT, embedded corpus, {args.steps} steps\n\n"
+    f.write(f"# Optimizer comparison: {args.preset} GPT, embedded corpus, {args.steps} steps\n\n"
             f"`{command}`\n\n{text}\n\n* = best lr of its optimizer by final validation lm loss.\n")
     if edge:
       f.write(f"Best lr at the edge of its sweep: {', '.join(edge)}.\n")

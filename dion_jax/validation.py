@@ -2,11 +2,15 @@
 
 Numbers are checked against one table of rules; arrays (``optax.inject_hyperparams``
 passes them), schedules and None pass, so a schedule can replace any number. Choices
-(strings) are checked against the tuple their owner defines.
+(strings) are checked against the tuple their owner defines. Structural arguments (a
+rank, a fraction, a dtype: they fix shapes) must not be arrays (:func:`check_static`).
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
 
 # name: (rule, what it must be)
 _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -46,3 +50,13 @@ def check_choice(name: str, value: Any, accepted: Sequence[Any]) -> None:
   """Raises ValueError when ``value`` is not one of ``accepted``."""
   if value not in accepted:
     raise ValueError(f"{name}={value!r} is not supported; use one of {tuple(accepted)}")
+
+
+def check_static(static_args: str, **values: Any) -> None:
+  """Raises ValueError when one of ``values``, arguments that fix shapes, is an array:
+  ``optax.inject_hyperparams`` makes arrays of the numbers (and calls the callables) it
+  is not told are static, and a traced array cannot fix a shape."""
+  for name, value in values.items():
+    if isinstance(value, (jax.Array, np.ndarray)):
+      raise ValueError(f"{name} arrived as an array (optax.inject_hyperparams makes arrays of numbers and"
+                       f" schedules of callables); it fixes shapes: pass static_args=dion_jax.{static_args}")

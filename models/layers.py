@@ -69,13 +69,11 @@ def embedding_lookup(table_VxD: jax.Array, tokens_BxT: jax.Array, par: Paralleli
   :meth:`Parallelism.weight`'s transpose, like every weight's). Left to the partitioner,
   inside a ``shard_map`` manual over other axes (the replicas' gradient, manual over rp)
   XLA all-gathers the cotangents and token ids over fs instead: B·T·D floats per
-  micro-batch in place of V/tp·D. A pipeline (pp > 1) embeds each micro-batch in its own
-  iteration, where this reduction would repeat the table's M + pp - 1 times, not once
-  per step as planned: there (and for a batch that does not split over the batch axes) the
+  micro-batch in place of V/tp·D. For a batch that does not split over the batch axes the
   lookup is left to the partitioner.
   """
   batch_axes = tuple(a for a in parallel.axis_names(*par.spec("batch")) if par.size(a) > 1)
-  if par.pp > 1 or not batch_axes or tokens_BxT.shape[0] % math.prod(par.size(a) for a in batch_axes):
+  if not batch_axes or tokens_BxT.shape[0] % math.prod(par.size(a) for a in batch_axes):
     return jnp.take(table_VxD, tokens_BxT, axis=0)
   return _lookup(table_VxD, tokens_BxT, batch_axes)
 

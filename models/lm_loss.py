@@ -241,6 +241,12 @@ def _manual_call(graphdef, params, batch, scale, denominator, sequences, par: Pa
   def forward(params, micro):
     """micro: the batch's leaves [M, b, T/cp] -> the model, the outputs [B', T/cp, D] of
     this device's micro-batches, their per-token fields [B', T/cp], the layers' aux."""
+    if pp > 1:
+      # Every stage holds the embedding, final norm and LM head, and each device uses them
+      # on its own micro-batches: marked as varying over pp where they enter (their fs
+      # shards), their gradients are summed over pp there, once, in that layout.
+      params = {k: v if k == "blocks" else jax.tree.map(lambda a: jax.lax.pcast(a, pipeline.AXIS, to="varying"), v)
+                for k, v in params.items()}
     model = nnx.merge(graphdef, params)
     block_graphdef = nnx.graphdef(model.blocks)
     T_local = T // cp
@@ -258,9 +264,14 @@ def _manual_call(graphdef, params, batch, scale, denominator, sequences, par: Pa
                           segments, logit_max)
 
     if pp > 1:
+      # Every micro-batch embedded before the pipeline, not in the iteration that takes it:
+      # the table is gathered over fs once and its gradient reduced once per step.
+      b = B // M
+      x_BxTxD = model.embed_tokens(micro["inputs"].swapaxes(0, 1).reshape(b * M, T_local), par)
+      x_MxbxTxD = x_BxTxD.reshape(b, M, *x_BxTxD.shape[1:]).swapaxes(0, 1)
       outputs, aux_I = pipeline.circular(
           lambda layers, x, i: run_layers(layers, x, *extras(i)), params["blocks"],
-          lambda i: model.embed_tokens(micro["inputs"][i], par), M, pp, v, unroll=model.cfg.unroll,
+          lambda i: x_MxbxTxD[i], M, pp, v, unroll=model.cfg.unroll,
           python_loop=bool(model.cfg.num_experts))
       x_mxbxTxD = pipeline.scatter_from_last(outputs, pp)
       m = M // pp

@@ -84,8 +84,9 @@ def circular(stage_fn: Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, An
     y, aux = stage_fn(jax.tree.map(lambda a: a[repeat], stage_params), x, micro)
     return jax.lax.ppermute(y, AXIS, ring), (y, aux)
 
-  x0 = inputs_fn(0)
-  state = jax.lax.pcast(jnp.zeros_like(x0), AXIS, to="varying")
+  state = jnp.zeros_like(inputs_fn(0))
+  if AXIS not in jax.typeof(state).manual_axis_type.varying:  # the ring's state differs per stage
+    state = jax.lax.pcast(state, AXIS, to="varying")
   _, (ys, aux) = scan(iteration, state, num_micro * v + pp - 1, unroll, python_loop)
   return ys[finish_iterations(num_micro, pp, v)], aux
 

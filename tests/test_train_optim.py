@@ -114,3 +114,17 @@ def test_adamw_is_the_published_recipe():
       m, v = b1 * m + (1 - b1) * g[name], b2 * v + (1 - b2) * g[name] ** 2
       p = p - lr * ((m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps) + decay * p)
     np.testing.assert_allclose(np.asarray(got[name]), p, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_dion_rank_by_width_unless_given():
+  """Without --dion-rank-fraction Dion takes the rank of its width (tiny's 128: full rank;
+  small's 768: RANK_BY_WIDTH's), read off the widest Dion matrix's shorter side; a flag
+  wins. The planner defaults alike."""
+  from train import plan
+
+  for preset, want in (("tiny", 1.0), ("small", optim.default_rank_fraction(768))):
+    _, params = models.abstract(models.preset(preset))
+    assert optim.rank_fraction(Config(), params) == want
+    assert optim.rank_fraction(Config(dion_rank_fraction=0.5), params) == 0.5
+    assert plan.plan(preset, "fs=8", compare=False)["rank_fraction"] == want
+  assert optim.default_rank_fraction(127) == 1.0

@@ -25,7 +25,7 @@ from train.flags import CHOICES, DEFAULT_LR, HELP, METAVARS
 _ORTHOGONAL_FLAGS = ("dion_scale_rule", "dion_scalar_optimizer", "ortho_dtype")
 OPTIMIZER_FLAGS = {
     "dion": ("dion_rank_fraction", "dion_momentum", "dion_qr_method", "dion_scale_rule",
-             "dion_scalar_optimizer", "dion_replicate_sync"),
+             "dion_scalar_optimizer", "dion_replicate_sync", "grad_norm"),
     **dict.fromkeys(("dion2", "nordion2", "normuon", "muon"), _ORTHOGONAL_FLAGS),
     "adamw": (), "lion": (),
 }
@@ -74,12 +74,13 @@ class Config:
   qk_clip_threshold: float | None = None
   clip_grad: float = 1.0
   skip_spikes: float = 0.0
+  grad_norm: str = "rms"
   max_skipped: int = 10
   # float16 loss scaling
   initial_loss_scale: float = 2.0**16
   loss_scale_window: int = 1000
   min_loss_scale: float = 1.0
-  dion_rank_fraction: float = 1.0
+  dion_rank_fraction: float | None = None
   dion_momentum: float = 0.95
   dion_qr_method: str = "auto"
   dion_scale_rule: str = "fan_ratio"
@@ -214,7 +215,7 @@ class Config:
                        f" ends at --min-lr, so choose it in [0, {self.learning_rate:g}]")
     if not 0 <= self.dion_momentum < 1:
       raise UsageError(f"--dion-momentum must be in [0, 1), got {self.dion_momentum:g}")
-    if not 0 < self.dion_rank_fraction <= 1:
+    if self.dion_rank_fraction is not None and not 0 < self.dion_rank_fraction <= 1:
       raise UsageError(f"--dion-rank-fraction must be in (0, 1], got {self.dion_rank_fraction}")
     for name in ("lr", "initial_loss_scale", "min_loss_scale", "qk_clip_threshold"):
       if getattr(self, name) is not None and getattr(self, name) <= 0:
@@ -350,4 +351,5 @@ def saved_config(run_path: str, ckpt_path: str | None = None) -> dict:
     saved["data"] = tuple(saved["data"])
   if "weight_decay" in saved:  # Runs saved before --scalar-weight-decay decayed all alike.
     saved.setdefault("scalar_weight_decay", saved["weight_decay"])
+  saved.setdefault("grad_norm", "exact")  # Runs saved before --grad-norm took the mean's norm.
   return saved

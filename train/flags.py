@@ -22,7 +22,8 @@ CHOICES = {"preset": PRESET_NAMES, "dtype": ("float32", "bfloat16", "float16"),
            "dion_scalar_optimizer": ("adamw", "lion"), "ortho_dtype": ("bfloat16", "float32"),
            "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"),
            "importance_sampling_level": ("token", "sequence"), "scale_rewards": ("group", "batch", "none"),
-           "multi_objective_aggregation": ("sum_then_normalize", "normalize_then_sum")}
+           "multi_objective_aggregation": ("sum_then_normalize", "normalize_then_sum"),
+           "grad_norm": ("rms", "exact")}
 # The placeholder --help shows for a flag's value, where its name does not say it.
 METAVARS = {"data": "SPEC", "reward": "NAME[=WEIGHT]", "prompts": "PATH"}
 
@@ -98,7 +99,12 @@ HELP = {
                            " microsoft/dion's recipe; runs saved before this flag resume with"
                            " --weight-decay's value)",
     "clip_grad": "clip the gradient to this global norm, 0 for none (default 1.0); with Dion's"
-                 " per-replica gradients the norm of their mean",
+                 " per-replica gradients the norm --grad-norm says",
+    "grad_norm": "rms|exact: the gradient norm of --clip-grad and the log where Dion's replicas keep"
+                 " their own gradients (rp > 1): rms (default) the root mean square of the replicas'"
+                 " norms, an upper bound of their mean's norm, for one scalar all-reduce; exact the"
+                 " mean's norm, for an all-reduce of every Dion matrix's gradient over rp each step"
+                 " (as many bytes as AdamW's gradient sync, which Dion's compressed sync avoids)",
     "skip_spikes": "skip the update of a step whose loss or gradient norm exceeds the mean of the"
                    " last 128 steps by this many of their standard deviations, once 64 are known"
                    " (MaxText's skip_step_on_spikes and Levanter's SkipStepConfig: 6 over 128);"
@@ -114,8 +120,10 @@ HELP = {
                          " in a row (default 1000, as Megatron's)",
     "min_loss_scale": "--dtype float16: never halve the loss scale below this (default 1, as"
                       " Megatron's)",
-    "dion_rank_fraction": "Dion's rank r / min(m, n), in (0, 1] (default 1; 0.25 cuts"
-                          " its compute and data-parallel traffic)",
+    "dion_rank_fraction": "Dion's rank r / min(m, n), in (0, 1] (default by the model's width: full rank"
+                          " below 768, 1/4 from 768, i.e. small, 350m, 1b and imported models; lower"
+                          " ranks cut Dion's compute and what its replicas exchange, (m + n)·r per"
+                          " matrix instead of m·n)",
     "dion_momentum": "Dion's error-feedback momentum mu (default 0.95)",
     "dion_qr_method": "auto|shifted_cqr|cqr|rcqr|qr orthonormalization of Dion's power iteration"
                       " (default auto: shifted_cqr, batched Cholesky QR with no loop over"

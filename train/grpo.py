@@ -165,7 +165,8 @@ def setup(argv: list[str] | None) -> loop.Run:
   run = loop.Run(cfg=cfg, model_cfg=model_cfg, mesh=mesh, par=par, directory=directory, checkpoints=checkpoints,
                  record=record, state=state, start_step=start_step, train_step=train_step, data=prompts)
   first = rollout(run, state.params, start_step + 1)
-  loop.compile_within_memory(train_step, state, first.batch, mesh, model_cfg)
+  compiled = loop.compile_within_memory(train_step, state, first.batch, mesh, model_cfg)
+  loop.describe_communication(run, compiled)
   run.data = prompts._replace(first=first)
   loop.start_trackers(run)
   loop.open_directory(run)

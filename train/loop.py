@@ -31,6 +31,7 @@ import dion_jax
 import models
 from dion_jax.parallel import format_mesh_spec
 from train import checkpoint as ckpt_lib
+from train import comm
 from train import evaluation
 from train import hf as hf_io
 from train import peers
@@ -105,10 +106,11 @@ def setup(cfg: Config) -> Run:
   position = batches.loader.get_state()
   first = _global_batch(batches.sharding, (cfg.global_batch_size, model_cfg.seq_len), next(batches.loader))
   batches.loader.set_state(position)
-  compile_within_memory(train_step, state, first, mesh, model_cfg)
+  compiled = compile_within_memory(train_step, state, first, mesh, model_cfg)
   run = Run(cfg=cfg, model_cfg=model_cfg, mesh=mesh, par=par, directory=directory, checkpoints=checkpoints,
             record=config_record(cfg, model_cfg), state=state, start_step=start_step, train_step=train_step,
             data=batches)
+  describe_communication(run, compiled)
   if jax.process_index() == 0:
     start_trackers(run)
     open_directory(run)
@@ -173,7 +175,7 @@ def _batches(cfg: Config, model_cfg: models.GPTConfig, mesh: jax.sharding.Mesh, 
 
 
 def compile_within_memory(train_step, state: Any, batch: dict, mesh: jax.sharding.Mesh,
-                          model_cfg: models.GPTConfig) -> None:
+                          model_cfg: models.GPTConfig) -> jax.stages.Compiled:
   """Compiles the step for ``state`` and ``batch`` (later calls reuse the executable) and
   refuses one whose memory the devices cannot hold (``preflight.check_memory``), before
   anything is written."""
@@ -186,6 +188,7 @@ def compile_within_memory(train_step, state: Any, batch: dict, mesh: jax.shardin
   preflight.check_memory(compiled.memory_analysis(), mesh, model_cfg)
   if primary:
     print(f"compiled the training step in {time.perf_counter() - t0:.1f} s", flush=True)
+  return compiled
 
 
 def config_record(cfg: Config, model_cfg: models.GPTConfig, hf_config: dict | None = None) -> dict:
@@ -198,6 +201,15 @@ def config_record(cfg: Config, model_cfg: models.GPTConfig, hf_config: dict | No
   if cfg.hf_dir is not None:
     record["hf_config"] = hf_config or hf_io.read_config(cfg.hf_dir)
   return record
+
+
+def describe_communication(run: Run, compiled: jax.stages.Compiled) -> None:
+  """What the compiled step sends (``train/comm.py``), in the run's record (config.json's
+  ``"communication"``) and, by process 0, one log line per group of mesh axes."""
+  params = run.state.params
+  run.record["communication"] = comm.describe(compiled, run.mesh, run.cfg, params, models.param_specs(params))
+  if jax.process_index() == 0:
+    print("\n".join(comm.lines(run.record["communication"], run.mesh)), flush=True)
 
 
 def start_trackers(run: Run) -> None:

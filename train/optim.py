@@ -38,6 +38,27 @@ def schedule(cfg: Config) -> optax.Schedule:
   return optax.join_schedules([optax.linear_schedule(lr / warmup, lr, warmup - 1), after], [warmup])
 
 
+# Dion's default rank by the model's width (the largest of its matrices' shorter sides, the
+# hidden size of a GPT): the smallest rank fraction within noise of full rank where measured
+# (validation loss, best of three learning rates; README "Training", benchmarks/results/):
+# at width 128 (tiny) rank 1/4 and 1/2 lost more than the noise; at 768 (small) RANK_NOTE.
+RANK_BY_WIDTH = ((768, 0.25), (0, 1.0))  # (from this width, rank fraction), widest first
+
+
+def default_rank_fraction(width: int) -> float:
+  """Dion's rank fraction for a model whose widest matrices' shorter side is ``width``."""
+  return next(fraction for start, fraction in RANK_BY_WIDTH if width >= start)
+
+
+def rank_fraction(cfg: Config, params: Any) -> float:
+  """``--dion-rank-fraction``, or by default :func:`default_rank_fraction` of ``params``."""
+  if cfg.dion_rank_fraction is not None:
+    return cfg.dion_rank_fraction
+  widths = [min(p.shape[-2:]) for p, label in zip(jax.tree.leaves(params), jax.tree.leaves(dion_jax.default_labels(params)))
+            if label == "dion"]
+  return default_rank_fraction(max(widths, default=0))
+
+
 def per_replica_mask(cfg: Config, params: Any, mesh: jax.sharding.Mesh) -> Any | None:
   """Which leaves get one gradient per rp replica (Dion's compressed sync), or None."""
   if cfg.optimizer != "dion" or not cfg.dion_replicate_sync or dict(mesh.shape)["rp"] == 1:
@@ -75,7 +96,7 @@ def optimizer(cfg: Config, params: Any, mesh: jax.sharding.Mesh, specs: Any) -> 
                   ortho_dtype=jnp.dtype(cfg.ortho_dtype), replicate_sync=False, **kw)
   return dion_jax.dion(
       lr,
-      rank_fraction=cfg.dion_rank_fraction,
+      rank_fraction=rank_fraction(cfg, params),
       mu=cfg.dion_momentum,
       **decay,
       qr_method=cfg.dion_qr_method,

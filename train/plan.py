@@ -35,8 +35,13 @@ from typing import Any, NamedTuple
 
 import jax
 
+import models
 from train import plan_model, plan_optimizer
 from dion_jax.parallel.mesh import AXES, format_mesh_spec
+from train.config import Config
+from train.optim import RANK_BY_WIDTH, default_rank_fraction
+
+TRAINER = Config()  # the trainer's defaults, which the planner's are
 
 
 class GPU(NamedTuple):
@@ -99,12 +104,16 @@ def merged(collectives: list[plan_model.Collective]) -> list[plan_model.Collecti
   return list(out.values())
 
 
-def plan(model: str = "small", mesh: str | dict = "", optimizer: str = "dion", rank_fraction: float = 0.25,
-         fraction: float = 0.25, global_batch: int = 0, micro: int | None = None, seq_len: int | None = None,
-         gpu: str = "h100", per_node: int = 8, links: dict[str, str] | None = None, mfu: float = 0.5,
-         dtype: str = "bfloat16", compare: bool = True, network: dict[str, Link] = LINKS) -> dict[str, Any]:
+def plan(model: str | models.GPTConfig = "small", mesh: str | dict = "", optimizer: str = TRAINER.optimizer,
+         rank_fraction: float | None = None, fraction: float = 0.25, global_batch: int = 0,
+         micro: int | None = None, seq_len: int | None = None, gpu: str = "h100", per_node: int = 8,
+         links: dict[str, str] | None = None, mfu: float = 0.5, dtype: str = "bfloat16", compare: bool = True,
+         network: dict[str, Link] = LINKS) -> dict[str, Any]:
   """The plan of one step as a JSON-ready dict (see the module docstring); ``links``
-  overrides the link kind of some axes, ``network`` the kinds' bandwidth and latency."""
+  overrides the link kind of some axes, ``network`` the kinds' bandwidth and latency.
+  Defaults are ``python -m train.gpt``'s (Dion at its default rank for the model's width,
+  ``train.optim.default_rank_fraction``; Dion2's fraction 1/4) on a GPU (bfloat16
+  activations)."""
   cfg = plan_model.load_config(model, seq_len, dtype)
   sizes = plan_model.sizes_of(mesh)
   devices = math.prod(sizes.values())
@@ -116,6 +125,8 @@ def plan(model: str = "small", mesh: str | dict = "", optimizer: str = "dion", r
   global_batch = global_batch or sizes["rp"] * sizes["fs"] * sizes["ep"] * max(sizes["pp"], 1)
   step = plan_model.step_shape(cfg, sizes, global_batch, micro)
   params = plan_model.leaves(cfg, sizes["pp"])
+  if rank_fraction is None:
+    rank_fraction = default_rank_fraction(max(min(p.shape[-2:]) for p in params if p.label == "dion"))
   per_replica = optimizer == "dion"
   collectives = plan_model.model_collectives(cfg, sizes, step, params, per_replica)
   update, state = plan_optimizer.update(params, sizes, optimizer, rank_fraction, fraction, per_replica)
@@ -137,7 +148,7 @@ def plan(model: str = "small", mesh: str | dict = "", optimizer: str = "dion", r
   }
   fits = {k: 2 * p_bytes + state + memory[k] <= hw.hbm_bytes for k in ("activations", "activations_remat")}
   out = {
-      "model": model, "mesh": format_mesh_spec(sizes), "devices": devices, "optimizer": optimizer,
+      "model": model if isinstance(model, str) else "GPTConfig", "mesh": format_mesh_spec(sizes), "devices": devices, "optimizer": optimizer,
       "rank_fraction": rank_fraction if optimizer == "dion" else None, "gpu": gpu,
       "global_batch": global_batch, "micro_batch": step.micro, "micro_batches": step.accum, "seq_len": cfg.seq_len,
       "parameters_total": cfg.num_params(), "links": link_of, "collectives": rows,
@@ -151,7 +162,7 @@ def plan(model: str = "small", mesh: str | dict = "", optimizer: str = "dion", r
       "needs_remat": not fits["activations"] and fits["activations_remat"],
       "bound": "communication" if comm > compute else "compute",
   }
-  out["caveats"] = caveats(cfg, sizes, optimizer)
+  out["caveats"] = caveats(sizes)
   if compare:
     out["versus"] = {o: _summary(plan(model, sizes, o, rank_fraction, fraction, global_batch, micro, seq_len, gpu,
                                       per_node, links, mfu, dtype, compare=False, network=network))
@@ -159,20 +170,14 @@ def plan(model: str = "small", mesh: str | dict = "", optimizer: str = "dion", r
   return out
 
 
-def caveats(cfg, sizes: dict[str, int], optimizer: str) -> list[str]:
-  """Where the plan is not the compiler's (tests/test_train_plan.py checks the rest)."""
-  batch = [a for a in ("rp", "fs", "ep") if sizes[a] > 1]
+def caveats(sizes: dict[str, int]) -> list[str]:
+  """Where the plan is not the compiler's (tests/test_train_plan.py and
+  tests/test_train_comm.py check the rest)."""
   out = ["activations are an estimate, 1.4-3.9x below the compiled step's temporary memory on CPU"
          " (docs/planning.md): the loss's vocabulary-sized buffers and remat's recomputed layer are not counted"]
   if sizes["cp"] > 1 and sizes["pp"] > 1:
     out.append("cp beside pp is planned as designed; compiled on CPU, the tables' gathers, their gradients and"
                " the pipeline's sends group differently over cp and pp (tiny, cp=2,tp=2,pp=2: tp exact)")
-  if sizes["pp"] > 1 and batch:
-    out.append("pp beside batch axes: compiled on CPU, the pipeline also reshards the batch over them and"
-               " gathers the embedding's cotangents over them each iteration (tiny, pp=2,fs=2: 1.5x the planned"
-               " bytes over fs)")
-  if optimizer in ("dion2", "nordion2"):
-    out.append(f"{optimizer}: its selection's traffic is estimated as the fraction of Muon's")
   return out
 
 
@@ -273,9 +278,16 @@ def main(argv: list[str] | None = None) -> int:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--model", default="small", help="small|350m|1b|8b|70b|405b|tiny|tiny-moe, hf:DIR, hf:ORG/NAME[@REVISION] (its config.json only) or CONFIG.json")
   parser.add_argument("--mesh", default="fs=8", help="rp=..,fs=..,ep=..,cp=..,tp=..,pp=.. (default fs=8)")
-  parser.add_argument("--optimizer", default="dion", choices=plan_optimizer.OPTIMIZERS)
-  parser.add_argument("--rank-fraction", type=float, default=0.25, help="Dion's rank fraction (default 0.25)")
-  parser.add_argument("--fraction", type=float, default=0.25, help="Dion2/NorDion2's selected fraction")
+  parser.add_argument("--optimizer", default=TRAINER.optimizer, choices=plan_optimizer.OPTIMIZERS,
+                      help=f"the step's optimizer (default {TRAINER.optimizer}, as python -m train.gpt)")
+  parser.add_argument("--rank-fraction", type=float, default=None,
+                      help="Dion's rank fraction (default: python -m train.gpt's for the model's width,"
+                           + ", ".join(f" {f:g} from {w}" for w, f in RANK_BY_WIDTH) + ")")
+  parser.add_argument("--fraction", type=float, default=0.25,
+                      help="Dion2/NorDion2's selected fraction (default 0.25, as python -m train.gpt)")
+  parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                      help="activations' dtype (default bfloat16, python -m train.gpt's on a GPU; float32 is"
+                           " its CPU default, to compare with a CPU run)")
   parser.add_argument("--global-batch-size", type=int, default=0, help="sequences per step (default: one per rank)")
   parser.add_argument("--micro-batch-size", type=int, default=None, help="sequences per rank and micro-batch")
   parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
@@ -291,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   kwargs = dict(optimizer=args.optimizer, rank_fraction=args.rank_fraction, fraction=args.fraction,
                 global_batch=args.global_batch_size, micro=args.micro_batch_size, seq_len=args.seq_len,
-                gpu=args.gpu, per_node=args.gpus_per_node, mfu=args.mfu)
+                gpu=args.gpu, per_node=args.gpus_per_node, mfu=args.mfu, dtype=args.dtype)
   try:
     kwargs["links"] = _links(args.links)
     kwargs["network"] = {"nvlink": _link("--nvlink", args.nvlink), "ib": _link("--ib", args.ib)}

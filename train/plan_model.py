@@ -17,7 +17,7 @@ partitioner (``models/sharding.py``, ``train/step.py``), not an idealized one:
     its gates' gradient (float32, b·T/cp·k) reduced too;
   * fs gathers (ZeRO-3): each layer's tp-local kernels gathered over the dense-sharding
     axes (cp, fs, ep) in the forward pass and again in the backward pass; the embedding
-    and the LM head once, over those axes and pp; with cp beside fs or ep, in two steps:
+    and the LM head once, over those axes (and pp, below); with cp beside fs or ep, in two steps:
     the fs·ep shard over cp, then the whole over fs·ep (``models.sharding.gathered_in_manual``);
   * gradient reductions: every tp-local gradient (float32) reduced to its shard over
     the axes that shard the parameters (cp, fs, ep; experts without ep), a reduce-scatter
@@ -33,18 +33,23 @@ partitioner (``models/sharding.py``, ``train/step.py``), not an idealized one:
   * cp exchange: K and V all-gathered over cp four times per layer, dK and dV
     reduce-scattered twice;
   * pipeline (M micro-batches, pp stages, M + pp - 1 iterations of the loop, each
-    running its stage's layers and gathering their kernels): each iteration's output
-    sent on, forward and backward, and the last stage's outputs scattered to the
-    stages that take their loss; the embedding's gradient is reduced over pp once per
-    iteration (each iteration's lookup on its own).
+    running its stage's layers, gathering their kernels and reducing their gradients to
+    the fs shards, as the scan over micro-batches does): each iteration's output sent
+    on, forward and backward, and the last stage's outputs scattered to the stages that
+    take their loss. The embedding, final norm and LM head serve every stage: gathered
+    over pp where the pipeline's ``shard_map`` begins (to their fs shards), then over fs
+    once per step (every micro-batch is embedded before the pipeline); their gradients
+    reduced over fs once, then summed over pp on those shards (``models.lm_loss``).
 - the optimizer update (``dion_jax``'s sharded steps, ``train.plan_optimizer``).
 
 Bytes are payloads as ``dion_jax.accounting`` counts them: operand bytes, output bytes
 for all-gather. ``tests/test_train_plan.py`` compiles steps on 8 CPU devices and
-checks these numbers against the HLO.
+checks these numbers against the HLO; ``tests/test_train_comm.py`` the trainer's whole
+step (``train.loop.setup``'s: scan, clipping, guard, update) on every kind of mesh.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -72,7 +77,7 @@ LLAMA3 = {
 LLAMA3_COMMON = dict(vocab_size=128256, mlp="swiglu", qk_norm="none", rope_base=500000.0)
 PURPOSES = ("tp activations", "fs gathers", "gradient reductions", "expert all-to-all", "cp exchange",
             "pipeline activations", "dion P", "dion R", "dion orthonormalization", "dion column norms",
-            "orthogonal all-to-all", "normuon norms", "replica gradient mean")
+            "orthogonal all-to-all", "dion2 selection", "normuon norms", "replica gradient mean")
 
 
 class Collective(NamedTuple):
@@ -100,10 +105,14 @@ class Step(NamedTuple):
   accum: int
 
 
-def load_config(model: str, seq_len: int | None = None, dtype: str = "bfloat16") -> models.GPTConfig:
-  """``small|350m|1b|8b|70b|405b|tiny|tiny-moe``, ``hf:DIR`` (its config.json) or a
-  GPTConfig ``*.json``. 1b/8b/70b/405b are Llama 3's shapes; the others the presets."""
+def load_config(model: str | models.GPTConfig, seq_len: int | None = None, dtype: str = "bfloat16"
+                ) -> models.GPTConfig:
+  """``small|350m|1b|8b|70b|405b|tiny|tiny-moe``, ``hf:DIR`` (its config.json), a
+  GPTConfig ``*.json`` or a GPTConfig. 1b/8b/70b/405b are Llama 3's shapes; the others the
+  presets."""
   over = {"dtype": dtype} | ({"seq_len": seq_len} if seq_len else {})
+  if isinstance(model, models.GPTConfig):
+    return dataclasses.replace(model, **over)
   if model in LLAMA3:
     return models.GPTConfig(**{**LLAMA3_COMMON, "seq_len": 8192, **LLAMA3[model], **over})
   if model in models.PRESETS:
@@ -231,9 +240,12 @@ def model_collectives(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, 
 
   dense, pp = ("cp", "fs", "ep"), sizes["pp"]
   iterations = step.accum + pp - 1 if pp > 1 else step.accum
-  add("tp activations", "all-reduce", ["tp"], (6 * L // pp + 1) * A, 6 * L // pp + 1, times=iterations)
+  once = 1 if pp > 1 else step.accum  # what runs per micro-batch, or once before/after a pipeline
+  add("tp activations", "all-reduce", ["tp"], 6 * L // pp * A, 6 * L // pp, times=iterations)
+  # The vocab-parallel lookup: a pipeline embeds all its micro-batches at once, before it.
+  add("tp activations", "all-reduce", ["tp"], A * step.accum // once, 1, times=once)
   add("tp activations", "all-reduce", ["tp"], A + 3 * b * T * 4, 4, times=step.accum // pp)
-  tables = 0
+  tables, table_count = 0, 0
   for leaf in params:
     if "scale" in leaf.name:
       continue
@@ -241,29 +253,41 @@ def model_collectives(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, 
       over = ("cp", "fs") if "experts" in leaf.name else dense
       # the kernels of this stage's layers, as used: sharded over tp (and experts over ep)
       used = local_bytes(leaf, {**sizes, "rp": 1, **{a: 1 for a in over}})
-      for axes, nbytes in _in_cp_steps(sizes, over, 2 * used, None if "experts" in leaf.name else "sharded"):
-        add("fs gathers", "all-gather", axes, nbytes, 2 * leaf.shape[1], times=iterations)
+      for axes, nbytes in _in_cp_steps(sizes, over, used, None if "experts" in leaf.name else "sharded"):
+        if pp > 1 and leaf.shape[1] == 1:  # XLA hoists a one-layer stage's forward gathers out of the loop
+          add("fs gathers", "all-gather", axes, nbytes, 1, times=1)
+          add("fs gathers", "all-gather", axes, nbytes, 1, times=iterations)
+        else:
+          add("fs gathers", "all-gather", axes, 2 * nbytes, 2 * leaf.shape[1], times=iterations)
     else:
       tables += local_bytes(leaf, {a: (sizes[a] if a == "tp" else 1) for a in AXES})
-  for axes, nbytes in _in_cp_steps(sizes, dense + ("pp",), tables):
-    add("fs gathers", "all-gather", axes, nbytes, 2, times=1 if pp > 1 else step.accum)
-  grad, over_rp = {}, 0
+      table_count += 1
+  # The embedding and the LM head (sharded over pp too) enter a pipeline gathered over pp.
+  add("fs gathers", "all-gather", ["pp"], tables // group(sizes, live(sizes, dense)), table_count, times=1)
+  for axes, nbytes in _in_cp_steps(sizes, dense, tables):
+    add("fs gathers", "all-gather", axes, nbytes, table_count, times=once)
+  per_micro, per_step, over_pp, over_rp = {}, {}, 0, 0
   for leaf in params:
     blocks = leaf.name.startswith("['blocks']")
     axes = ("cp", "fs") if "experts" in leaf.name else ("cp", "fs", "ep")
-    axes += () if blocks else ("pp",)  # the embedding, the LM head and the final norm serve every stage
-    nbytes = local_bytes(leaf, {**sizes, **{a: 1 for a in axes}})
-    if "embed" in leaf.name and pp > 1:
-      nbytes *= iterations  # each iteration's lookup gradient is reduced on its own
+    # as used: the layers of this stage; the tables and the final norm whole but for tp
+    nbytes = local_bytes(leaf, {**sizes, **{a: 1 for a in axes + (() if blocks else ("pp",))}})
     kind = None if "experts" in leaf.name else "replicated" if "scale" in leaf.name else "sharded"
-    steps = _in_cp_steps(sizes, axes, nbytes, kind)
-    for step_axes, step_bytes in steps:
+    grad = per_micro if blocks else per_step
+    for step_axes, step_bytes in _in_cp_steps(sizes, axes, nbytes, kind):
       grad[step_axes] = grad.get(step_axes, 0) + step_bytes
+    if not blocks:  # the embedding, the LM head and the final norm serve every stage: summed over pp
+      over_pp += local_bytes(leaf, {**sizes, "pp": 1})
     if not (per_replica and leaf.label == "dion"):
       over_rp += local_bytes(leaf, sizes)
-  for axes, nbytes in grad.items():
-    # Each micro-batch's gradients are reduced to the shards in the scan (ZeRO-3).
-    add("gradient reductions", "reduce-scatter", axes, nbytes, 1, times=1 if pp > 1 else step.accum)
+  # Each micro-batch's gradients are reduced to the shards where they are taken (ZeRO-3):
+  # the layers' in each iteration of the scan over micro-batches or of the pipeline, the
+  # tables' and final norm's after the pipeline.
+  for axes, nbytes in per_micro.items():
+    add("gradient reductions", "reduce-scatter", axes, nbytes, 1, times=iterations)
+  for axes, nbytes in per_step.items():
+    add("gradient reductions", "reduce-scatter", axes, nbytes, 1, times=once)
+  add("gradient reductions", "all-reduce", ["pp"], over_pp, 1, times=1)
   for axes, nbytes in _in_cp_steps(sizes, ("cp", "fs", "ep", "pp"), 4, "replicated"):
     add("gradient reductions", "all-reduce", axes, nbytes, 1)  # each micro-batch's loss
   # The targets' count, outside the cp region: the batch is split over cp only inside it.
@@ -288,9 +312,10 @@ def model_collectives(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, 
   add("cp exchange", "reduce-scatter", ["cp"], L * 2 * kv, 2 * L)
   if pp > 1:
     # Each iteration sends its stage's output on, forward and backward (the last of
-    # them unused and dropped); the last stage then scatters the M/pp micro-batches of
-    # outputs to the stages that take their loss, and their gradients back.
-    sends = 2 * (step.accum + pp - 1) - 1
+    # them unused, and dropped where the loop is unrolled); the last stage then scatters
+    # the M/pp micro-batches of outputs to the stages that take their loss, and their
+    # gradients back.
+    sends = 2 * (step.accum + pp - 1) - int(cfg.unroll)
     add("pipeline activations", "collective-permute", ["pp"], (sends + 2 * (pp - 1) * step.accum // pp) * A,
         sends + 2 * (pp - 1), times=1)
   return out

@@ -120,7 +120,8 @@ def make_trainer(cfg: Config, model_cfg: models.GPTConfig, graphdef: Any, params
   qk_clip = None if cfg.qk_clip_threshold is None else (cfg.qk_clip_threshold, model_cfg)
   train_step = step_lib.make_train_step(graphdef, par, tx, optim.schedule(cfg),
                                         optim.per_replica_mask(cfg, params, par.mesh), 1 if par.pp > 1 else accum,
-                                        cfg.clip_grad, scaling, qk_clip, cfg.skip_spikes, objective, temperature)
+                                        cfg.clip_grad, scaling, qk_clip, cfg.skip_spikes, objective, temperature,
+                                        cfg.grad_norm)
   return state, train_step
 
 

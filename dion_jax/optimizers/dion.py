@@ -54,11 +54,13 @@ from dion_jax.optimizers.skeleton import MatrixRule, scale_by_matrix_rule
 from dion_jax.parallel.layout import Layout, Placement
 from dion_jax.parallel.mesh import REPLICA_AXIS, axis_names
 
-# Structural arguments, for optax.inject_hyperparams:
-#   optax.inject_hyperparams(dion, static_args=dion_jax.STATIC_ARGS)(learning_rate=...)
-# Numbers among them fix shapes or Python control flow; callables among them (labels,
-# scale_rule, dimension_numbers, dtypes such as jnp.bfloat16) must not be taken for
-# schedules, which inject_hyperparams does with every other callable argument.
+# Structural arguments. optax.inject_hyperparams(dion)(learning_rate=...) works bare, as
+# optax's own aliases do: every number it turns into an array (lr, mu, weight decays, betas,
+# epsilons, seed, cqr_warmup_steps) works as one, and the structural ones default to None.
+# To pass structural numbers or callables (the rank, labels, scale_rule, dimension_numbers,
+# dtypes such as jnp.bfloat16, which it would take for schedules), name them static:
+#   optax.inject_hyperparams(dion, static_args=dion_jax.STATIC_ARGS)(learning_rate=..., rank_fraction=0.25)
+# Without, they arrive as arrays, and the first call says so in one line.
 STATIC_ARGS = (
     "rank_fraction", "rank_multiple_of", "oversample", "power_iters", "cqr_warmup_steps",
     "seed", "lm_head_lr_scale", "labels", "scale_rule", "dimension_numbers",
@@ -105,7 +107,7 @@ def leaf_frames(
 
 def _compressed(fr: MatrixFrame, layout: Layout) -> bool:
   """Whether P and R are averaged over replicas instead of the gradient."""
-  return layout.per_replica and (fr.rows + fr.cols) * fr.rank < fr.rows * fr.cols
+  return layout.per_replica and fr.compressible
 
 
 def _placement(view: MatrixView, layout: Layout) -> Placement:
@@ -130,14 +132,14 @@ def _collectives(fr: MatrixFrame, layout: Layout, compressed: bool) -> dion_math
 
 
 def scale_by_dion(
-    rank_fraction: float = 1.0,
-    rank_multiple_of: int = 1,
+    rank_fraction: float | None = None,
+    rank_multiple_of: int | None = None,
     mu: float = 0.95,
     epsilon: float = 1e-8,
     qr_method: str = "auto",
     cqr_warmup_steps: int = 150,
-    oversample: float = 1.25,
-    power_iters: int = 1,
+    oversample: float | None = None,
+    power_iters: int | None = None,
     scale_rule: str | Callable[[int, int], float] = "fan_ratio",
     momentum_dtype: Any = None,
     q_dtype: Any = None,
@@ -156,8 +158,8 @@ def scale_by_dion(
   non-matrix parameters to a scalar optimizer.
 
   Args:
-    rank_fraction: r / min(m, n), in (0, 1].
-    rank_multiple_of: round r up to a multiple of this (then clip to min(m, n)).
+    rank_fraction: r / min(m, n), in (0, 1] (None: 1, full rank).
+    rank_multiple_of: round r up to a multiple of this (then clip to min(m, n); None: 1).
     mu: momentum decay of the error feedback, ``M ← M − (1 − mu) P Rᵀ``.
     epsilon: added to Q's column norms.
     qr_method: ``"auto"`` (``"shifted_cqr"`` on a GPU, ``"rcqr"`` elsewhere: the faster
@@ -167,8 +169,9 @@ def scale_by_dion(
       ``"shifted_cqr"`` elsewhere), ``"rcqr"`` (randomized Cholesky QR, the
       reference's) or ``"qr"`` (Householder); see ``dion_jax.linalg.qr``.
     cqr_warmup_steps: see ``qr_method``.
-    oversample: RCQR sketch rows per rank, before rounding up to a multiple of 128.
-    power_iters: power-iteration steps per update.
+    oversample: RCQR sketch rows per rank, before rounding up to a multiple of 128
+      (None: 1.25).
+    power_iters: power-iteration steps per update (None: 1).
     scale_rule: update scale from (fan_out, fan_in): ``"fan_ratio"`` (the reference,
       sqrt(fan_out/fan_in)), ``"spectral"`` (0.2·sqrt(max)), ``"max_one"``
       (sqrt(max(1, fan_out/fan_in))), ``"none"``, or a callable.
@@ -188,6 +191,13 @@ def scale_by_dion(
       (compressed sync) where that moves fewer bytes; False: gradients arrive averaged.
     backend: orthonormalization passes: ``"auto"``, ``"xla"`` or ``"pallas"``.
   """
+  validation.check_static("STATIC_ARGS", rank_fraction=rank_fraction, rank_multiple_of=rank_multiple_of,
+                          oversample=oversample, power_iters=power_iters, momentum_dtype=momentum_dtype,
+                          q_dtype=q_dtype)
+  rank_fraction = 1.0 if rank_fraction is None else rank_fraction
+  rank_multiple_of = 1 if rank_multiple_of is None else rank_multiple_of
+  oversample = 1.25 if oversample is None else oversample
+  power_iters = 1 if power_iters is None else power_iters
   validation.check_numbers(
       rank_fraction=rank_fraction, rank_multiple_of=rank_multiple_of, mu=mu, epsilon=epsilon,
       cqr_warmup_steps=cqr_warmup_steps, oversample=oversample, power_iters=power_iters,
@@ -228,8 +238,8 @@ def scale_by_dion(
 def dion(
     learning_rate: optax.ScalarOrSchedule = 0.01,
     *,
-    rank_fraction: float = 1.0,
-    rank_multiple_of: int = 1,
+    rank_fraction: float | None = None,
+    rank_multiple_of: int | None = None,
     mu: float = 0.95,
     weight_decay: float = 0.01,
     scalar_weight_decay: float | None = None,
@@ -237,8 +247,8 @@ def dion(
     epsilon: float = 1e-8,
     qr_method: str = "auto",
     cqr_warmup_steps: int = 150,
-    oversample: float = 1.25,
-    power_iters: int = 1,
+    oversample: float | None = None,
+    power_iters: int | None = None,
     scale_rule: str | Callable[[int, int], float] = "fan_ratio",
     momentum_dtype: Any = None,
     q_dtype: Any = None,

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from dion_jax.optimizers.orthogonal import COMMON_DOC, STATIC_ARGS, orthogonal_optimizer
@@ -23,7 +22,7 @@ NORDION2_STATIC_ARGS = DION2_STATIC_ARGS + ("num_heads",)
 def dion2(
     learning_rate: optax.ScalarOrSchedule = 0.01,
     *,
-    fraction: float = 0.25,
+    fraction: float | None = None,
     ef_decay: float = 0.95,
     selection_scope: str = "local",
     weight_decay: float = 0.01,
@@ -31,7 +30,7 @@ def dion2(
     cautious_wd: bool = False,
     epsilon: float = 1e-8,
     ortho_method: str = "polar_express",
-    ortho_dtype: Any = jnp.bfloat16,
+    ortho_dtype: Any = "bfloat16",
     gram_newton_schulz: bool = False,
     scale_rule: str | Callable[[int, int], float] | None = "fan_ratio",
     momentum_dtype: Any = None,
@@ -56,7 +55,7 @@ def dion2(
 
   Args:
     learning_rate: base learning rate, a float or an optax schedule.
-    fraction: the selected fraction of the shorter side, in (0, 1].
+    fraction: the selected fraction of the shorter side, in (0, 1] (None: 1/4).
     ef_decay: error-feedback decay of the selected slices of M.
     selection_scope: on a mesh that shards the selection axis, ``"local"`` (each shard
       selects its own top slices and sends only them) or ``"global"`` (the exact top-k
@@ -74,7 +73,7 @@ dion2.__doc__ += COMMON_DOC
 def nordion2(
     learning_rate: optax.ScalarOrSchedule = 0.01,
     *,
-    fraction: float = 0.25,
+    fraction: float | None = None,
     mu: float = 0.95,
     muon_beta2: float = 0.95,
     selection_scope: str = "global",
@@ -84,7 +83,7 @@ def nordion2(
     cautious_wd: bool = False,
     epsilon: float = 1e-8,
     ortho_method: str = "polar_express",
-    ortho_dtype: Any = jnp.bfloat16,
+    ortho_dtype: Any = "bfloat16",
     gram_newton_schulz: bool = False,
     scale_rule: str | Callable[[int, int], float] | None = "fan_ratio",
     momentum_dtype: Any = None,
@@ -113,7 +112,7 @@ def nordion2(
 
   Args:
     learning_rate: base learning rate, a float or an optax schedule.
-    fraction: the selected fraction of the output neurons, in (0, 1].
+    fraction: the selected fraction of the output neurons, in (0, 1] (None: 1/4).
     mu: error-feedback decay of the selected neurons of M (the reference's name).
     muon_beta2: decay of the per-neuron second moment.
     selection_scope: on a mesh that shards the neurons, ``"global"`` (the reference's

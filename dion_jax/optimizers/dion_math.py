@@ -72,17 +72,16 @@ def _power_left(MR_partial_bxrxr, seed, use_cqr, hp: DionHyperParams, axes: Coll
   With ``axes.spread``, the reduction is a reduce-scatter along the batch, so each
   device of the column/replica group orthonormalizes its own share of the matrices,
   and an all-gather brings every P back: the same bytes on the wire as an
-  all-reduce, 1/group of the orthonormalization work.
+  all-reduce, 1/group of the orthonormalization work. Either way the replicas average
+  1/|cols| of P each (``collectives.sum_then_mean``): over rp a device sends its share of
+  the (rows + cols)·r of compressed sync, not the whole P.
   """
-  group = collectives.names(axes.cols) + collectives.names(axes.replica)
-  if not (axes.spread and group):
+  if not (axes.spread and (axes.cols or axes.replica)):
     P = collectives.sum_then_mean(MR_partial_bxrxr, axes.cols, axes.replica)
     return _orthonormalize_batch(P, seed, use_cqr, hp, axes)
-  P_local = jax.lax.psum_scatter(MR_partial_bxrxr, group, scatter_dimension=0, tiled=True)
-  if axes.replica:
-    P_local = P_local / jax.lax.psum(1, axes.replica)
+  P_local = collectives.scatter_sum_then_mean(MR_partial_bxrxr, axes.cols, axes.replica)
   P_local = _orthonormalize_batch(P_local, seed, use_cqr, hp, axes)
-  return jax.lax.all_gather(P_local, group, axis=0, tiled=True, to="invarying")
+  return collectives.gather_back(P_local, axes.cols, axes.replica)
 
 
 def _contract(M: jax.Array, X: jax.Array, over_last: bool) -> jax.Array:

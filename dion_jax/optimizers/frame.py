@@ -110,6 +110,13 @@ class MatrixFrame:
     return tuple(self.shape[a] for a in self.batch_axes)
 
   @property
+  def compressible(self) -> bool:
+    """Whether P and R, (rows + cols)·r values, are fewer than the matrix's rows·cols: only
+    then do replicas average them instead of the gradient (microsoft/dion's
+    ``compressed_all_reduce``); never at full rank."""
+    return (self.rows + self.cols) * self.rank < self.rows * self.cols
+
+  @property
   def q_shape(self) -> tuple[int, ...]:
     """Q: (*batch, cols, r); cols = fan_in, or fan_out when transposed."""
     return self.batch_shape + (self.cols, self.rank)

@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from dion_jax.optimizers.orthogonal import COMMON_DOC, STATIC_ARGS, orthogonal_optimizer
@@ -36,7 +35,7 @@ def muon(
     cautious_wd: bool = False,
     epsilon: float = 1e-8,
     ortho_method: str = "polar_express",
-    ortho_dtype: Any = jnp.bfloat16,
+    ortho_dtype: Any = "bfloat16",
     gram_newton_schulz: bool = False,
     scale_rule: str | Callable[[int, int], float] | None = "fan_ratio",
     momentum_dtype: Any = None,
@@ -79,7 +78,7 @@ def normuon(
     cautious_wd: bool = False,
     epsilon: float = 1e-8,
     ortho_method: str = "polar_express",
-    ortho_dtype: Any = jnp.bfloat16,
+    ortho_dtype: Any = "bfloat16",
     gram_newton_schulz: bool = False,
     scale_rule: str | Callable[[int, int], float] | None = "fan_ratio",
     momentum_dtype: Any = None,

@@ -38,7 +38,7 @@ from dion_jax.parallel.layout import Layout, Placement
 from dion_jax.parallel.mesh import axis_names
 
 # Structural arguments shared by muon, normuon, dion2 and nordion2, for optax.inject_hyperparams
-# (as dion_jax.STATIC_ARGS); each adds its own.
+# (as dion_jax.STATIC_ARGS: needed to pass numbers or callables among them); each adds its own.
 STATIC_ARGS = ("labels", "scale_rule", "dimension_numbers", "momentum_dtype", "ortho_dtype", "ortho_method",
                "gram_newton_schulz", "lm_head_lr_scale", "cautious_wd")  # fmt: skip
 # The arguments the four share, for their docstrings.
@@ -101,12 +101,12 @@ def scale_by_orthogonal(
     mu: float = 0.95,
     nesterov: bool = False,
     muon_beta2: float = 0.95,
-    fraction: float = 0.25,
+    fraction: float | None = None,
     ef_decay: float = 0.95,
     selection_scope: str = "local",
     epsilon: float = 1e-8,
     ortho_method: str = "polar_express",
-    ortho_dtype: Any = jnp.bfloat16,
+    ortho_dtype: Any = "bfloat16",
     gram_newton_schulz: bool = False,
     scale_rule: str | Callable[[int, int], float] | None = "fan_ratio",
     momentum_dtype: Any = None,
@@ -127,12 +127,12 @@ def scale_by_orthogonal(
       rows of M (the reference's name for it; NorDion2 has no other momentum).
     muon_beta2: NorMuon's and NorDion2's decay of the per-neuron second moment.
     fraction, ef_decay, selection_scope: Dion2's and NorDion2's selected fraction of
-      the shorter side (NorDion2: of the output neurons), Dion2's decay of the selected
-      slices of M, and ``"local"`` / ``"global"``.
+      the shorter side (NorDion2: of the output neurons; None: 1/4), Dion2's decay of the
+      selected slices of M, and ``"local"`` / ``"global"``.
     epsilon: added to the scaled Frobenius norm before the polar iterations.
     ortho_method: ``"polar_express"`` (five steps, the default), ``"newton_schulz"`` or
       ``"rescaled_newton_schulz"`` (four steps after an AOL rescaling; ``dion_jax.linalg.polar``).
-    ortho_dtype: ``jnp.bfloat16`` (inputs rounded to bf16) or ``jnp.float32``.
+    ortho_dtype: ``"bfloat16"`` (inputs rounded to bf16) or ``"float32"`` (or the jnp dtypes).
     gram_newton_schulz: run the same steps on the short side's Gram matrix for
       matrices at least twice as long as they are short (fewer flops, the same
       polynomials; the reference's ``use_gram_newton_schulz``).
@@ -145,11 +145,15 @@ def scale_by_orthogonal(
       :func:`dion_jax.scale_by_dion`; ``backend`` picks the polar iterations' kernels.
   """
   validation.check_choice("algorithm", algorithm, math_lib.ALGORITHMS)
+  validation.check_static(f"{algorithm.upper()}_STATIC_ARGS", fraction=fraction, num_heads=num_heads,
+                          ortho_dtype=ortho_dtype, momentum_dtype=momentum_dtype)
+  fraction = 0.25 if fraction is None else fraction
   validation.check_numbers(mu=mu, muon_beta2=muon_beta2, fraction=fraction, ef_decay=ef_decay, epsilon=epsilon)
   validation.check_choice("selection_scope", selection_scope, math_lib.SELECTION_SCOPES)
   validation.check_choice("ortho_method", ortho_method, tuple(polar.METHODS))
   validation.check_choice("backend", backend, backend_lib.BACKENDS)
   polar.check_dtype(ortho_dtype)
+  ortho_dtype = jnp.dtype(ortho_dtype)
   selects = algorithm in ("dion2", "nordion2")
   if algorithm == "dion2" and num_heads is not None:
     raise ValueError("num_heads is supported by Muon, NorMuon and NorDion2 only, as in the reference; got it for dion2")

@@ -36,13 +36,47 @@ def axis_index(axes: Axes) -> jax.Array:
 
 
 def sum_then_mean(x: jax.Array, sum_axes: Axes, mean_axes: Axes) -> jax.Array:
-  """``pmean(psum(x, sum_axes), mean_axes)`` as one all-reduce over both axis sets.
+  """``pmean(psum(x, sum_axes), mean_axes)``, the mean over ``mean_axes`` taken on a
+  1/|sum_axes| part of the sum (a hierarchical all-reduce).
 
-  One collective over the joint group moves each partial sum once; two nested ones
-  would reduce over ``mean_axes`` a value already replicated over ``sum_axes``.
+  A reduce-scatter over ``sum_axes`` leaves each device a part of the sum, which is
+  averaged over ``mean_axes`` and all-gathered back: the same bytes on the wire as one
+  all-reduce over both axis sets, of which only 1/|sum_axes| cross ``mean_axes`` (the
+  replicas, which span nodes where the others do not). Nesting a psum and a pmean would
+  send all of ``x`` over ``mean_axes``. When ``x`` does not split over ``sum_axes`` (or
+  they span one device), one all-reduce over both.
   """
-  joint = names(sum_axes) + names(mean_axes)
-  if not joint:
-    return x
-  x = jax.lax.psum(x, joint)
-  return x / jax.lax.psum(1, names(mean_axes)) if names(mean_axes) else x
+  total, mean = names(sum_axes), names(mean_axes)
+  if not mean:
+    return psum(x, total)
+  if axis_size(total) == 1 or x.size % axis_size(total):
+    return jax.lax.psum(x, total + mean) / axis_size(mean)
+  part = jax.lax.pmean(jax.lax.psum_scatter(x.reshape(-1), total, scatter_dimension=0, tiled=True), mean)
+  return jax.lax.all_gather(part, total, axis=0, tiled=True, to="invarying").reshape(x.shape)
+
+
+def scatter_sum_then_mean(x: jax.Array, sum_axes: Axes, mean_axes: Axes) -> jax.Array:
+  """This device's part of ``pmean(psum(x, sum_axes), mean_axes)``, split along ``x``'s
+  leading axis over the devices of ``sum_axes`` + ``mean_axes`` (in that order), which
+  must divide it: a reduce-scatter over ``sum_axes``, then one over ``mean_axes`` of
+  1/|sum_axes| of ``x`` (:func:`sum_then_mean`'s hierarchy). :func:`gather_back` undoes
+  the split."""
+  for axes in _levels(sum_axes, mean_axes):
+    x = jax.lax.psum_scatter(x, axes, scatter_dimension=0, tiled=True)
+  return x / axis_size(mean_axes)
+
+
+def gather_back(x: jax.Array, sum_axes: Axes, mean_axes: Axes) -> jax.Array:
+  """The whole of what :func:`scatter_sum_then_mean` split, on every device."""
+  for axes in reversed(_levels(sum_axes, mean_axes)):
+    x = jax.lax.all_gather(x, axes, axis=0, tiled=True, to="invarying")
+  return x
+
+
+def _levels(sum_axes: Axes, mean_axes: Axes) -> list[tuple[str, ...]]:
+  """The axis sets :func:`scatter_sum_then_mean` reduces over, one after the other (one
+  set of both when ``sum_axes`` span one device)."""
+  total, mean = names(sum_axes), names(mean_axes)
+  if not (total and mean) or axis_size(total) == 1:
+    return [total + mean] if total + mean else []
+  return [total, mean]
