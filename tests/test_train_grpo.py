@@ -397,14 +397,15 @@ def test_rp2_dion_syncs_over_replicas_as_train_gpt(compile_cache, base_run, prom
 def test_rp2_dion_and_accumulation_equal_one_device(compile_cache, base_run, prompts_file, tmp_path):  # noqa: F811
   """Three updates on one rollout with Dion and the KL term, clipping off: on rp=2 (Dion's
   per-replica path, each replica half the rollout) and with the rollout's updates in two
-  micro-batches (gradient accumulation) the metrics and the policy are one device's. (One
+  micro-batches (gradient accumulation) the metrics and the policy are one device's, the logged
+  norm the replicas' mean gradient's (--grad-norm exact; rms logs their local norms'). (One
   rollout: the next one's samples would follow each run's last-bit differences.) Achieved:
   metrics within 1.7e-7, parameters within 6.6e-7 of their largest entry on rp=2 and 9.8e-7
   accumulated (but AdamW's rows of rare tokens, below); checked at about 5x."""
   common = ["--init-from", base_run, "--prompts", prompts_file, "--steps", "1", "--prompts-per-step", "2",
             "--group-size", "4", "--max-new-tokens", "6", "--reward", "tests.test_train_grpo:digits_reward",
             "--optimizer", "dion", "--dion-rank-fraction", "0.25", "--clip-grad", "0", "--beta", "0.04",
-            "--updates-per-rollout", "3", "--lr", "1e-2"]
+            "--updates-per-rollout", "3", "--lr", "1e-2", "--grad-norm", "exact"]
   runs = {"one": ["--mesh", "fs=1"], "replicas": ["--mesh", "rp=2"],
           "accumulated": ["--mesh", "fs=1", "--micro-batch-size", "4"]}  # 2 micro-batches of 4
   for name, flags in runs.items():
