@@ -118,13 +118,13 @@ def test_adamw_is_the_published_recipe():
 
 def test_dion_rank_by_width_unless_given():
   """Without --dion-rank-fraction Dion takes the rank of its width (tiny's 128: full rank;
-  small's 768: RANK_BY_WIDTH's), read off the widest Dion matrix's shorter side; a flag
+  small's 768: half, the measured choice of README "Training"), read off the widest Dion matrix's shorter side; a flag
   wins. The planner defaults alike."""
   from train import plan
 
-  for preset, want in (("tiny", 1.0), ("small", optim.default_rank_fraction(768))):
+  for preset, want in (("tiny", 1.0), ("small", 0.5)):
     _, params = models.abstract(models.preset(preset))
     assert optim.rank_fraction(Config(), params) == want
-    assert optim.rank_fraction(Config(dion_rank_fraction=0.5), params) == 0.5
+    assert optim.rank_fraction(Config(dion_rank_fraction=0.25), params) == 0.25
     assert plan.plan(preset, "fs=8", compare=False)["rank_fraction"] == want
   assert optim.default_rank_fraction(127) == 1.0

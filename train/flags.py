@@ -121,7 +121,7 @@ HELP = {
     "min_loss_scale": "--dtype float16: never halve the loss scale below this (default 1, as"
                       " Megatron's)",
     "dion_rank_fraction": "Dion's rank r / min(m, n), in (0, 1] (default by the model's width: full rank"
-                          " below 768, 1/4 from 768, i.e. small, 350m, 1b and imported models; lower"
+                          " below 768, 1/2 from 768, i.e. small, 350m, 1b and imported models; lower"
                           " ranks cut Dion's compute and what its replicas exchange, (m + n)·r per"
                           " matrix instead of m·n)",
     "dion_momentum": "Dion's error-feedback momentum mu (default 0.95)",
