@@ -26,26 +26,16 @@ SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2
          "--dion-rank-fraction", "0.25", "--clip-grad", "0.5"]
 
 
-# Large enough never to evict within a run; a size turns on JAX's file lock, which the
-# xdist workers and the subprocesses sharing one cache need (unlocked, one may read
-# another's half-written entry).
-CACHE_BYTES = 8 << 30
-
-
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def compile_cache(tmp_path_factory):
-  """A persistent XLA cache shared by every trainer run of this pytest run: in-process, in
-  subprocesses, and across xdist's workers, which compile many of the same steps."""
-  base = tmp_path_factory.getbasetemp()
-  path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "xla_cache"
-  path.mkdir(exist_ok=True)
-  path = str(path)
+  """A persistent XLA cache for this module's runs, in-process and in subprocesses."""
+  path = str(tmp_path_factory.mktemp("xla_cache"))
   data.load_source("stdlib", progress=False)  # build the corpus once, before parallel runs
   data.load_source("stdlib:val", progress=False)
   names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-           "jax_persistent_cache_min_entry_size_bytes", "jax_compilation_cache_max_size")
+           "jax_persistent_cache_min_entry_size_bytes")
   before = {n: getattr(jax.config, n) for n in names}
-  for name, value in zip(names, (path, 0, 0, CACHE_BYTES)):
+  for name, value in zip(names, (path, 0, 0)):
     jax.config.update(name, value)
   yield path
   for name, value in before.items():
@@ -56,7 +46,7 @@ def subprocess_env(cache: str) -> dict:
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not conftest's 8 devices
   env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache,
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", JAX_COMPILATION_CACHE_MAX_SIZE=str(CACHE_BYTES))
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   return env
 
 
