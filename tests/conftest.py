@@ -1,4 +1,9 @@
-"""Test setup: 8 fake CPU devices, so every mesh in the tests fits on one machine.
+"""Test setup: 8 fake CPU devices, so every mesh in the tests fits on one machine, and XLA
+without LLVM's optimizations.
+
+The tests are bound by compilation, and LLVM's optimization passes take about half of XLA's
+CPU compile time; every check compares programs built with the same flags (subprocesses keep
+them: ``tests/xla_env.py``), so they run unoptimized.
 
 The flags must be set before jax is imported anywhere.
 """
@@ -6,8 +11,10 @@ import os
 
 import numpy  # noqa: F401  numpy's own OpenBLAS starts first, with its default threads.
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+from tests import xla_env
+
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), xla_env.FAST_COMPILE, "--xla_force_host_platform_device_count=8"]
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # jaxlib's CPU LAPACK calls scipy's OpenBLAS, whose threads would compete with XLA's pool.

@@ -172,7 +172,8 @@ def test_dion_training_on_fs_tp_pp_matches_one_device():
   losses, params = _train("fs=2,tp=2,pp=2", {"microbatches": 2})
   assert want_losses[-1] < want_losses[0]
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-  model_meshes.assert_close_trees(params, want_params, rtol=1e-5)
+  # Three Dion steps carry float32 rounding: 2.8e-5 in lm_head with XLA's unoptimized CPU code.
+  model_meshes.assert_close_trees(params, want_params, rtol=5e-5)
 
 
 # --- what each device holds, and what the compiled step communicates --------------------

@@ -14,6 +14,7 @@ import zipfile
 import pytest
 
 import dion_jax
+from tests import xla_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "dion_jax"
@@ -138,7 +139,7 @@ def test_every_readme_command_runs_from_the_wheel(tmp_path):
                  check=True, capture_output=True)
   user = tmp_path / "elsewhere"
   user.mkdir()
-  env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
+  env = xla_env.subprocess_env(drop=("PYTHONPATH",))
   commands = sorted(set(re.findall(r"python -m ((?:train|data)\.\w+)", (ROOT / "README.md").read_text())))
   assert {"train.gpt", "train.grpo", "train.plan", "train.gpu", "train.eval", "train.export"} <= set(commands)
   prefixes = {m.split(".")[0] for m in re.findall(r"python -m (\w+)", (ROOT / "README.md").read_text())}

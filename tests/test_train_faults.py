@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from data import fineweb
+from tests import xla_env
 from tests.test_train_gpt import compile_cache, snapshot, subprocess_env  # noqa: F401  fixture
 from train import config as config_lib
 from train import cli, gpt, preflight, rundir, sample
@@ -390,7 +391,7 @@ def test_folders_named_like_the_packages_in_the_working_directory_do_not_shadow_
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   out = subprocess.run([sys.executable, "-c", EDITABLE_INSTALL, root, *TINY, "--vocab-size", "100",
                         "--run-dir", str(tmp_path / "run")], cwd=tmp_path, capture_output=True, text=True,
-                       env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")},
+                       env=xla_env.subprocess_env(drop=("PYTHONPATH",)),
                        timeout=300)
   assert out.returncode == 2, out.stderr[-2000:]
   assert out.stderr.startswith("error: --data stdlib holds token id 256") and out.stderr.count("\n") == 1

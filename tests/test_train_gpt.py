@@ -18,6 +18,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import data
+from tests import xla_env
 from tests.test_train_optim import expected_lr
 from train import gpt
 
@@ -43,7 +44,7 @@ def compile_cache(tmp_path_factory):
 
 
 def subprocess_env(cache: str) -> dict:
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not conftest's 8 devices
+  env = xla_env.subprocess_env()
   env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache,
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")

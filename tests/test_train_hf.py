@@ -14,6 +14,7 @@ import pytest
 import data
 import models
 from data import hf_tokenizer
+from tests import xla_env
 from tests.test_data_sft import make_tokenizer
 from tests.test_models_hf import hf_logits, make_hf_model, np_loss
 from tests.test_train_gpt import free_port
@@ -162,7 +163,7 @@ def test_eval_on_two_processes_matches_one(trained, capsys):
   flags = ["--data", "stdlib:val", "--tokens", "100", "--seq-len", str(SEQ)]
   assert eval_lib.main([str(run), *flags]) == 0
   want = capsys.readouterr().out
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not conftest's 8 devices
+  env = xla_env.subprocess_env()
   env["JAX_PLATFORMS"] = "cpu"
   port = free_port()
   procs = [subprocess.Popen([sys.executable, "-m", "train.eval", str(run), *flags, "--mesh", "fs=2,tp=2",

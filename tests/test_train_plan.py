@@ -15,7 +15,7 @@ import dion_jax
 import models
 from train import plan, plan_model, plan_optimizer
 from dion_jax.parallel.replicas import replica_spec
-from tests import model_meshes
+from tests import model_meshes, xla_env
 from train import step as step_lib
 
 BATCH = 8
@@ -181,8 +181,7 @@ def relative_errors(kind, *args):
 def test_bytes_and_memory_on_16_and_32_devices():
   code = ("import json; from benchmarks.harness import setup_process; setup_process(32, 'cpu');"
           " from tests import test_train_plan as t; print(json.dumps([t.relative_errors(*c) for c in t.MANY_DEVICES]))")
-  flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f)
-  env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+  env = {**xla_env.subprocess_env(), "JAX_PLATFORMS": "cpu"}
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
   assert out.returncode == 0, out.stderr[-3000:]

@@ -1,0 +1,13 @@
+"""The environment of the tests' subprocesses: conftest's XLA flags without its device count."""
+import os
+
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def subprocess_env(drop: tuple[str, ...] = ()) -> dict:
+  """``os.environ`` less ``drop``, its XLA_FLAGS less the forced device count (a subprocess
+  asks for its own)."""
+  env = {k: v for k, v in os.environ.items() if k not in drop}
+  flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+  env["XLA_FLAGS"] = " ".join(flags)
+  return env
