@@ -7,8 +7,8 @@ algorithms' wire bytes of every collective whose group spans rp), against Dion's
 fraction (1, 1/2, 1/4, 1/8, 1/16), beside Muon, NorMuon, Dion2 (fraction 1/4) and AdamW,
 which have no rank:
 
-- compiled: ``python -m train.gpt``'s step as ``train.loop.setup`` compiles it (forward,
-  backward, clipping, guard, update; ``train.comm``'s record, loops counted per run), for
+- compiled: ``python -m train.gpt``'s step as ``train.run.loop.setup`` compiles it (forward,
+  backward, clipping, guard, update; ``train.run.comm``'s record, loops counted per run), for
   ``tiny`` with a global batch of 8 on 8 CPU devices, meshes rp=8 and rp=4,fs=2;
 - planned: ``train.plan`` for Llama 3 8B and 70B on 1024 H100s (8 per node, tp=8,
   the smallest fs on which AdamW fits: ``benchmarks.plan_figures.mesh_for``), a batch of
@@ -34,8 +34,8 @@ PLANNED_MODELS = ("8b", "70b")
 
 def compiled_over_rp(mesh: str, optimizer: str, rank: float = 0.25) -> int:
   """Wire bytes per device and step over rp of the trainer's compiled ``tiny`` step."""
-  from train import config as config_lib
-  from train import loop
+  from train.run import config as config_lib
+  from train.run import loop
 
   with tempfile.TemporaryDirectory(prefix="comm_figure_") as run_dir:
     cfg = config_lib.parse(["--preset", "tiny", "--mesh", mesh, "--optimizer", optimizer, "--global-batch-size", "8",
@@ -49,7 +49,8 @@ def compiled_over_rp(mesh: str, optimizer: str, rank: float = 0.25) -> int:
 def planned_over_rp(model: str, mesh: str, optimizer: str, rank: float = 0.25) -> int:
   """Wire bytes per device and step over rp of the planner's step (ring algorithms)."""
   from benchmarks import plan_figures
-  from train import plan, plan_model
+  from train.plan import model as plan_model
+  from train.plan import planner as plan
 
   p = plan.plan(model, mesh, optimizer, rank, **plan_figures.COMMON)
   sizes = plan_model.sizes_of(mesh)

@@ -86,7 +86,7 @@ def gradient_allreduce_stats(mesh, shapes, specs) -> list[dion_jax.CollectiveSta
 def transformation(optimizer: str, mesh, specs, rank_fraction: float = 0.25, **kwargs):
   if optimizer == "dion":
     return dion_jax.scale_by_dion(rank_fraction=rank_fraction, partition_specs=specs, mesh=mesh, backend="xla")
-  # The family orthogonalizes the replicas' mean gradient, as training runs it (train/optim.py):
+  # The family orthogonalizes the replicas' mean gradient, as training runs it (train/run/optim.py):
   # no per-replica gradients.
   return dion_jax.scale_by_orthogonal(optimizer, partition_specs=specs, mesh=mesh, backend="xla",
                                       replicate_sync=False, **kwargs)

@@ -35,7 +35,7 @@ import dion_jax
 import models
 from benchmarks import harness
 from models import context
-from train import timing
+from train.gpu import timing
 
 
 def ring_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, *, implementation, cp, segment_ids_BxT=None):

@@ -27,7 +27,7 @@ import dion_jax
 from benchmarks import harness
 from dion_jax.kernels import rcqr_xla, sketch
 from dion_jax.linalg import qr
-from train import timing
+from train.gpu import timing
 
 
 def kernel_cost_per_call(fn, args, calls: int = 5) -> tuple[float, float]:

@@ -18,7 +18,7 @@ import optax
 
 import dion_jax
 from benchmarks import harness
-from train import timing
+from train.gpu import timing
 
 
 def optimizers(float32: bool) -> dict:

@@ -5,7 +5,7 @@ fixed-window recompute ``train.sample`` used before it and transformers' cached 
     python -m benchmarks.generate --batch 1 --new 32 --rounds 2
 
 One random Llama-shaped model (GQA, SwiGLU, tied embeddings) is built in transformers,
-saved, and imported with ``train.hf.load``, so that all three run the same weights. Each
+saved, and imported with ``train.store.hf.load``, so that all three run the same weights. Each
 case writes ``--new`` greedy tokens after a prompt of ``--prompt`` tokens (every row the
 same length, no padding, no eos), the cases taking turns (``timing.interleaved_times``);
 tokens/s is batch x new tokens over the whole call's median time, prefill included. The
@@ -22,7 +22,7 @@ import os
 import tempfile
 
 from benchmarks import harness
-from train import timing
+from train.gpu import timing
 
 LLAMA = {"vocab_size": 2048, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
          "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 512, "tie_word_embeddings": True}
@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> None:
 
   import models
   from models import generate
-  from train import hf as hf_io
   from train import sample
+  from train.store import hf as hf_io
 
   torch.set_num_threads(1)  # as XLA's single-threaded Eigen: the same one core for both
   torch.manual_seed(0)

@@ -16,7 +16,7 @@ import numpy as np
 
 import models
 from benchmarks import harness  # noqa: F401  limits OpenBLAS's threads before any LAPACK call
-from train import timing
+from train.gpu import timing
 
 
 def main(argv=None) -> int:

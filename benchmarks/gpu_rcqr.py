@@ -22,7 +22,7 @@ from benchmarks import harness  # noqa: F401  limits OpenBLAS's threads before a
 from dion_jax.kernels import rcqr as pallas_rcqr
 from dion_jax.kernels import sketch
 from dion_jax.linalg import qr
-from train import timing
+from train.gpu import timing
 
 MS = (4096, 16384, 65536)
 RS = (128, 512, 1024)

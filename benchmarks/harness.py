@@ -1,4 +1,4 @@
-"""What every benchmark shares: process set-up, meshes, GPT matrices (timing: ``train/timing.py``).
+"""What every benchmark shares: process set-up, meshes, GPT matrices (timing: ``train/gpu/timing.py``).
 
 Benchmarks run as modules from the repository root, ``python -m benchmarks.NAME``.
 Importing this module limits OpenBLAS to one thread, as ``python -m train.gpt`` does

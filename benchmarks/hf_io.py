@@ -5,8 +5,8 @@
     python -m benchmarks.hf_io --dir /tmp/llama1b --from-run      # train.export of a run
 
 Stage 1 (its own process) draws random float32 parameters of the shape in NumPy and writes
-them with ``train.hf.save`` (safetensors shards of at most 2 GiB and an index); stage 2
-(a fresh process) reads them with ``train.hf.load`` on one device or onto ``--mesh``.
+them with ``train.store.hf.save`` (safetensors shards of at most 2 GiB and an index); stage 2
+(a fresh process) reads them with ``train.store.hf.load`` on one device or onto ``--mesh``.
 With ``--from-run``, stage 1 saves the drawn parameters as a run's Orbax checkpoint
 (DIR.run) and stage 2 is ``train.export`` of that run into DIR, as a user exports.
 Each prints wall time, the process's peak resident memory (``ru_maxrss``) and the bytes
@@ -60,7 +60,7 @@ def save_run(run_dir: str) -> dict:
   """The drawn parameters as step 1 of a run (what train.gpt saves, optimizer state left out)."""
   import dataclasses
 
-  from train import checkpoint as ckpt_lib
+  from train.store import checkpoint as ckpt_lib
 
   cfg, params = _draw()
   record = {"train": {}, "model": dataclasses.asdict(cfg)}
@@ -84,7 +84,7 @@ def export_run(run_dir: str, directory: str) -> dict:
 
 
 def export(directory: str) -> dict:
-  from train import hf as hf_io
+  from train.store import hf as hf_io
 
   cfg, params = _draw()
   drawn = _peak_gib()
@@ -99,7 +99,7 @@ def load(directory: str, mesh: str | None) -> dict:
 
   import dion_jax
   import models
-  from train import hf as hf_io
+  from train.store import hf as hf_io
 
   cfg = hf_io.model_config(directory, seq_len=2048)
   par = models.Parallelism()

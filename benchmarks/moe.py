@@ -45,7 +45,7 @@ import optax  # noqa: E402
 
 import dion_jax  # noqa: E402
 import models  # noqa: E402
-from train import timing  # noqa: E402
+from train.gpu import timing  # noqa: E402
 
 STAGES = ("speed", "quality", "alltoall", "memory")
 # tiny with 8 experts of width 256, top-2, on layers 1 and 3 (dense MLPs of 512 on 0 and 2):

@@ -33,8 +33,8 @@ import sys
 import time
 
 from train.cli import UsageError
-from train.config import DEFAULT_LR
-from train.log import read_metrics
+from train.run.config import DEFAULT_LR
+from train.store.log import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

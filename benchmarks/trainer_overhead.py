@@ -2,10 +2,10 @@
 
     python -m benchmarks.trainer_overhead [--steps 60] [trainer flags, e.g. --preset tiny]
 
-Sets up one run as the trainer does (``train.loop.setup``), then times
+Sets up one run as the trainer does (``train.run.loop.setup``), then times
 1. the bare jitted train step (forward, backward, optimizer) on one fixed batch already on
    the devices, ``--steps`` calls with one wait at the end (``timing.throughput_time``);
-2. the trainer's loop (``train.loop.train``: data loading, host-to-device transfer, metric
+2. the trainer's loop (``train.run.loop.train``: data loading, host-to-device transfer, metric
    reads, logging, the final checkpoint) for the same steps, from its metrics.jsonl:
    the median of ``ms_per_step`` over log intervals after the first (which holds the
    compile).
@@ -15,8 +15,10 @@ import statistics
 import sys
 import tempfile
 
-from train import config as config_lib
-from train import gpt, log, timing
+from train.gpu import timing
+from train.run import config as config_lib
+from train.run import start
+from train.store import log
 
 
 def main(argv=None) -> int:
@@ -24,10 +26,10 @@ def main(argv=None) -> int:
   run_dir = tempfile.mkdtemp(prefix="trainer_overhead_")
   cfg = config_lib.parse(["--steps", "60", "--log-interval", "10", "--eval-every", "0",
                           "--save-every", "0", *argv, "--run-dir", run_dir])
-  gpt.start_jax(cfg)  # host devices for the mesh, before JAX starts
+  start.start_jax(cfg)  # host devices for the mesh, before JAX starts
   import jax
 
-  from train import loop
+  from train.run import loop
 
   run = loop.setup(cfg)
   batch = loop.global_batch(run, next(run.data.loader))

@@ -6,7 +6,7 @@
     state = it.get_state()                     # JSON-serializable; it.set_state(state)
 
 To checkpoint the iterator, save ``it.get_state()`` as JSON beside the arrays and call
-``it.set_state`` on restore, as ``train/checkpoint.py`` does: the state counts global
+``it.set_state`` on restore, as ``train/store/checkpoint.py`` does: the state counts global
 steps, the same on every process, so one copy restores on any number of processes
 (Grain's own checkpoint handler keys its files by the process count).
 """

@@ -18,7 +18,7 @@ another shard count with the same global batch, sees the batches an uninterrupte
 would have.
 
 `ordered_rows` reads the same rows unshuffled, each once, in one array: a fixed
-validation set (`train/evaluation.py`).
+validation set (`train/run/evaluation.py`).
 """
 import grain
 import numpy as np

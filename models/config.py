@@ -50,7 +50,7 @@ class GPTConfig:
       padding rows are zeros); the reference trains its padding rows instead.
     dtype: compute dtype, ``"float32"``, ``"bfloat16"`` or ``"float16"``; parameters
       and optimizer state stay float32, softmax and the loss run in float32. float16's
-      narrow range needs loss scaling in training (``train/step.py``).
+      narrow range needs loss scaling in training (``train/run/step.py``).
     remat: recompute each layer's activations in the backward pass.
     rope_base: base of the rotary embedding's frequencies.
     rope_llama3: Llama 3.1's frequency scaling for long contexts, ``(factor,

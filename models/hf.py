@@ -44,7 +44,7 @@ which Qwen3-MoE lacks, is off; a capacity factor is a training choice the export
 (transformers routes every token).
 
 :func:`read_leaf` assembles any slice of a leaf from slices of the tensors, so that a
-process reads only what its devices hold (``train/hf.py``).
+process reads only what its devices hold (``train/store/hf.py``).
 """
 from __future__ import annotations
 

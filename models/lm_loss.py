@@ -9,7 +9,7 @@ layers run in one scan (``models.gpt.apply_layers``) and XLA partitions TP, SP a
 annotations; with pp > 1 or cp > 1 the whole model runs inside one ``shard_map``
 (``models/pipeline.py``, ``models/context.py``).
 
-A per-token ``objective`` (GRPO's: ``train/grpo_objective.py``) replaces the cross-entropy
+A per-token ``objective`` (GRPO's: ``train/grpo/objective.py``) replaces the cross-entropy
 with its own terms of each target's log-probability at a ``temperature``, read from more
 [B, T] batch fields, on the same forward; :func:`token_logps` gives those log-probabilities.
 

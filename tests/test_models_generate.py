@@ -10,8 +10,8 @@ from scipy import stats
 import dion_jax
 import models
 from models import generate
-from train import hf as hf_io
 from train import sample
+from train.store import hf as hf_io
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -12,8 +12,8 @@ import pytest
 import dion_jax
 import models
 from models import hf as hf_map
-from train import hf as hf_io
 from train import sample
+from train.store import hf as hf_io
 
 torch = pytest.importorskip("torch", reason="the Hugging Face reference tests need the dev extra: pip install -e \".[dev]\"")
 transformers = pytest.importorskip("transformers", reason="the Hugging Face reference tests need the dev extra: pip install -e \".[dev]\"")

@@ -1,4 +1,4 @@
-"""What the trainer's step sends (``train/comm.py``), read from the step ``train.loop.setup``
+"""What the trainer's step sends (``train/run/comm.py``), read from the step ``train.run.loop.setup``
 compiles (scan, clipping, guard, update; loops counted per run): equal to
 ``train.plan`` per group of mesh axes on every kind of mesh, and over the replicas
 to what Dion's compressed sync should send, counted by hand from the parameters' shapes.
@@ -19,10 +19,9 @@ from jax.sharding import PartitionSpec as P
 
 import dion_jax
 import models
-from train import plan as plan_lib
-from train import comm
-from train import config as config_lib
-from train import loop
+from train.plan import planner as plan_lib
+from train.run import comm, loop
+from train.run import config as config_lib
 
 BATCH = 8
 # Achieved: every group within 0.01% but for the scalars of the loss, the guard and the

@@ -1,4 +1,4 @@
-"""train/config.py: values that make no sense are one line naming the valid range; flags the
+"""train/run/config.py: values that make no sense are one line naming the valid range; flags the
 optimizer ignores are named; --resume takes the saved run's config (config.json, else the
 checkpoint's) and keeps its lr schedule and batch size. No JAX: parse and check only."""
 import json
@@ -6,8 +6,9 @@ import os
 
 import pytest
 
-from train import config as config_lib
-from train import gpt, rundir
+from train import gpt
+from train.run import config as config_lib
+from train.store import rundir
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -1,4 +1,4 @@
-"""``train.gpt --config FILE`` and ``--print-config`` (``train/config_file.py``): a YAML file
+"""``train.gpt --config FILE`` and ``--print-config`` (``train/run/config_file.py``): a YAML file
 written by hand reproduces a flags-only run bit for bit (the same program on the same
 inputs), the printed config reads back to the same config, a run's config.json serves as
 a file, flags override the file, and bad keys and values are one line naming the key."""
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from tests.test_train_gpt import SMALL, records, saved_state
-from train import config as config_lib
 from train import gpt
+from train.run import config as config_lib
 
 # SMALL and the run's own flags, as a person would write them in a file: both key
 # spellings, YAML's ints, floats, booleans, lists and strings.

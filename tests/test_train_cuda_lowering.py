@@ -13,8 +13,8 @@ from jax._src.cudnn import fused_attention_stablehlo  # cuDNN's checks query a l
 from dion_jax.kernels import backend as backend_lib
 from tests import stablehlo_calls
 from tests.triton_ir import parse_triton_modules
-from train import config as config_lib
-from train import loop
+from train.run import config as config_lib
+from train.run import loop
 
 
 @pytest.fixture

@@ -14,7 +14,8 @@ import data
 from tests.test_models_gpt import np_token_losses
 from tests.test_train_gpt import compile_cache  # noqa: F401  (the resumed run reuses the compiled step)
 from train import eval as eval_lib
-from train import gpt, sample
+from train import gpt
+from train.run import restore as restore_lib
 
 SEQ, BATCH = 32, 4
 # Training rows of 32 inputs: two 17-token examples (16 bytes + EOD) share a row, a 33-token
@@ -68,7 +69,7 @@ def test_trainer_and_eval_give_the_mean_over_every_learned_target(run, capsys):
   evaluated = float(printed.split()[3])
 
   # The reference: each example alone (no packing, no padding), float64, its learned targets.
-  restored = sample.restore(str(run_dir))
+  restored = restore_lib.restore(str(run_dir))
   params = dict(restored.params, blocks=jax.tree.map(lambda a: a[None], restored.params["blocks"]))  # one stage
   total, count = 0.0, 0
   for prompt, completion in _valid_examples():

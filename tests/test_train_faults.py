@@ -23,8 +23,11 @@ import pytest
 from data import fineweb
 from tests import xla_env
 from tests.test_train_gpt import compile_cache, snapshot, subprocess_env  # noqa: F401  fixture
-from train import config as config_lib
-from train import cli, gpt, preflight, rundir, sample
+from train import cli, gpt
+from train.run import config as config_lib
+from train.run import preflight
+from train.run import restore as restore_lib
+from train.store import rundir
 
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-len", "16",
         "--global-batch-size", "8", "--eval-tokens", "128", "--log-interval", "1", "--mesh", "fs=1",
@@ -175,8 +178,8 @@ def test_a_signal_to_one_of_two_processes_stops_both_after_the_same_step(compile
 
 SECOND_SIGNAL = """
 import sys, time
-from train import rundir
-from train.interrupt import Interrupt
+from train.store import rundir
+from train.run.interrupt import Interrupt
 with Interrupt(on_second=lambda: rundir.remove_partial_saves(sys.argv[1])) as interrupt:
   print("ready", flush=True)
   while interrupt.signum is None:
@@ -210,7 +213,7 @@ def test_a_failed_save_stops_the_run_at_the_next_step_and_keeps_the_previous_che
   partial is left."""
   from orbax.checkpoint._src.path import atomicity
 
-  from train import loop
+  from train.run import loop
 
   finalize = atomicity.AtomicRenameTemporaryPath.finalize
 
@@ -278,7 +281,7 @@ def test_resume_reads_the_checkpoint_config_and_refuses_damaged_checkpoints(comp
   for path in (run_dir / "checkpoints" / "3" / "state").rglob("d/*"):  # OCDBT's data files
     path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
   with pytest.raises(cli.UsageError, match="^" + re.escape(damaged) + r"ValueError: OUT_OF_RANGE: .*\); use an older one with --step 2$"):
-    sample.restore(str(run_dir))
+    restore_lib.restore(str(run_dir))
 
   broken = tmp_path / "broken"
   broken.mkdir()
@@ -319,7 +322,7 @@ def test_an_imported_model_is_checked_on_the_data_ids_and_its_positions(tmp_path
   pytest.importorskip("transformers")
   from tests.test_data_sft import make_tokenizer
   from tests.test_models_hf import make_hf_model
-  from train import hf as hf_io
+  from train.store import hf as hf_io
 
   make_hf_model("llama", tmp_path / "llama", vocab_size=300)
   make_tokenizer(tmp_path / "llama", ["a", "b"])
@@ -412,7 +415,7 @@ def test_out_of_memory_is_one_line(compile_cache, tmp_path, capsys):  # noqa: F8
     return compiled(state, batch)
 
   run.train_step = step
-  from train import loop
+  from train.run import loop
 
   assert loop.train(run) == 1
   err = one_error_line(capsys)

@@ -9,11 +9,13 @@ import json
 import numpy as np
 
 from tests.test_train_profiling import annotated_steps
-from train import gpu, gpu_moe
+from train.gpu import __main__ as gpu_cmd
+from train.gpu import evidence as gpu
+from train.gpu import moe as gpu_moe
 
 
 def test_without_a_gpu_one_line_and_exit_2(capsys):
-  assert gpu.main([]) == gpu.EXIT_NO_GPU
+  assert gpu_cmd.main([]) == gpu_cmd.EXIT_NO_GPU
   err = capsys.readouterr().err
   assert err.startswith("error: no GPU") and err.count("\n") == 1
 

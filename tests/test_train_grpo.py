@@ -14,10 +14,15 @@ import pytest
 
 import dion_jax
 import models
-from train import checkpoint as ckpt_lib
-from train import config as config_lib
 from tests.test_train_gpt import compile_cache  # noqa: F401  a fixture
-from train import grpo, grpo_objective, loop, sample
+from train import sample
+from train.grpo import __main__ as grpo
+from train.grpo import loop as grpo_loop
+from train.grpo import objective as grpo_objective
+from train.run import config as config_lib
+from train.run import loop
+from train.run import restore as restore_lib
+from train.store import checkpoint as ckpt_lib
 
 SEQ_LEN = 32
 
@@ -78,7 +83,7 @@ def test_token_logps_are_the_full_forwards(base_run):
   """Left-padded prompt + completion through the training forward: each completion
   token's log softmax(logits / T), and the entropy of that distribution, equal the unpadded
   sequence's (sample.logits, float64)."""
-  restored = sample.restore(base_run)
+  restored = restore_lib.restore(base_run)
   rng = np.random.default_rng(0)
   sequences = [rng.integers(0, 256, n).astype(np.int32) for n in (9, 14)]
   completion, temperature = 5, 0.7
@@ -119,8 +124,8 @@ def test_run_writes_metrics_and_a_checkpoint_train_sample_reads(base_run, prompt
     assert 1 <= r["completion_length_mean"] <= r["completion_length_max"] <= 6
     assert r["reward/tests.test_train_grpo:digits_reward/std"] >= 0
   assert records[1]["kl"] > 0  # the policy moved away from the reference after step 1's updates
-  trained = sample.restore(run_dir)
-  start = sample.restore(base_run)
+  trained = restore_lib.restore(run_dir)
+  start = restore_lib.restore(base_run)
   assert trained.step == 2
   assert not np.allclose(trained.params["lm_head"]["kernel"], start.params["lm_head"]["kernel"])
   assert sample.main([run_dir, "--prompt", "1+2=", "--max-new-tokens", "4"]) == 0
@@ -192,8 +197,8 @@ def test_resume_continues_as_if_never_stopped(base_run, prompts_file, tmp_path, 
   for a, b in zip(*records):
     assert {k: v for k, v in a.items() if k not in timing} == pytest.approx(
         {k: v for k, v in b.items() if k not in timing}, abs=1e-6)
-  np.testing.assert_allclose(sample.restore(stopped).params["lm_head"]["kernel"],
-                             sample.restore(straight).params["lm_head"]["kernel"], atol=1e-6)
+  np.testing.assert_allclose(restore_lib.restore(stopped).params["lm_head"]["kernel"],
+                             restore_lib.restore(straight).params["lm_head"]["kernel"], atol=1e-6)
   assert grpo.main(["--run-dir", stopped, "--resume"]) == 2  # the resumed run saved its --steps 2
   assert "the checkpoint is at step 2, which already reaches --steps 2" in capsys.readouterr().err
 
@@ -323,8 +328,8 @@ def test_a_non_finite_update_is_skipped_counted_and_stops_the_run(compile_cache,
   kept = tmp_path / "kept"
   assert small_run(base_run, prompts_file, kept, "--lr", "1e39", "--steps", "2", "--max-skipped", "5") == 0
   assert [r["skipped"] for r in strict_records(kept)] == [1, 1]
-  for got, start in zip(jax.tree.leaves(sample.restore(str(kept)).params),
-                        jax.tree.leaves(sample.restore(base_run).params)):
+  for got, start in zip(jax.tree.leaves(restore_lib.restore(str(kept)).params),
+                        jax.tree.leaves(restore_lib.restore(base_run).params)):
     np.testing.assert_array_equal(got, start)
   capsys.readouterr()
   stopped = tmp_path / "stopped"
@@ -340,7 +345,7 @@ def test_a_non_finite_update_is_skipped_counted_and_stops_the_run(compile_cache,
 def poisoned_run(base_run, tmp_path_factory):
   """base_run with a NaN in its final norm: every log-probability and loss is NaN."""
   run_dir = str(tmp_path_factory.mktemp("grpo") / "poisoned")
-  restored = sample.restore(base_run)
+  restored = restore_lib.restore(base_run)
   params = dict(restored.params, final_norm={"scale": restored.params["final_norm"]["scale"] * np.nan})
   with open(os.path.join(base_run, "config.json")) as f:
     record = json.load(f)
@@ -378,7 +383,7 @@ def test_rp2_dion_syncs_over_replicas_as_train_gpt(compile_cache, base_run, prom
   for the same model and mesh, but for the objective's three statistics (KL and clip
   shares, gathered with the loss: 32 bytes here); the momentum has one copy per replica.
   Measured (Dion at rank 1/4, where it compresses): 258,794 bytes against train.gpt's 258,762."""
-  run = grpo.setup(["--init-from", base_run, "--prompts", prompts_file, "--run-dir", str(tmp_path / "grpo"),
+  run = grpo_loop.setup(["--init-from", base_run, "--prompts", prompts_file, "--run-dir", str(tmp_path / "grpo"),
                     "--steps", "1", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6",
                     "--reward", "format", "--mesh", "rp=2", "--optimizer", "dion", "--dion-rank-fraction", "0.25"])
   momentum = [x for x in jax.tree.leaves(run.state.opt_state) if len(x.sharding.spec) and x.sharding.spec[0] == "rp"]
@@ -417,7 +422,7 @@ def test_rp2_dion_and_accumulation_equal_one_device(compile_cache, base_run, pro
       assert {k: v for k, v in b.items() if k not in timing} == pytest.approx(
           {k: v for k, v in a.items() if k not in timing}, abs=1e-6), name
   assert records["one"][0]["kl"] > 0
-  start, one, replicas, accumulated = (sample.restore(str(d)).params
+  start, one, replicas, accumulated = (restore_lib.restore(str(d)).params
                                        for d in (base_run, *(tmp_path / name for name in runs)))
   scale = max(float(np.abs(x).max()) for x in jax.tree.leaves(one))
   for (path, a), b, c in zip(jax.tree_util.tree_leaves_with_path(one), jax.tree.leaves(replicas),
@@ -495,13 +500,14 @@ def test_gsm8k_shaped_parquet_end_to_end(compile_cache, tmp_path):  # noqa: F811
                     "--optimizer", "adamw", "--lr", "1e-3"]) == 0
   for record in strict_records(run_dir):
     assert 0 <= record["reward/answer/mean"] <= 1 and record["skipped"] == 0
-  assert sample.restore(str(run_dir)).step == 2
+  assert restore_lib.restore(str(run_dir)).step == 2
 
 
 def test_help_shows_every_default(capsys):
   """--help names a default (or says the flag is needed) for every flag that takes a
   value; the flags shared with train.gpt show train.gpt's help text."""
-  from train import flags, grpo_config
+  from train.grpo import config as grpo_config
+  from train.run import flags
   parser = grpo_config.parser()
   for action in parser._actions:
     if action.option_strings and action.nargs != 0 and action.dest != "help":
@@ -517,7 +523,7 @@ def test_a_new_run_takes_the_starting_runs_model_not_its_optimizer(tmp_path):
   """The run's Config: the starting run's model fields, train.gpt's defaults for the shared
   flags left off (not the starting run's), the rollout as the global batch, the schedule
   over --steps x --updates-per-rollout optimizer updates."""
-  from train import grpo_config
+  from train.grpo import config as grpo_config
   start = {"num_layers": 3, "hidden_size": 48, "optimizer": "adamw", "lr": 0.5, "weight_decay": 0.3}
   argv = ["--init-from", str(tmp_path), "--prompts", "p.jsonl", "--reward", "format", "--run-dir", str(tmp_path / "r"),
           "--steps", "10", "--updates-per-rollout", "3", "--prompts-per-step", "4", "--group-size", "2"]

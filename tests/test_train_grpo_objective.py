@@ -1,4 +1,4 @@
-"""train/grpo_objective.py against TRL 1.16 itself: the loss, its gradient and its
+"""train/grpo/objective.py against TRL 1.16 itself: the loss, its gradient and its
 statistics are what ``GRPOTrainer._compute_loss`` computes on the same inputs (TRL's own
 code, called on a stand-in trainer whose model returns the given log-probabilities and
 entropies) for every loss type, both importance sampling levels, with and without the KL
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train import grpo_objective
+from train.grpo import objective as grpo_objective
 
 torch = pytest.importorskip("torch")
 trl = pytest.importorskip("trl")

@@ -1,5 +1,5 @@
-"""train.grpo_rewards: the built-in answer and format rewards, GSM8K's answers included."""
-from train import grpo_rewards
+"""train.grpo.rewards: the built-in answer and format rewards, GSM8K's answers included."""
+from train.grpo import rewards as grpo_rewards
 
 
 def test_builtin_rewards():

@@ -21,7 +21,8 @@ from tests.test_train_gpt import free_port
 from train import eval as eval_lib
 from train import export as export_lib
 from train import gpt, sample
-from train import hf as hf_io
+from train.run import restore as restore_lib
+from train.store import hf as hf_io
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face reference tests need the dev extra: pip install -e \".[dev]\"")
 
@@ -75,7 +76,7 @@ def test_fine_tune_export_loads_in_transformers(trained, tmp_path):
   assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
           "chat_template.jinja"} <= set(os.listdir(out))
   model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
-  restored = sample.restore(str(run))
+  restored = restore_lib.restore(str(run))
   tokens = np.random.default_rng(0).integers(0, VOCAB, (2, SEQ)).astype(np.int32)
   ours = np.asarray(sample.logits(restored.graphdef, restored.params, jnp.asarray(tokens)))[..., :VOCAB]
   np.testing.assert_allclose(ours, hf_logits(model, tokens), atol=1e-4, rtol=0)
@@ -87,7 +88,7 @@ def test_fine_tune_export_loads_in_transformers(trained, tmp_path):
 def test_import_export_import_is_bit_exact(trained, tmp_path, monkeypatch):
   """Also: the export streams, reading each checkpoint leaf once and holding one at a time."""
   _, run = trained
-  restored = sample.restore(str(run))
+  restored = restore_lib.restore(str(run))
   out = tmp_path / "sharded"
   reads, read = [], export_lib._Leaves.read
 
@@ -227,7 +228,7 @@ def test_orthogonal_family_trains_the_new_matrices(trained, tmp_path, optimizer)
   assert gpt.main(["--init-from", f"hf:{source}", "--optimizer", optimizer, "--steps", "1",
                    "--global-batch-size", "4", "--seq-len", str(SEQ), "--run-dir", str(run),
                    "--eval-tokens", "0", "--mesh", "fs=2,tp=2"]) == 0
-  restored = sample.restore(str(run))
+  restored = restore_lib.restore(str(run))
   _, initial = hf_io.load(str(source), restored.cfg, models.Parallelism())
   initial = dict(initial, blocks=models.to_layers(initial["blocks"], 1))
   for name in ("query", "key", "value", "out"):
@@ -294,7 +295,7 @@ def test_qwen3_moe_fine_tune_export(tmp_path, capsys):
   assert gpt.main(["--init-from", f"hf:{source}", "--optimizer", "adamw", "--steps", "1",
                    "--global-batch-size", "4", "--seq-len", str(SEQ), "--run-dir", str(run),
                    "--eval-tokens", "0", "--mesh", "ep=2", "--lr", "0.01"]) == 0
-  restored = sample.restore(str(run))
+  restored = restore_lib.restore(str(run))
   _, initial = hf_io.load(str(source), restored.cfg, models.Parallelism())
   # the experts trained
   initial_gate = models.to_layers(initial["blocks"], 1)["mlp"]["experts"]["gate"]

@@ -1,4 +1,4 @@
-"""Hugging Face Hub ids (``train/hub.py``): ``--init-from hf:ORG/NAME`` read from a Hub cache
+"""Hugging Face Hub ids (``train/store/hub.py``): ``--init-from hf:ORG/NAME`` read from a Hub cache
 this test lays out as ``huggingface_hub`` does (``models--ORG--NAME/{refs,snapshots,blobs}``),
 with ``HF_HUB_OFFLINE=1``, trains exactly as the same checkpoint in a local folder; so do
 train.eval and the planner; a model missing offline is one line naming the cache; what is
@@ -19,9 +19,9 @@ import models
 from tests.test_train_gpt import records, saved_state, subprocess_env
 from train import eval as eval_lib
 from train import export as export_lib
-from train import hf as hf_io
-from train import hub
-from train import plan
+from train.plan import __main__ as plan_cmd
+from train.store import hf as hf_io
+from train.store import hub
 
 huggingface_hub = pytest.importorskip("huggingface_hub", reason="needs the hub extra: pip install -e \".[dev]\"")
 from huggingface_hub import constants, errors  # noqa: E402
@@ -96,7 +96,7 @@ def test_eval_and_the_planner_read_hub_ids(checkpoint, offline_cache, capsys):
   outputs = []
   for spec in (f"hf:{REPO}", f"hf:{REPO}@{COMMIT}", f"hf:{folder}"):
     assert eval_lib.main([spec, "--data", "stdlib:val", "--seq-len", "16", "--tokens", "128", "--mesh", "fs=1"]) == 0
-    assert plan.main(["--model", spec, "--mesh", "fs=2", "--json"]) == 0
+    assert plan_cmd.main(["--model", spec, "--mesh", "fs=2", "--json"]) == 0
     loss, planned = capsys.readouterr().out.splitlines()
     assert json.loads(planned).pop("model") == spec
     outputs.append((loss, {k: v for k, v in json.loads(planned).items() if k != "model"}))

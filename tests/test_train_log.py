@@ -1,4 +1,4 @@
-"""``metrics.jsonl`` is strict JSON (``train/log.py``): an interval whose every step was
+"""``metrics.jsonl`` is strict JSON (``train/store/log.py``): an interval whose every step was
 skipped has no finite loss; it is written as null, which strict parsers accept, reads
 back as NaN, and reaches the trackers as it was (NaN, inf)."""
 import json
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from train import log
+from train.store import log
 
 
 class Recorder:

@@ -1,4 +1,4 @@
-"""Faults of multi-host runs (``train/peers.py``): two processes of ``python -m train.gpt`` on
+"""Faults of multi-host runs (``train/run/peers.py``): two processes of ``python -m train.gpt`` on
 127.0.0.1 (gloo, one CPU device each, mesh fs=2). A killed or stopped process, a checkpoint write
 that fails in one process, a step out of memory in one process, bad input seen by one process:
 every other process ends soon after, with one line, the whole checkpoints kept, nothing partial
@@ -22,7 +22,8 @@ import pytest
 
 from tests.test_train_faults import TINY
 from tests.test_train_gpt import compile_cache, subprocess_env, train_losses  # noqa: F401  fixture
-from train import gpt, rundir
+from train import gpt
+from train.store import rundir
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform != "linux", reason="/proc, rlimits")]
 
@@ -34,7 +35,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LIMITED = """
 import os, resource, signal, sys
-from train import gpt, loop
+from train import gpt
+from train.run import loop
 limit, argv = sys.argv[1], sys.argv[2:]
 save, saves = loop.save, []
 

@@ -13,10 +13,13 @@ from jax.sharding import NamedSharding
 
 import dion_jax
 import models
-from train import plan, plan_model, plan_optimizer
 from dion_jax.parallel.replicas import replica_spec
 from tests import model_meshes, xla_env
-from train import step as step_lib
+from train.plan import __main__ as plan_cmd
+from train.plan import model as plan_model
+from train.plan import optimizer as plan_optimizer
+from train.plan import planner as plan
+from train.run import step as step_lib
 
 BATCH = 8
 # Achieved: every group below matches to the byte (relative error 0) except the
@@ -84,7 +87,7 @@ def update(name, spec, optimizer):
 
   grads = jax.tree.map(gradient, abstract(params), dion_jax.default_labels(params))
   with jax.set_mesh(mesh):
-    # The state as training creates it (train/loop.py: tx.init on the sharded parameters).
+    # The state as training creates it (train/run/loop.py: tx.init on the sharded parameters).
     state = abstract(tx.init(params))
     compiled = jax.jit(lambda g, s, p: tx.update(g, s, p)).lower(grads, state, abstract(params)).compile()
   leaves = plan_model.leaves(cfg)
@@ -109,7 +112,7 @@ def test_forward_backward_bytes_equal_the_compiled_steps(name, spec, microbatche
 
 
 def test_gradient_reductions_of_a_step_with_micro_batches_and_replicas():
-  """The step's gradient with 4 micro-batches on rp=2,fs=2,tp=2 (``train.step.make_gradient``;
+  """The step's gradient with 4 micro-batches on rp=2,fs=2,tp=2 (``train.run.step.make_gradient``;
   loops counted per iteration): over rp one all-reduce of the gradient shards after the scan
   (achieved: 12 bytes in 889,360 off, aux scalars); over fs each micro-batch's reduction to
   the shards, the embedding's included (achieved: 0 bytes off; when XLA partitioned the
@@ -230,7 +233,7 @@ def test_json_plan_and_the_verdict(capsys):
   # Rank 1/4: at the default for 8B's width (1/2) Dion's momentum and Q outweigh AdamW's state.
   argv = ["--model", "8b", "--mesh", "fs=64,tp=8", "--global-batch-size", "512", "--micro-batch-size", "1",
           "--rank-fraction", "0.25", "--json"]
-  assert plan.main(argv) == 0
+  assert plan_cmd.main(argv) == 0
   p = json.loads(capsys.readouterr().out)
   assert p["devices"] == 512 and p["micro_batches"] == 8
   purposes = {c["purpose"] for c in p["collectives"]}
@@ -248,7 +251,7 @@ def test_json_plan_and_the_verdict(capsys):
 
 
 def test_sweep_ranks_meshes_that_fit(capsys):
-  assert plan.main(["--model", "tiny", "--sweep", "--devices", "8", "--global-batch-size", "16", "--json"]) == 0
+  assert plan_cmd.main(["--model", "tiny", "--sweep", "--devices", "8", "--global-batch-size", "16", "--json"]) == 0
   found = json.loads(capsys.readouterr().out)
   steps = [p["time"]["step"] for p in found]
   assert found and steps == sorted(steps) and all(p["devices"] == 8 for p in found)
@@ -262,6 +265,6 @@ def test_sweep_ranks_meshes_that_fit(capsys):
     (["--ib", "25"], "GBPS:MICROSECONDS"),
 ])
 def test_bad_input_is_one_error_line(capsys, argv, message):
-  assert plan.main(["--model", "tiny", *argv]) == 2
+  assert plan_cmd.main(["--model", "tiny", *argv]) == 2
   err = capsys.readouterr().err
   assert err.startswith("error:") and err.count("\n") == 1 and message in err

@@ -1,4 +1,4 @@
-"""python -m train.plot: the PNG of a real run's curves, resumed runs (train.log.read_metrics), bad input."""
+"""python -m train.plot: the PNG of a real run's curves, resumed runs (train.store.log.read_metrics), bad input."""
 import json
 import os
 import shutil
@@ -8,7 +8,8 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from train import gpt, log, plot
+from train import gpt, plot
+from train.store import log
 
 RUN = ["--steps", "4", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
        "--seq-len", "16", "--global-batch-size", "4", "--save-every", "2", "--eval-every", "2",

@@ -13,9 +13,15 @@ import pytest
 
 import models
 from tests.test_train_gpt import (  # noqa: F401  compile_cache is a fixture
-    assert_trees_equal, compile_cache, records, saved_state, snapshot, train)
+  assert_trees_equal,
+  compile_cache,
+  records,
+  saved_state,
+  snapshot,
+  train,
+)
 from train import gpt
-from train import step as step_lib
+from train.run import step as step_lib
 
 WINDOW = 3
 FP16 = ["--dtype", "float16", "--mesh", "fs=2", "--loss-scale-window", str(WINDOW),

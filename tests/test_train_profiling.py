@@ -1,4 +1,4 @@
-"""``--profile-steps A:B`` (``train/profiling.py``): a profiled CPU run writes a trace of
+"""``--profile-steps A:B`` (``train/store/profiling.py``): a profiled CPU run writes a trace of
 exactly the chosen steps, each named with its step number, where TensorBoard's profile
 plugin and Perfetto look; a malformed range is one line. (``train.gpu``'s profile stage
 takes its trace this way: ``tests/test_train_gpu.py``.)"""
@@ -9,7 +9,8 @@ import json
 import pytest
 
 from tests.test_train_gpt import SMALL
-from train import gpt, profiling
+from train import gpt
+from train.store import profiling
 
 
 def traced_steps(run_dir) -> list[int]:

@@ -1,11 +1,11 @@
-"""train.rundir: a run directory's refusals, metrics.jsonl as strict JSON, resumed flags."""
+"""train.store.rundir: a run directory's refusals, metrics.jsonl as strict JSON, resumed flags."""
 import json
 import math
 
 import pytest
 
-from train import rundir
 from train.cli import UsageError
+from train.store import rundir
 
 
 def test_metrics_are_strict_json_with_null_for_non_finite(tmp_path):

@@ -16,6 +16,7 @@ import data
 import models
 from tests.test_models_gpt import PUBLISHED_NORM_EPS, PUBLISHED_ROPE_BASE
 from train import gpt, sample
+from train.run import restore as restore_lib
 
 SEQ_LEN, BATCH, EVAL_TOKENS = 16, 4, 128
 RUN = ["--steps", "4", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
@@ -32,7 +33,7 @@ def run_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def restored(run_dir):
-  return sample.restore(run_dir)
+  return restore_lib.restore(run_dir)
 
 
 def _rms(x, scale=1.0):
@@ -134,7 +135,7 @@ def test_command_prints_prompt_and_greedy_continuation(run_dir, restored, capsys
 
 
 def test_step_flag_restores_that_checkpoint(run_dir, restored):
-  earlier = sample.restore(run_dir, step=2)
+  earlier = restore_lib.restore(run_dir, step=2)
   assert earlier.step == 2
   assert not np.array_equal(earlier.params["lm_head"]["kernel"], restored.params["lm_head"]["kernel"])
 

@@ -13,7 +13,8 @@ import pytest
 
 from tests.test_train_faults import TINY
 from tests.test_train_gpt import compile_cache, records  # noqa: F401  fixture
-from train import gpt, loop, spikes
+from train import gpt
+from train.run import loop, spikes
 
 PLANTED = 70  # the first step that can be skipped: 69 known values fill more than half the window
 

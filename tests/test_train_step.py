@@ -9,7 +9,7 @@ import pytest
 import dion_jax
 import models
 from tests import model_meshes
-from train import step as step_lib
+from train.run import step as step_lib
 
 CFG = models.preset("tiny", num_layers=2, d_model=32, num_heads=2, seq_len=8, mlp="swiglu", num_kv_heads=1)
 

@@ -1,4 +1,4 @@
-"""TensorBoard and W&B (``train/tracking.py``): what their own readers find after a run of
+"""TensorBoard and W&B (``train/store/tracking.py``): what their own readers find after a run of
 ``train.gpt`` and of ``train.grpo`` is what ``metrics.jsonl`` holds, and a missing extra
 is refused with one line before anything starts.
 
@@ -17,9 +17,11 @@ import struct
 import numpy as np
 import pytest
 
-from tests.test_train_grpo import base_run  # noqa: F401  fixture
 from tests.test_train_gpt import SMALL
-from train import gpt, grpo, tracking
+from tests.test_train_grpo import base_run  # noqa: F401  fixture
+from train import gpt
+from train.grpo import __main__ as grpo
+from train.store import tracking
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 HAS_WANDB = importlib.util.find_spec("wandb") is not None

@@ -2,7 +2,7 @@
 
 A user who mistypes a flag or points at a missing run needs the fix, not a traceback;
 a failure after start-up is a bug or a failed run and keeps its traceback. Nothing
-here imports jax (``train/config.py`` must not).
+here imports jax (``train/run/config.py`` must not).
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ Fine-tuning data (``--data sft:FILE.jsonl``, prompt/completion lines or conversa
 read whole, with the model's tokenizer and chat template, and packed into rows as the
 trainer packs it: the loss is then the mean over the learned targets (completions,
 assistant turns) of every example, each once. The trainer's validation computes the same
-number with the same function (``train/evaluation.py``).
+number with the same function (``train/run/evaluation.py``).
 
 Bad input prints one ``error: ...`` line on stderr and exits with code 2.
 """
@@ -35,12 +35,14 @@ from jax.sharding import PartitionSpec as P
 import data
 import models
 from models import context
-from train import cli, evaluation, flags, gpt, loop, sample
-from train import config as config_lib
-from train import hf as hf_io
-from train import hub
-from train import step as step_lib
+from train import cli
 from train.cli import UsageError
+from train.run import config as config_lib
+from train.run import evaluation, flags, loop, start
+from train.run import restore as restore_lib
+from train.run import step as step_lib
+from train.store import hf as hf_io
+from train.store import hub
 
 
 def load_model(spec: str, step: int | None, par: models.Parallelism) -> tuple[models.GPTConfig, object, object]:
@@ -59,7 +61,7 @@ def load_model(spec: str, step: int | None, par: models.Parallelism) -> tuple[mo
       raise UsageError(f"--mesh: {e}") from None
     return cfg, graphdef, params
   run_dir = os.path.abspath(spec)
-  restored = sample.restore(run_dir, step, par)
+  restored = restore_lib.restore(run_dir, step, par)
   return restored.cfg, restored.graphdef, restored.params
 
 
@@ -140,7 +142,7 @@ def _start(argv):
   runtime = config_lib.Config(mesh=args.mesh, coordinator=args.coordinator, num_processes=args.num_processes,
                               process_id=args.process_id, distributed=args.distributed)
   runtime.check()
-  gpt.start_jax(runtime)
+  start.start_jax(runtime)
   par = _parallelism(args.mesh, args.batch_size)
   with jax.set_mesh(par.mesh):
     cfg, graphdef, params = load_model(args.model, args.step, par)

@@ -1,5 +1,5 @@
 """A run's checkpoint as a Hugging Face checkpoint: ``python -m train.export RUN_DIR --output DIR``
-(and ``--push-to-hub ORG/NAME`` to upload it: ``train/hub.py``).
+(and ``--push-to-hub ORG/NAME`` to upload it: ``train/store/hub.py``).
 
 Writes ``config.json`` (the imported checkpoint's, with the model's fields written over it,
 when the run started from ``--init-from hf:DIR``), the weights as ``model.safetensors`` (or
@@ -31,11 +31,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from models import hf as hf_map
-from train import checkpoint as ckpt_lib
-from train import cli, preflight, rundir, sample
-from train import hf as hf_io
-from train import hub
+from train import cli
 from train.cli import UsageError
+from train.run import preflight
+from train.run import restore as restore_lib
+from train.store import checkpoint as ckpt_lib
+from train.store import hf as hf_io
+from train.store import hub, rundir
 
 
 def export(run_dir: str, output: str, step: int | None = None,
@@ -45,7 +47,7 @@ def export(run_dir: str, output: str, step: int | None = None,
   run_dir = os.path.abspath(run_dir)
   if os.path.exists(output):
     raise UsageError(f"{output} already exists; choose a new --output directory")
-  with sample.open_checkpoint(run_dir, step) as (manager, step, cfg):
+  with restore_lib.open_checkpoint(run_dir, step) as (manager, step, cfg):
     try:
       hf_map.to_hf_config(cfg)
     except hf_map.UnsupportedCheckpoint as e:

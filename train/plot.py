@@ -1,6 +1,6 @@
 """Loss curves of runs: ``python -m train.plot RUN_DIR [RUN_DIR ...] [--output curves.png]``.
 
-Reads each run's ``metrics.jsonl`` (``train/log.py``: a record with ``loss`` per log
+Reads each run's ``metrics.jsonl`` (``train/store/log.py``: a record with ``loss`` per log
 interval, one with ``val_loss`` per evaluation, both with the consumed ``tokens``) and
 draws training loss (solid) and validation loss (dashed, dots) against tokens, one
 colour per run, into an image whose format the output's extension names (PNG, PDF, SVG,
@@ -21,8 +21,9 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed, none opened
 import matplotlib.pyplot as plt  # noqa: E402
 
-from train import cli, log  # noqa: E402
+from train import cli  # noqa: E402
 from train.cli import UsageError  # noqa: E402
+from train.store import log
 
 FIGSIZE, DPI = (8.0, 5.0), 100  # an 800 x 500 PNG
 

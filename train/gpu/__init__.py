@@ -1,0 +1,1 @@
+"""``python -m train.gpu``: the GPU evidence (kernels, optimizers, MoE, the trainer, a profile)."""

@@ -1,0 +1,99 @@
+"""GPU evidence in one command: kernels, optimizer steps and training, as JSON and a PNG.
+
+    python -m train.gpu                     # every stage, about 7 minutes on one H100
+    python -m train.gpu --stages check,kernels --out /tmp/gpu
+
+Stages (``--stages``); each reports, and the next runs even when one fails:
+
+- ``check``: every Pallas kernel (RCQR's sketch, solve + Gram and solve; Newton–Schulz's
+  symmetric products) and the whole RCQR and polar factor, Pallas and XLA, against
+  float64 NumPy on the same inputs (the sketch's S from ``dion_jax.kernels.sketch``).
+- ``kernels``: time of the Pallas path against XLA's composition of the same math
+  (and Householder QR for RCQR), interleaved rounds. Both in ``train/gpu/kernels.py``.
+- ``optimizers``: one jitted step (update + apply) on one square n x n float32 matrix,
+  n = 2048, 4096, ... while the stage's time lasts: Dion at rank 1, 1/4 and 1/16, Dion2
+  (fraction 1/4), NorMuon and Muon (bf16 Polar Express), optax's Muon and AdamW; the
+  Dion paper's step-time-versus-size figure. A size that runs out of memory is recorded.
+- ``moe``: ``jax.lax.ragged_dot`` (the experts' grouped matmul) checked against a loop over
+  experts, then timed forward and backward in bf16 against one dense matmul of the same
+  rows, 8 and 64 experts, even and skewed groups (``train/gpu/moe.py``).
+- ``train``: the trainer (``python -m train.gpt``) in bfloat16 with cuDNN attention,
+  ``small`` with AdamW, Dion2, Muon and Dion and ``350m`` with AdamW and Dion: tokens/s,
+  model TFLOP/s, MFU against the device's dense bf16 peak and peak memory, from the last
+  log interval; and the optimizer's share of the step: the trainer's own optimizer
+  (update + apply, jitted alone, donated, on the model's parameters and same-shaped
+  gradients) timed as the trainer times its steps, ``optimizer_ms / ms_per_step``.
+- ``profile``: a trace of Dion's steps 2 to 6 of ``small``, taken by the trainer's own
+  ``--profile-steps`` (``train/store/profiling.py``), summarized as the device's kernels by
+  total time: where a step's time goes.
+
+Writes ``gpu.json`` after every stage and ``gpu.png`` at the end, under ``--out``
+(default ``gpu-evidence/<device>/`` in the working directory; the repository keeps its runs in
+``--out benchmarks/results/gpu/<device>``). Without a GPU it says so and exits 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+import traceback
+
+import jax
+
+from train.gpu import evidence, kernels, moe
+
+EXIT_NO_GPU = 2
+STAGES = ("check", "kernels", "optimizers", "moe", "train", "profile")
+
+
+def device_slug(kind: str) -> str:
+  return re.sub(r"[^a-z0-9]+", "-", kind.lower()).strip("-")
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m train.gpu", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset of " + ",".join(STAGES))
+  parser.add_argument("--out", help="output folder (default gpu-evidence/<device>)")
+  parser.add_argument("--stage-seconds", type=float, default=80.0,
+                      help="time after which a stage starts no new case (default 80)")
+  parser.add_argument("--max-size", type=int, default=16384, help="largest n of the optimizers stage")
+  parser.add_argument("--train-steps", type=int, default=30, help="trainer steps per run (default 30)")
+  args = parser.parse_args(argv)
+  stages = args.stages.split(",")
+  unknown = set(stages) - set(STAGES)
+  if unknown:
+    parser.error(f"unknown stages {sorted(unknown)}; choose from {','.join(STAGES)}")
+  if jax.default_backend() != "gpu":
+    print(f"error: no GPU here (JAX's default backend is {jax.default_backend()}); run this on an NVIDIA GPU",
+          file=sys.stderr)
+    return EXIT_NO_GPU
+  device = jax.devices()[0].device_kind
+  out = args.out or os.path.join("gpu-evidence", device_slug(device))
+  os.makedirs(out, exist_ok=True)
+  results = {"device": device, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
+             "command": "python -m train.gpu " + " ".join(argv if argv is not None else sys.argv[1:])}
+  functions = {"check": kernels.stage_check, "kernels": kernels.stage_kernels,
+               "optimizers": evidence.stage_optimizers, "moe": moe.stage_moe, "train": evidence.stage_train,
+               "profile": evidence.stage_profile}
+  for name in stages:
+    print(f"== {name}", flush=True)
+    t0 = time.monotonic()
+    try:
+      results[name] = functions[name](args)
+    except Exception as e:  # noqa: BLE001 (one stage's failure is reported, the others still run)
+      traceback.print_exc()
+      results[name] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
+    results[name]["seconds"] = round(time.monotonic() - t0, 1)
+    with open(os.path.join(out, "gpu.json"), "w") as f:
+      json.dump(results, f, indent=1)
+  evidence.plot(results, os.path.join(out, "gpu.png"))
+  print(f"wrote {out}/gpu.json and gpu.png", flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,224 @@
+"""The GPU evidence's stages that run dion_jax's optimizers and the trainer: ``optimizers``,
+``train`` and ``profile`` (``python -m train.gpu``'s docstring says what each measures), and
+the figure of their results."""
+from __future__ import annotations
+
+import collections
+import functools
+import gzip
+import json
+import os
+import tempfile
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import dion_jax
+from train.gpu.timing import jitted_step, throughput_time, time_fn
+
+# --- optimizers --------------------------------------------------------------------
+
+
+def optimizers() -> dict[str, Callable[[], optax.GradientTransformation]]:
+  """Each optimizer of the figure, applied to every leaf (one square matrix)."""
+  matrix = {"labels": lambda params: jax.tree.map(lambda _: "dion", params)}
+  muon_dims = optax.contrib.MuonDimensionNumbers(reduction_axis=0, output_axis=1)
+  return {
+      "dion r=1": lambda: dion_jax.dion(0.01, rank_fraction=1.0, **matrix),
+      "dion r=1/4": lambda: dion_jax.dion(0.01, rank_fraction=0.25, **matrix),
+      "dion r=1/16": lambda: dion_jax.dion(0.01, rank_fraction=1 / 16, **matrix),
+      "dion2 1/4": lambda: dion_jax.dion2(0.01, fraction=0.25, **matrix),
+      "nordion2 1/4": lambda: dion_jax.nordion2(0.01, fraction=0.25, **matrix),
+      "normuon": lambda: dion_jax.normuon(0.01, **matrix),
+      "muon": lambda: dion_jax.muon(0.01, **matrix),
+      "optax muon": lambda: optax.contrib.muon(0.01, muon_weight_dimension_numbers=lambda p: jax.tree.map(
+          lambda _: muon_dims, p)),
+      "optax adamw": lambda: optax.adamw(1e-3),
+  }
+
+
+def _out_of_memory(error: Exception) -> bool:
+  return "RESOURCE_EXHAUSTED" in str(error) or "out of memory" in str(error).lower()
+
+
+def stage_optimizers(args) -> dict:
+  rows, deadline = [], time.monotonic() + args.stage_seconds
+  gone = set()  # optimizers that ran out of memory at a smaller size
+  n = 2048
+  while n <= args.max_size and time.monotonic() < deadline:
+    params = {"w": jax.random.normal(jax.random.key(0), (n, n), jnp.float32) / np.sqrt(n)}
+    row = {"n": n}
+    for name, make in optimizers().items():
+      if name in gone or time.monotonic() > deadline:
+        continue
+      try:
+        step, step_args, _ = jitted_step(make(), params)
+        row[name] = time_fn(step, step_args, repeats=9, warmup=2) * 1e3
+        del step_args
+      except Exception as e:  # noqa: BLE001 (a size that does not fit ends that optimizer's curve)
+        if not _out_of_memory(e):
+          raise
+        gone.add(name)
+        row[name] = "out of memory"
+    rows.append(row)
+    print(f"  n={n:6d} " + " | ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                                      for k, v in row.items() if k != "n") + " (ms)", flush=True)
+    n *= 2
+  return {"rows": rows, "unit": "ms per step", "complete": n > args.max_size}
+
+
+# --- train -------------------------------------------------------------------------
+
+
+def optimizer_seconds(run, steps: int) -> float:
+  """Seconds per call of the run's optimizer alone: update + apply, jitted with parameters
+  and state donated, on copies of the run's parameters and gradients of their shapes,
+  dtypes and shardings; timed as the trainer times its steps (chained calls, one wait)."""
+  import models
+  from train.run import optim
+
+  with jax.set_mesh(run.mesh):
+    params = jax.tree.map(jnp.copy, run.state.params)
+    tx = optim.optimizer(run.cfg, params, run.mesh, models.param_specs(params))
+    grads = jax.tree.map(lambda p: jax.device_put(
+        jax.random.normal(jax.random.key(1), p.shape, p.dtype) * 1e-2, p.sharding), params)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def update(params, opt_state, grads):
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    return throughput_time(lambda p, s: update(p, s, grads), (params, tx.init(params)), steps)
+
+
+def train_run(preset: str, optimizer: str, steps: int, batch: int, attention: str, optimizer_steps: int = 0,
+              run_dir: str | None = None, profile_steps: str | None = None) -> dict:
+  """The trainer's numbers of the last log interval (after the compiling first one); with
+  ``optimizer_steps``, also the optimizer's own time (:func:`optimizer_seconds`) and its
+  share of the step. The run goes to ``run_dir`` (default a temporary directory), its
+  ``--profile-steps`` trace (``train/store/profiling.py``) to RUN_DIR/profile."""
+  if run_dir is None:
+    with tempfile.TemporaryDirectory() as run_dir:
+      return train_run(preset, optimizer, steps, batch, attention, optimizer_steps, run_dir, profile_steps)
+  from train.run import config as config_lib
+  from train.run import loop
+  from train.store import log
+
+  cfg = config_lib.Config(
+      preset=preset, optimizer=optimizer, dtype="bfloat16", attention=attention, steps=steps,
+      log_interval=steps // 2, global_batch_size=batch, eval_tokens=0, save_every=0,
+      run_dir=run_dir, mesh="fs=1", profile_steps=profile_steps)
+  cfg.check()
+  run = loop.setup(cfg)
+  optimizer_ms = optimizer_seconds(run, optimizer_steps) * 1e3 if optimizer_steps else None
+  code = loop.train(run)
+  if code:
+    raise RuntimeError(f"the trainer exited with {code}")
+  intervals, _ = log.read_metrics(run_dir)
+  record = intervals[max(intervals)]
+  stats = jax.devices()[0].memory_stats() or {}
+  row = {"preset": preset, "optimizer": optimizer, "attention": attention, "global_batch": batch,
+         "seq_len": run.model_cfg.seq_len, "params_M": run.model_cfg.num_params() / 1e6,
+         "ms_per_step": record["ms_per_step"], "tokens_per_s": record["tokens_per_s"],
+         "tflops": record["tflops_per_device"], "mfu": record.get("mfu"),
+         # The allocator's peak since the process started: runs go from small to large.
+         "process_peak_memory_GiB": stats.get("peak_bytes_in_use", 0) / 2**30}
+  if optimizer_ms is not None:
+    row.update(optimizer_ms=optimizer_ms, optimizer_share=optimizer_ms / record["ms_per_step"])
+  return row
+
+
+TRAIN_RUNS = (("small", 32, ("adamw", "dion2", "muon", "dion")), ("350m", 16, ("adamw", "dion")))
+
+
+def train_line(row: dict) -> str:
+  """One run of the train stage as a line of the log."""
+  line = (f"  {row['preset']} {row['optimizer']}: {row['ms_per_step']:.1f} ms/step, {row['tokens_per_s']:.0f} tokens/s,"
+          f" {row['tflops']:.1f} TFLOP/s, MFU {100 * (row['mfu'] or 0):.1f}%,"
+          f" process peak {row['process_peak_memory_GiB']:.1f} GiB")
+  if "optimizer_ms" in row:
+    line += f"; optimizer {row['optimizer_ms']:.1f} ms ({100 * row['optimizer_share']:.1f}% of the step)"
+  return line
+
+
+def stage_train(args, runs=TRAIN_RUNS, attention: str = "cudnn") -> dict:
+  rows, deadline = [], time.monotonic() + args.stage_seconds
+  for preset, batch, names in runs:
+    for optimizer in names:
+      if time.monotonic() > deadline:
+        break
+      rows.append(train_run(preset, optimizer, args.train_steps, batch, attention,
+                            optimizer_steps=args.train_steps))
+      print(train_line(rows[-1]), flush=True)
+  return {"rows": rows, "complete": len(rows) == sum(len(names) for _, _, names in runs)}
+
+
+def summarize_trace(path: str, top: int = 25) -> list[dict]:
+  """The device's kernels in a Perfetto trace (``jax.profiler``), by total time."""
+  with gzip.open(path) as f:
+    trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+             and "/device:" in e.get("args", {}).get("name", "")}
+  total, count = collections.Counter(), collections.Counter()
+  for e in events:
+    if e.get("ph") == "X" and e.get("pid") in devices:
+      total[e["name"]] += e["dur"]
+      count[e["name"]] += 1
+  all_us = sum(total.values())
+  return [{"kernel": name[:120], "ms": us / 1e3, "count": count[name], "share": us / all_us}
+          for name, us in total.most_common(top)]
+
+
+def stage_profile(args, preset: str = "small", batch: int = 32, attention: str = "cudnn") -> dict:
+  """The trainer's steps 2 to 6 of 6 traced by its own ``--profile-steps``, by kernel."""
+  with tempfile.TemporaryDirectory() as run_dir:
+    train_run(preset, "dion", 6, batch, attention, run_dir=run_dir, profile_steps="2:6")
+    traces = [os.path.join(d, f) for d, _, files in os.walk(os.path.join(run_dir, "profile")) for f in files
+              if f.endswith("perfetto_trace.json.gz")]
+    rows = summarize_trace(traces[0])
+  for row in rows[:10]:
+    print(f"  {row['ms']:9.1f} ms {row['count']:6d}x {100 * row['share']:5.1f}%  {row['kernel'][:80]}", flush=True)
+  return {"rows": rows, "steps": "2:6", "what": f"{preset}, Dion rank 1, batch {batch}, steps 2 to 6 of 6 (--profile-steps 2:6)"}
+
+
+# --- output ------------------------------------------------------------------------
+
+
+def plot(results: dict, path: str) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, (left, right, train) = plt.subplots(1, 3, figsize=(19, 5))
+  steps = results.get("optimizers", {}).get("rows", [])
+  for name in optimizers():
+    points = [(r["n"], r[name]) for r in steps if isinstance(r.get(name), float)]
+    if points:
+      left.plot(*zip(*points), marker="o", label=name)
+  left.set(xscale="log", yscale="log", xlabel="matrix size n (n x n)", ylabel="ms per optimizer step",
+           title="optimizer step time vs matrix size")
+  if steps:
+    left.legend(fontsize=8)
+  kernels = [r for r in results.get("kernels", {}).get("rows", []) if "pallas" in r]
+  labels = [f"{r['kernel'].split()[0]} {'x'.join(map(str, r['shape']))} {r['dtype'][:4]}" for r in kernels]
+  right.barh(range(len(kernels)), [r["xla"] / r["pallas"] for r in kernels])
+  right.axvline(1.0, color="k", lw=0.8)
+  right.set_yticks(range(len(kernels)), labels, fontsize=7)
+  right.set(xlabel="XLA time / Pallas time (>1: Pallas faster)", title="Pallas kernels against XLA")
+  runs = results.get("train", {}).get("rows", [])
+  labels = [f"{r['preset']} {r['optimizer']}" for r in runs]
+  train.barh(range(len(runs)), [r["ms_per_step"] for r in runs], color="tab:gray", label="whole step")
+  train.barh(range(len(runs)), [r.get("optimizer_ms", 0.0) for r in runs], color="tab:orange",
+             label="optimizer alone (update + apply)")
+  train.set_yticks(range(len(runs)), labels, fontsize=8)
+  train.set(xlabel="ms per training step", title="training step and the optimizer's share")
+  train.legend(fontsize=8)
+  fig.suptitle(results["device"])
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)

@@ -1,0 +1,1 @@
+"""``python -m train.grpo``: GRPO fine-tuning with verifiable rewards on the trainer's step."""

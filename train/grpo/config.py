@@ -1,0 +1,152 @@
+"""``python -m train.grpo``'s configuration: GRPO's own flags (:class:`GRPOConfig`) and the
+ones it shares with ``python -m train.gpt`` (:data:`SHARED`: fields of
+:class:`train.run.config.Config`, with its names, help text, defaults and checks), one parser.
+
+The run's :class:`~train.run.config.Config` (:func:`train_config`) is the starting run's (its
+model) with the shared flags, the rollout's completions as its global batch and the
+schedule counted in optimizer updates (``--lr-decay-steps`` by default ``--steps`` x
+``--updates-per-rollout``). config.json keeps it under "train" and GRPO's flags under
+"grpo"; ``--resume`` reads both back, and refuses a flag given anew with another value
+unless it is one of :data:`MAY_CHANGE` (the others fix the rollouts and updates).
+
+Nothing here imports jax: the entry point must know the mesh before JAX starts.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+
+from train.cli import Parser, UsageError
+from train.run import config as config_lib
+from train.run import flags
+from train.run import restore as restore_lib
+from train.store import rundir
+
+# Config fields train.grpo takes as train.gpt does.
+SHARED = ("optimizer", "lr", "min_lr", "lr_warmup_steps", "lr_decay_style", "lr_decay_steps", "lr_wsd_decay_steps",
+          "weight_decay", "scalar_weight_decay", "clip_grad", "grad_norm", "skip_spikes", "max_skipped", "qk_clip_threshold",
+          "initial_loss_scale", "loss_scale_window", "min_loss_scale", "dion_rank_fraction", "dion_momentum",
+          "dion_qr_method", "dion_scale_rule", "dion_scalar_optimizer", "dion_replicate_sync",
+          "dion_mixed_precision", "ortho_dtype", "dtype", "attention", "remat", "sequence_parallel",
+          "micro_batch_size", "mesh", "save_every", "keep", "step", "tensorboard", "wandb")
+# Flags a resumed run may give anew with another value.
+MAY_CHANGE = ("resume", "run_dir", "step", "steps", "save_every", "keep", "mesh", "micro_batch_size", "max_skipped",
+              "tensorboard", "wandb")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+  """GRPO's own flags (help: ``train.run.flags.GRPO_HELP``); TRL's ``GRPOConfig`` names where it has them."""
+  init_from: str | None = None
+  prompts: str | None = None
+  prompt_column: str = "prompt"
+  answer_column: str = "answer"
+  reward: tuple[str, ...] = ()
+  run_dir: str | None = None
+  steps: int = 100
+  seed: int = 0
+  resume: bool = False
+  prompts_per_step: int = 8
+  group_size: int = 8
+  max_new_tokens: int = 64
+  temperature: float = 1.0
+  top_k: int | None = None
+  top_p: float = 1.0
+  updates_per_rollout: int = 1
+  loss_type: str = "dapo"
+  importance_sampling_level: str = "token"
+  epsilon_low: float = 0.2
+  epsilon_high: float = 0.28
+  beta: float = 0.0
+  use_bias_correction_kl: bool = True
+  scale_rewards: str = "group"
+  multi_objective_aggregation: str = "sum_then_normalize"
+  top_entropy_quantile: float = 1.0
+  sapo_temperature_pos: float = 1.0
+  sapo_temperature_neg: float = 1.05
+
+  @property
+  def rollout_size(self) -> int:
+    """Completions of a rollout: the global batch of its updates."""
+    return self.prompts_per_step * self.group_size
+
+  def check(self) -> None:
+    """Range checks that need no devices; raises :class:`UsageError`."""
+    missing = [rundir.flag_name(k) for k in ("init_from", "prompts", "reward", "run_dir") if not getattr(self, k)]
+    if missing:
+      raise UsageError(f"{', '.join(missing)} needed (or --resume --run-dir DIR a saved run)")
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if isinstance(value, float) and not math.isfinite(value):
+        raise UsageError(f"{rundir.flag_name(field.name)} must be a finite number, got {value}")
+    if self.group_size < 2:
+      raise UsageError(f"--group-size must be >= 2 (advantages compare completions of one prompt),"
+                       f" got {self.group_size}")
+    for name in ("steps", "prompts_per_step", "max_new_tokens", "updates_per_rollout"):
+      if getattr(self, name) < 1:
+        raise UsageError(f"{rundir.flag_name(name)} must be >= 1, got {getattr(self, name)}")
+    restore_lib.check_sampling(self.temperature, self.top_k, self.top_p, greedy=False)
+    for name in ("beta", "epsilon_low", "epsilon_high"):
+      if getattr(self, name) < 0:
+        raise UsageError(f"{rundir.flag_name(name)} must be >= 0, got {getattr(self, name)}")
+    if not 0 <= self.top_entropy_quantile <= 1:
+      raise UsageError(f"--top-entropy-quantile must be in [0, 1] (1 keeps every token), got"
+                       f" {self.top_entropy_quantile}")
+    for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+      if getattr(self, name) <= 0:
+        raise UsageError(f"{rundir.flag_name(name)} must be positive, got {getattr(self, name)}")
+
+
+_GRPO_FIELDS = tuple(f.name for f in dataclasses.fields(GRPOConfig))
+
+
+def parser() -> argparse.ArgumentParser:
+  p = Parser(prog="python -m train.grpo", argument_default=argparse.SUPPRESS,
+             description="GRPO fine-tuning of a python -m train.gpt run with verifiable rewards.")
+  config_lib.add_flags(p.add_argument_group("GRPO"), dataclasses.fields(GRPOConfig), flags.GRPO_HELP)
+  config_lib.add_flags(p.add_argument_group("optimizer, precision, mesh and checkpoints (as train.gpt's)"),
+                       [f for f in dataclasses.fields(config_lib.Config) if f.name in SHARED], flags.HELP)
+  return p
+
+
+def parse(argv: list[str] | None) -> tuple[GRPOConfig, dict]:
+  """GRPO's flags and the shared ones given (or, with ``--resume``, saved), as Config
+  field values; paths made absolute."""
+  given = vars(parser().parse_args(argv))
+  given.update({k: os.path.abspath(given[k]) for k in ("init_from", "prompts", "run_dir") if k in given})
+  if "reward" in given:
+    given["reward"] = tuple(given["reward"])
+  if given.get("resume"):
+    if "run_dir" not in given:
+      raise UsageError("--resume needs --run-dir, the run to continue")
+    saved = saved_flags(given["run_dir"])
+    given = rundir.resumed(saved, given, set(saved) - set(MAY_CHANGE),
+                           "its rollouts and updates follow from it")
+  grpo = GRPOConfig(**{k: v for k, v in given.items() if k in _GRPO_FIELDS})
+  return grpo, {k: v for k, v in given.items() if k in SHARED}
+
+
+def saved_flags(run_dir: str) -> dict:
+  """The flags saved in ``run_dir``'s config.json: GRPO's and the shared ones."""
+  record = rundir.saved_record(run_dir)
+  if record is None or not isinstance(record.get("grpo"), dict):
+    raise UsageError(f"--resume: {run_dir} holds no GRPO run (config.json with a \"grpo\" record);"
+                     " start it without --resume")
+  grpo = {k: tuple(v) if k == "reward" else v for k, v in record["grpo"].items() if k in _GRPO_FIELDS}
+  return {**grpo, **{k: v for k, v in record["train"].items() if k in SHARED}}
+
+
+def train_config(grpo: GRPOConfig, shared: dict, start: dict) -> config_lib.Config:
+  """The run's Config (module docstring): ``start`` the saved fields of the starting run
+  (of this run once resumed); a new run takes none of its :data:`SHARED` flags (their
+  defaults are train.gpt's, as ``--help`` says), only what describes its model."""
+  if not grpo.resume:
+    start = {k: v for k, v in start.items() if k not in SHARED}
+  decay = shared.get("lr_decay_steps") or grpo.steps * grpo.updates_per_rollout
+  cfg = config_lib.Config(**{**start, **shared, "steps": grpo.steps, "seed": grpo.seed, "run_dir": grpo.run_dir,
+                             "ckpt_dir": None, "name": None, "resume": grpo.resume, "lr_decay_steps": decay,
+                             "global_batch_size": grpo.rollout_size})
+  cfg.check()
+  return cfg

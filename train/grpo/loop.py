@@ -1,0 +1,350 @@
+"""GRPO's run: its set-up on the trainer's (``train.run.setup``), the rollouts (sampling,
+rewards, advantages) and the updates, stepped by the trainer's loop (``train.run.loop``)."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import time
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import data
+import models
+from data import prompts as prompts_lib
+from dion_jax.parallel import format_mesh_spec
+from models import generate
+from train import cli
+from train.cli import UsageError
+from train.grpo import config as grpo_config
+from train.grpo import objective as grpo_objective
+from train.grpo import rewards as grpo_rewards
+from train.grpo.config import GRPOConfig
+from train.run import config as config_lib
+from train.run import loop, start, trainer
+from train.run import restore as restore_lib
+from train.run import step as step_lib
+from train.run.interrupt import Agreement, Interrupt
+from train.store import checkpoint as ckpt_lib
+from train.store import rundir
+
+
+class Prompts(NamedTuple):
+  """GRPO's own part of a run (``loop.Run.data``)."""
+  grpo: GRPOConfig
+  rows: list[dict]
+  texts: list[str]  # each row's prompt as the rewards see it
+  tokens: list[np.ndarray]
+  tokenizer: Any
+  rewards: list[tuple[str, Callable, float]]
+  objective: grpo_objective.Objective
+  graphdef: Any
+  reference: Any | None  # the starting policy's parameters (with --beta > 0)
+  first: Rollout | None  # the first step's rollout, made in set-up to score and compile
+
+
+class Rollout(NamedTuple):
+  """One step's completions, their rewards and the update batch."""
+  batch: dict  # grpo_objective.update_batch's
+  tokens_BxT: np.ndarray  # prompt (left-padded) and completion
+  pad_B: np.ndarray
+  mask_BxM: np.ndarray  # 1 on the completion tokens
+  old_BxM: jax.Array  # the rollout policy's log-probabilities
+  ref_BxM: jax.Array | None  # the reference's (with --beta > 0)
+  rewards_BxR: np.ndarray
+  advantages_B: np.ndarray
+  lengths_B: np.ndarray
+  ended_B: np.ndarray  # the completion ends with eos
+  entropy: float | None  # mean over the completion tokens (with --top-entropy-quantile < 1)
+  seconds: float  # sampling, scoring and the log-probabilities
+
+
+def read_prompts(grpo: GRPOConfig, tokenizer, limit: int) -> tuple[list[dict], list[str], list[np.ndarray]]:
+  """The rows of ``--prompts``, their prompt texts and tokens; each prompt 1 to ``limit`` tokens."""
+  try:
+    rows = prompts_lib.read_rows(grpo.prompts)
+  except data.DataError as e:
+    raise UsageError(f"--prompts {e}") from None
+  texts, tokens = [], []
+  for number, row in enumerate(rows, 1):
+    where = f"--prompts {grpo.prompts} row {number}"
+    if isinstance(row.get(grpo.prompt_column), str):
+      text = row[grpo.prompt_column]
+      ids = tokenizer.encode(text)
+    elif "messages" in row:
+      if tokenizer.chat is None:
+        raise UsageError(f"{where}: chat messages need a tokenizer with a chat template (a run started"
+                         " from --init-from hf:DIR)")
+      text = tokenizer.chat.render(row["messages"], add_generation_prompt=True)
+      ids = tokenizer.encode(text, special=False)
+    else:
+      raise UsageError(f"{where} has no --prompt-column {grpo.prompt_column!r} text nor chat \"messages\""
+                       f" (its columns: {', '.join(row)}); pass --prompt-column NAME")
+    if "answer" in (r.partition("=")[0] for r in grpo.reward) and grpo.answer_column not in row:
+      raise UsageError(f"{where} has no --answer-column {grpo.answer_column!r}, which --reward answer reads"
+                       f" (its columns: {', '.join(row)}); pass --answer-column NAME")
+    if not 1 <= len(ids) <= limit:
+      raise UsageError(f"{where}: the prompt has {len(ids)} tokens; it must have 1 to {limit} (the"
+                       " model's seq_len less --max-new-tokens)")
+    texts.append(text)
+    tokens.append(np.asarray(ids, np.int32))
+  return rows, texts, tokens
+
+
+def _check_split(grpo: GRPOConfig, mesh: jax.sharding.Mesh) -> None:
+  sizes = dict(mesh.shape)
+  dp = sizes["rp"] * sizes["fs"] * sizes["ep"]
+  if grpo.rollout_size % (dp * sizes["pp"]):
+    raise UsageError(f"--mesh {format_mesh_spec(sizes)}: the {grpo.rollout_size} completions of a step"
+                     f" (--prompts-per-step x --group-size) split over {dp} data-parallel ranks (rp x fs x ep)"
+                     f" and into pp={sizes['pp']} micro-batches on each; choose sizes whose product"
+                     f" {dp * sizes['pp']} divides")
+
+
+def setup(argv: list[str] | None) -> loop.Run:
+  """The run of ``argv``: ``loop.setup``'s steps, with GRPO's own model (the starting
+  policy), data (the prompts and rewards) and objective; the first rollout compiles the step."""
+  grpo, cfg = _config(argv)
+  directory, start_step = loop.check_directory(cfg)
+  mesh = loop.make_mesh(cfg.mesh or f"fs={len(jax.devices())}")
+  _check_split(grpo, mesh)
+  accum = trainer.batch_split(cfg, mesh)
+  par = trainer.parallelism(cfg, mesh, accum)
+  starting, model_cfg, graphdef = _starting_policy(grpo, cfg, par)
+  prompts = _prompts(grpo, model_cfg, graphdef, starting)
+  with jax.set_mesh(mesh):
+    state, train_step = trainer.make_trainer(cfg, model_cfg, graphdef, starting.params, par, accum,
+                                             functools.partial(grpo_objective.weighted, prompts.objective),
+                                             grpo.temperature)
+  checkpoints = ckpt_lib.Checkpoints(cfg.ckpt_path, cfg.keep, create=False)  # made once checked
+  state, _, _ = trainer.resume_state(checkpoints, start_step, state, cfg, model_cfg, par)
+  record = {**loop.config_record(cfg, model_cfg, _start_record(grpo).get("hf_config")),
+            "grpo": dataclasses.asdict(grpo), "init_step": starting.step}
+  run = loop.Run(cfg=cfg, model_cfg=model_cfg, mesh=mesh, par=par, directory=directory, checkpoints=checkpoints,
+                 record=record, state=state, start_step=start_step, train_step=train_step, data=prompts)
+  first = rollout(run, state.params, start_step + 1)
+  compiled = loop.compile_within_memory(train_step, state, first.batch, mesh, model_cfg)
+  loop.describe_communication(run, compiled)
+  run.data = prompts._replace(first=first)
+  loop.start_trackers(run)
+  loop.open_directory(run)
+  return run
+
+
+def _config(argv: list[str] | None) -> tuple[GRPOConfig, config_lib.Config]:
+  """GRPO's flags and the run's Config (``train/grpo/config.py``), checked; JAX started for its mesh."""
+  grpo, shared = grpo_config.parse(argv)
+  grpo.check()
+  cfg = grpo_config.train_config(grpo, shared, config_lib.saved_config(grpo.run_dir if grpo.resume else grpo.init_from))
+  start.start_jax(cfg)  # host devices for the mesh, before JAX starts
+  return grpo, cfg
+
+
+def _start_record(grpo: GRPOConfig) -> dict:
+  """The record of the run GRPO starts from (this run's own once resumed)."""
+  return rundir.saved_record(grpo.run_dir if grpo.resume else grpo.init_from) or {}
+
+
+def _starting_policy(grpo: GRPOConfig, cfg: config_lib.Config, par: models.Parallelism
+                     ) -> tuple[restore_lib.Restored, models.GPTConfig, Any]:
+  """The --init-from run's checkpoint (the one a resumed run started from) on ``par``'s
+  mesh, and its model computing as the flags say (dtype, attention, remat)."""
+  with jax.set_mesh(par.mesh):
+    starting = restore_lib.restore(grpo.init_from, _start_record(grpo).get("init_step") if grpo.resume else None, par)
+  model_cfg = dataclasses.replace(starting.cfg, **trainer.compute_settings(cfg))
+  trainer.check_model(cfg, model_cfg, par.mesh)
+  return starting, model_cfg, models.abstract(model_cfg, par)[0]
+
+
+def _prompts(grpo: GRPOConfig, model_cfg: models.GPTConfig, graphdef: Any, starting: restore_lib.Restored) -> Prompts:
+  """GRPO's data: the prompts, the rewards, the objective, the reference (with --beta > 0)."""
+  tokenizer = restore_lib.run_tokenizer(grpo.init_from)
+  rewards = grpo_rewards.reward_functions(list(grpo.reward), grpo.answer_column)
+  limit = model_cfg.seq_len - grpo.max_new_tokens
+  if limit < 1:
+    raise UsageError(f"--max-new-tokens {grpo.max_new_tokens} leaves no room for a prompt in seq_len"
+                     f" {model_cfg.seq_len}")
+  rows, texts, tokens = read_prompts(grpo, tokenizer, limit)
+  objective = grpo_objective.Objective(
+      grpo.epsilon_low, grpo.epsilon_high, grpo.beta, grpo.loss_type, grpo.max_new_tokens,
+      grpo.importance_sampling_level, grpo.sapo_temperature_pos, grpo.sapo_temperature_neg,
+      grpo.use_bias_correction_kl)
+  # The step donates the policy's buffers: the reference keeps its own.
+  reference = jax.tree.map(jnp.copy, starting.params) if grpo.beta > 0 else None
+  return Prompts(grpo, rows, texts, tokens, tokenizer, rewards, objective, graphdef, reference, None)
+
+
+def rollout(run: loop.Run, params: Any, step: int) -> Rollout:
+  """Step ``step``'s rollout from the policy ``params``: the prompts, completions, rewards,
+  advantages, the rollout policy's (and reference's) log-probabilities, the update batch."""
+  p, grpo = run.data, run.data.grpo
+  G, M = grpo.group_size, grpo.max_new_tokens
+  t0 = time.perf_counter()
+  order = np.random.default_rng(grpo.seed).permutation(len(p.rows))
+  picks = [order[((step - 1) * grpo.prompts_per_step + j) % len(p.rows)] for j in range(grpo.prompts_per_step)]
+  batch_sharding = NamedSharding(run.mesh, P(models.BATCH_AXES))
+  with jax.set_mesh(run.mesh):
+    out = generate.complete(p.graphdef, generate.rollout_params(params, run.par), [p.tokens[i] for i in picks], M,
+                            generate.Sampling(grpo.temperature, grpo.top_k, grpo.top_p),
+                            seed=grpo.seed * 1_000_003 + step, eos_id=p.tokenizer.eod, group_size=G,
+                            batch_sharding=batch_sharding)
+  completions_BxM, lengths_B = np.asarray(out.tokens_BxM), np.asarray(out.lengths_B)
+  ended_B = np.asarray([n > 0 and row[n - 1] == p.tokenizer.eod for row, n in zip(completions_BxM, lengths_B)])
+  texts = [p.tokenizer.decode(row[:n - int(end)]) for row, n, end in zip(completions_BxM, lengths_B, ended_B)]
+  rewards_BxR = grpo_rewards.score(p.rewards, [p.rows[i] for i in picks], [p.texts[i] for i in picks for _ in range(G)],
+                                   texts, G)
+  advantages_B = np.asarray(grpo_objective.advantages(
+      jnp.asarray(rewards_BxR, jnp.float32), jnp.asarray([w for _, _, w in p.rewards], jnp.float32), G,
+      grpo.scale_rewards, grpo.multi_objective_aggregation))
+  prompts_BxP, prompt_lengths = generate.left_pad([p.tokens[i] for i in picks],
+                                                  generate.bucket(max(len(p.tokens[i]) for i in picks)))
+  tokens_BxT = np.concatenate([np.repeat(prompts_BxP, G, 0), completions_BxM], 1)
+  pad_B = prompts_BxP.shape[1] - np.repeat(prompt_lengths, G)
+  mask_BxM = (np.arange(M)[None] < lengths_B[:, None]).astype(np.float32)
+  old_BxM, keep_BxM, entropy = _logps_and_keep(run, params, tokens_BxT, pad_B, mask_BxM)
+  ref_BxM = None if p.reference is None else _logps(run, p.reference, tokens_BxT, pad_B, M)
+  made = Rollout(None, tokens_BxT, pad_B, mask_BxM, old_BxM, ref_BxM, rewards_BxR, advantages_B, lengths_B, ended_B,
+                 entropy, 0.0)
+  return made._replace(batch=_update_batch(run, made, keep_BxM), seconds=time.perf_counter() - t0)
+
+
+def _update_batch(run: loop.Run, made: Rollout, keep_BxM: jax.Array | None) -> dict:
+  """The rollout's update batch (``grpo_objective.update_batch``), split over the batch axes."""
+  with jax.set_mesh(run.mesh):
+    batch = _jitted_update_batch(made.tokens_BxT, made.pad_B, made.old_BxM, made.ref_BxM,
+                                 jnp.asarray(made.advantages_B), jnp.asarray(made.mask_BxM), run.data.objective,
+                                 jnp.float32(made.mask_BxM.sum()), keep_BxM, run.par.cp)
+    return jax.device_put(batch, NamedSharding(run.mesh, P(models.BATCH_AXES)))
+
+
+_jitted_update_batch = jax.jit(grpo_objective.update_batch, static_argnames=("objective", "cp"))
+
+
+def _logps(run: loop.Run, params: Any, tokens_BxT: np.ndarray, pad_B: np.ndarray, completion: int,
+           entropy: bool = False) -> Any:
+  with jax.set_mesh(run.mesh):
+    return _token_logps(run.data.graphdef, params, tokens_BxT, pad_B, completion, run.data.grpo.temperature,
+                        run.par, entropy)
+
+
+_token_logps = jax.jit(grpo_objective.token_logps, static_argnums=(0, 4, 5, 6, 7))
+
+
+def _logps_and_keep(run: loop.Run, params: Any, tokens_BxT: np.ndarray, pad_B: np.ndarray, mask_BxM: np.ndarray
+                    ) -> tuple[jax.Array, jax.Array | None, float | None]:
+  """The completion tokens' log-probabilities under ``params`` [B, M]; with
+  ``--top-entropy-quantile`` < 1 also the high-entropy mask and the mean entropy."""
+  quantile = run.data.grpo.top_entropy_quantile
+  M = mask_BxM.shape[1]
+  if quantile >= 1:
+    return _logps(run, params, tokens_BxT, pad_B, M), None, None
+  logps_BxM, entropies_BxM = _logps(run, params, tokens_BxT, pad_B, M, entropy=True)
+  keep_BxM = grpo_objective.high_entropy_mask(entropies_BxM, jnp.asarray(mask_BxM), quantile)
+  return logps_BxM, keep_BxM, float(jnp.sum(entropies_BxM * mask_BxM) / max(mask_BxM.sum(), 1))
+
+
+def train(run: loop.Run) -> int:
+  """The GRPO steps in ``loop.run_loop`` (its exit codes); a reward's bad output later in
+  the run prints ``error: ...``, exit 2."""
+  try:
+    return loop.run_loop(run, lambda progress, interrupt: _steps(run, progress, interrupt))
+  except UsageError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return cli.EXIT_USAGE
+
+
+def _steps(run: loop.Run, progress: loop.Progress, interrupt: Interrupt) -> None:
+  cfg, grpo = run.cfg, run.data.grpo
+  primary = jax.process_index() == 0
+  metrics = run.directory.metrics(run.trackers) if primary else None
+  if primary:
+    print(f"GRPO on {grpo.init_from} ({run.model_cfg.num_params() / 1e6:.2f}M parameters, {run.model_cfg.dtype})"
+          f" with {cfg.optimizer} on mesh {format_mesh_spec(dict(run.mesh.shape))}, steps"
+          f" {run.start_step + 1}..{grpo.steps}, run directory {cfg.run_path}", flush=True)
+  agreement = Agreement(run.mesh)
+  made = run.data.first
+  try:
+    for step in range(run.start_step + 1, grpo.steps + 1):
+      progress.step = step
+      made = made if made is not None else rollout(run, progress.state.params, step)
+      t0 = time.perf_counter()
+      updates = _updates(run, progress, made)
+      train_s = time.perf_counter() - t0
+      record = _record(run, step, made, updates, train_s)
+      if metrics is not None:
+        metrics.write(record)
+        print(_line(record, grpo.steps), flush=True)
+      made = None
+      run.checkpoints.check_for_errors()
+      stop = agreement(interrupt.signum or 0, progress.state.updates)  # a signal to any process stops all after this step
+      if progress.diverged:
+        break
+      if step == grpo.steps or stop or (cfg.save_every and step % cfg.save_every == 0):
+        loop.save(run, step, progress.state, {})
+      if stop:
+        break
+    progress.signum = agreement.latest()
+  finally:
+    if metrics is not None:
+      metrics.close()
+
+
+def _updates(run: loop.Run, progress: loop.Progress, made: Rollout) -> list[step_lib.StepMetrics]:
+  """``--updates-per-rollout`` steps on the rollout (each skipped one counted); with the
+  high-entropy mask each after the first takes it from the current policy, as TRL's."""
+  out = []
+  batch = made.batch
+  for update in range(run.data.grpo.updates_per_rollout):
+    if update and "keep" in batch:
+      _, keep_BxM, _ = _logps_and_keep(run, progress.state.params, made.tokens_BxT, made.pad_B, made.mask_BxM)
+      batch = _update_batch(run, made, keep_BxM)
+    with jax.set_mesh(run.mesh):
+      progress.state, metrics = run.train_step(progress.state, batch)
+    metrics = jax.device_get(metrics)
+    out.append(metrics)
+    progress.count(bool(metrics.skipped), run.cfg.max_skipped)
+    if progress.diverged:
+      break
+  return out
+
+
+def _record(run: loop.Run, step: int, made: Rollout, updates: list[step_lib.StepMetrics], train_s: float) -> dict:
+  """Step ``step``'s metrics.jsonl record; the updates' numbers are means over them."""
+  rewards, grpo = run.data.rewards, run.data.grpo
+  total_B = made.rewards_BxR @ np.asarray([w for _, _, w in rewards], np.float64)
+  mean = lambda values: float(np.mean(values))  # noqa: E731
+  stats = [m.objective_stats for m in updates]
+  tokens = float(made.lengths_B.sum())
+  record = {"step": step, "reward_mean": float(total_B.mean()), "reward_std": float(total_B.std()),
+            **{f"reward/{name}/mean": float(made.rewards_BxR[:, j].mean()) for j, (name, _, _) in enumerate(rewards)},
+            **{f"reward/{name}/std": float(made.rewards_BxR[:, j].std()) for j, (name, _, _) in enumerate(rewards)},
+            "advantage_std": float(np.std(made.advantages_B)), "loss": mean([m.loss for m in updates]),
+            "kl": mean([s.kl for s in stats]), "clip_low": mean([s.clip_low for s in stats]),
+            "clip_high": mean([s.clip_high for s in stats]), "grad_norm": mean([m.grad_norm for m in updates]),
+            "learning_rate": float(updates[-1].learning_rate), "skipped": sum(int(m.skipped) for m in updates),
+            "completion_length_mean": float(made.lengths_B.mean()), "completion_length_max": int(made.lengths_B.max()),
+            "truncated": float(np.mean(~made.ended_B)), "rollout_tokens_per_s": tokens / made.seconds,
+            "train_tokens_per_s": len(updates) * tokens / train_s, "rollout_s": made.seconds, "train_s": train_s}
+  if made.entropy is not None:
+    record["entropy"] = made.entropy
+  if run.model_cfg.dtype == "float16":
+    record["loss_scale"] = float(updates[-1].loss_scale)
+  if grpo.loss_type == "cispo":  # TRL's name for its one clip share
+    record["cispo_clip_ratio"] = record.pop("clip_high")
+    del record["clip_low"]
+  return record
+
+
+def _line(record: dict, steps: int) -> str:
+  clipped = record.get("cispo_clip_ratio", record.get("clip_low", 0.0) + record.get("clip_high", 0.0))
+  return (f"step {record['step']:5d}/{steps} | reward {record['reward_mean']:.4f} ± {record['reward_std']:.4f} |"
+          f" loss {record['loss']:.4E} | kl {record['kl']:.3e} | clip {clipped:.3f} | length"
+          f" {record['completion_length_mean']:.1f} | rollout {record['rollout_s']:.2f} s"
+          f" ({record['rollout_tokens_per_s']:.0f} tokens/s) | update {record['train_s']:.2f} s"
+          f" ({record['train_tokens_per_s']:.0f} tokens/s) | skipped {record['skipped']}")
+

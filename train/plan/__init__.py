@@ -1,0 +1,1 @@
+"""``python -m train.plan``: a training step's bytes, time and memory on a mesh beyond this machine."""

@@ -1,0 +1,99 @@
+"""``python -m train.plan``: the planner's command line (the planner: ``train/plan/planner.py``)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import jax
+
+from dion_jax.parallel.mesh import AXES
+from train.plan import optimizer as plan_optimizer
+from train.plan import planner
+from train.plan.planner import GPUS, LINKS, TRAINER, Link, format_plan, plan, sweep
+from train.run.optim import RANK_BY_WIDTH
+
+
+def _links(text: str) -> dict[str, str]:
+  out = {}
+  for item in filter(None, text.split(",")):
+    axis, _, kind = item.partition("=")
+    if axis not in AXES or kind not in LINKS:
+      raise ValueError(f"--links {text}: expected axis=nvlink|ib items, axes from {', '.join(AXES)}")
+    out[axis] = kind
+  return out
+
+
+def _link(flag: str, text: str) -> Link:
+  try:
+    gbps, us = (float(x) for x in text.split(":"))
+  except ValueError:
+    gbps = us = -1.0
+  if not (gbps > 0 and us >= 0):
+    raise ValueError(f"{flag} {text}: expected GBPS:MICROSECONDS, e.g. {flag} 400:8")
+  return Link(gbps * 1e9, us * 1e-6)
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m train.plan", description=planner.__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--model", default="small", help="small|350m|1b|8b|70b|405b|tiny|tiny-moe, hf:DIR, hf:ORG/NAME[@REVISION] (its config.json only) or CONFIG.json")
+  parser.add_argument("--mesh", default="fs=8", help="rp=..,fs=..,ep=..,cp=..,tp=..,pp=.. (default fs=8)")
+  parser.add_argument("--optimizer", default=TRAINER.optimizer, choices=plan_optimizer.OPTIMIZERS,
+                      help=f"the step's optimizer (default {TRAINER.optimizer}, as python -m train.gpt)")
+  parser.add_argument("--rank-fraction", type=float, default=None,
+                      help="Dion's rank fraction (default: python -m train.gpt's for the model's width,"
+                           + ", ".join(f" {f:g} from {w}" for w, f in RANK_BY_WIDTH) + ")")
+  parser.add_argument("--fraction", type=float, default=0.25,
+                      help="Dion2/NorDion2's selected fraction (default 0.25, as python -m train.gpt)")
+  parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                      help="activations' dtype (default bfloat16, python -m train.gpt's on a GPU; float32 is"
+                           " its CPU default, to compare with a CPU run)")
+  parser.add_argument("--global-batch-size", type=int, default=0, help="sequences per step (default: one per rank)")
+  parser.add_argument("--micro-batch-size", type=int, default=None, help="sequences per rank and micro-batch")
+  parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
+  parser.add_argument("--gpu", default="h100", choices=tuple(GPUS))
+  parser.add_argument("--gpus-per-node", type=int, default=8)
+  parser.add_argument("--links", default="", help="per-axis link overrides, e.g. tp=nvlink,fs=ib")
+  parser.add_argument("--nvlink", default="450:5", help="NVLink GB/s per device and direction : µs per step")
+  parser.add_argument("--ib", default="50:10", help="InfiniBand/RoCE GB/s per device and direction : µs per step")
+  parser.add_argument("--mfu", type=float, default=0.5, help="fraction of peak flops the compute reaches (default 0.5)")
+  parser.add_argument("--json", action="store_true", help="print one JSON object")
+  parser.add_argument("--sweep", action="store_true", help="rank the meshes of --devices that fit")
+  parser.add_argument("--devices", type=int, default=0, help="with --sweep: the device count")
+  args = parser.parse_args(argv)
+  kwargs = dict(optimizer=args.optimizer, rank_fraction=args.rank_fraction, fraction=args.fraction,
+                global_batch=args.global_batch_size, micro=args.micro_batch_size, seq_len=args.seq_len,
+                gpu=args.gpu, per_node=args.gpus_per_node, mfu=args.mfu, dtype=args.dtype)
+  try:
+    kwargs["links"] = _links(args.links)
+    kwargs["network"] = {"nvlink": _link("--nvlink", args.nvlink), "ib": _link("--ib", args.ib)}
+    if args.sweep:
+      if args.devices < 1:
+        raise ValueError("--sweep needs --devices N (the device count to split)")
+      if not args.global_batch_size:
+        raise ValueError("--sweep needs --global-batch-size (it fixes the work every mesh splits)")
+      result: Any = sweep(args.model, args.devices, **kwargs)
+    else:
+      result = plan(args.model, args.mesh, **kwargs)
+  except (ValueError, OSError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if args.json:
+    print(json.dumps(result))
+  elif args.sweep:
+    print("| mesh | step ms | compute | communication | bubble | GiB/device/step | bound | caveats |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for p in result:
+      t = p["time"]
+      print(f"| {p['mesh']} | {t['step'] * 1e3:.1f} | {t['compute'] * 1e3:.1f} | {t['communication'] * 1e3:.1f}"
+            f" | {t['bubble'] * 1e3:.1f} | {p['bytes_total'] / 2**30:.2f} | {p['bound']} | {len(p['caveats'])} |")
+  else:
+    print(format_plan(result))
+  return 0
+
+
+if __name__ == "__main__":
+  jax.config.update("jax_platforms", "cpu")
+  sys.exit(main())

@@ -1,0 +1,249 @@
+"""Plan a training step on a mesh beyond this machine: bytes, time and memory per device.
+
+    python -m train.plan --model 8b --mesh fs=64,tp=8 --global-batch-size 512
+    python -m train.plan --model 405b --mesh rp=16,fs=8,tp=8 --optimizer dion --rank-fraction 0.0625 --json
+    python -m train.plan --model 70b --devices 1024 --sweep
+
+Bytes (``train.plan.model``, ``train.plan.optimizer``) are this repository's
+step as XLA partitions it, checked against compiled steps on CPU meshes by
+``tests/test_train_plan.py``. Time is an estimate on top of them:
+
+- compute: the model's 6·N·tokens + attention flops (``GPTConfig.flops_per_token``) and
+  the optimizer's matrix products, at ``--mfu`` of the GPU's peak (bf16 dense);
+- communication: per collective, ring algorithms under an alpha-beta link model: an
+  all-reduce over g devices sends 2(g−1)/g of its payload in 2(g−1) steps, the others
+  (g−1)/g in g−1 steps (a collective-permute its payload in one), each step paying the
+  link's latency α, the bytes at its bandwidth β. An axis whose groups fit in one node
+  (``--gpus-per-node``, axes later in rp,fs,ep,cp,tp,pp are closer) runs on NVLink, else
+  on InfiniBand (``--nvlink``, ``--ib``: bandwidth and latency); ``--links tp=nvlink,fs=ib``
+  overrides. An all-reduce takes a binary
+  tree (2·log2 g steps, twice its payload on the wire) when that is faster. Nothing is overlapped (an upper
+  bound); the overlapped bound max(compute, communication) is printed beside it;
+- the pipeline bubble: (pp−1)/(M+pp−1) of the step with M micro-batches.
+
+Memory per device: parameters, gradients (float32), optimizer state and activations
+(with and without remat; an estimate) against the GPU's HBM.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, NamedTuple
+
+import models
+from dion_jax.parallel.mesh import AXES, format_mesh_spec
+from train.plan import model as plan_model
+from train.plan import optimizer as plan_optimizer
+from train.run.config import Config
+from train.run.optim import default_rank_fraction
+
+TRAINER = Config()  # the trainer's defaults, which the planner's are
+
+
+class GPU(NamedTuple):
+  peak_flops: float  # dense bf16, flop/s
+  hbm_bytes: float
+  hbm_bandwidth: float  # bytes/s
+
+
+GPUS = {  # NVIDIA's data sheets (SXM)
+    "h100": GPU(989e12, 80e9, 3.35e12),
+    "h200": GPU(989e12, 141e9, 4.8e12),
+    "b200": GPU(2250e12, 180e9, 8e12),
+}
+
+
+class Link(NamedTuple):
+  bandwidth: float  # bytes/s per device and direction
+  latency: float  # seconds per ring step
+
+
+LINKS = {"nvlink": Link(450e9, 5e-6), "ib": Link(50e9, 10e-6)}  # NVLink 4 (H100); 400 Gb/s NDR per GPU
+
+
+def wire_bytes_and_steps(op: str, payload: int, g: int) -> tuple[float, int]:
+  if op == "collective-permute":
+    return payload, 1
+  if op == "all-reduce":
+    return 2 * (g - 1) / g * payload, 2 * (g - 1)
+  return (g - 1) / g * payload, g - 1
+
+
+def axis_links(sizes: dict[str, int], per_node: int, overrides: dict[str, str]) -> dict[str, str]:
+  """nvlink for an axis whose groups stay inside a node, else ib (``overrides`` win)."""
+  out, inner = {}, 1
+  for axis in reversed(AXES):
+    inner *= sizes[axis]
+    out[axis] = overrides.get(axis, "nvlink" if inner <= per_node else "ib")
+  return out
+
+
+def collective_time(c: plan_model.Collective, sizes, links, network: dict[str, Link] = LINKS) -> float:
+  """Seconds of ``c`` on the slowest link of its axes: ring, or for an all-reduce a
+  (double binary) tree when that is faster (small payloads on many devices)."""
+  g = plan_model.group(sizes, c.axes)
+  wire, steps = wire_bytes_and_steps(c.op, c.bytes, g)
+  link = min((network[links[a]] for a in c.axes), key=lambda l: l.bandwidth)
+  ring = c.count * steps * link.latency + wire / link.bandwidth
+  if c.op != "all-reduce":
+    return ring
+  return min(ring, c.count * 2 * math.ceil(math.log2(g)) * link.latency + 2 * c.bytes / link.bandwidth)
+
+
+def merged(collectives: list[plan_model.Collective]) -> list[plan_model.Collective]:
+  """One entry per (purpose, op, axes), bytes and counts summed."""
+  out: dict[tuple, plan_model.Collective] = {}
+  for c in collectives:
+    key = (c.purpose, c.op, c.axes)
+    old = out.get(key)
+    out[key] = c if old is None else old._replace(bytes=old.bytes + c.bytes, count=old.count + c.count)
+  return list(out.values())
+
+
+def plan(model: str | models.GPTConfig = "small", mesh: str | dict = "", optimizer: str = TRAINER.optimizer,
+         rank_fraction: float | None = None, fraction: float = 0.25, global_batch: int = 0,
+         micro: int | None = None, seq_len: int | None = None, gpu: str = "h100", per_node: int = 8,
+         links: dict[str, str] | None = None, mfu: float = 0.5, dtype: str = "bfloat16", compare: bool = True,
+         network: dict[str, Link] = LINKS) -> dict[str, Any]:
+  """The plan of one step as a JSON-ready dict (see the module docstring); ``links``
+  overrides the link kind of some axes, ``network`` the kinds' bandwidth and latency.
+  Defaults are ``python -m train.gpt``'s (Dion at its default rank for the model's width,
+  ``train.run.optim.default_rank_fraction``; Dion2's fraction 1/4) on a GPU (bfloat16
+  activations)."""
+  cfg = plan_model.load_config(model, seq_len, dtype)
+  sizes = plan_model.sizes_of(mesh)
+  devices = math.prod(sizes.values())
+  if gpu not in GPUS:
+    raise ValueError(f"--gpu {gpu}: choose one of {', '.join(GPUS)}")
+  if cfg.num_heads % sizes["tp"] or cfg.kv_heads % sizes["tp"]:
+    raise ValueError(f"tp={sizes['tp']} does not divide the {cfg.num_heads} heads and {cfg.kv_heads}"
+                     " key/value heads; choose a tp that divides both")
+  global_batch = global_batch or sizes["rp"] * sizes["fs"] * sizes["ep"] * max(sizes["pp"], 1)
+  step = plan_model.step_shape(cfg, sizes, global_batch, micro)
+  params = plan_model.leaves(cfg, sizes["pp"])
+  if rank_fraction is None:
+    rank_fraction = default_rank_fraction(max(min(p.shape[-2:]) for p in params if p.label == "dion"))
+  per_replica = optimizer == "dion"
+  collectives = plan_model.model_collectives(cfg, sizes, step, params, per_replica)
+  update, state = plan_optimizer.update(params, sizes, optimizer, rank_fraction, fraction, per_replica)
+  collectives = merged(collectives + update)
+  link_of = axis_links(sizes, per_node, links or {})
+  hw = GPUS[gpu]
+  tokens = global_batch * cfg.seq_len
+  model_flops = cfg.flops_per_token() * tokens / devices
+  opt_flops = plan_optimizer.flops(params, sizes, optimizer, rank_fraction, fraction)
+  compute = (model_flops + opt_flops) / (hw.peak_flops * mfu)
+  bubble = compute * (sizes["pp"] - 1) / step.accum if sizes["pp"] > 1 else 0.0
+  rows = [dict(c._asdict(), axes=list(c.axes), seconds=collective_time(c, sizes, link_of, network)) for c in collectives]
+  comm = sum(r["seconds"] for r in rows)
+  p_bytes = plan_model.param_bytes(params, sizes)
+  memory = {
+      "parameters": p_bytes, "gradients": p_bytes, "optimizer_state": state,
+      "activations": plan_model.activation_bytes(cfg, sizes, step, remat=False),
+      "activations_remat": plan_model.activation_bytes(cfg, sizes, step, remat=True),
+  }
+  fits = {k: 2 * p_bytes + state + memory[k] <= hw.hbm_bytes for k in ("activations", "activations_remat")}
+  out = {
+      "model": model if isinstance(model, str) else "GPTConfig", "mesh": format_mesh_spec(sizes), "devices": devices, "optimizer": optimizer,
+      "rank_fraction": rank_fraction if optimizer == "dion" else None, "gpu": gpu,
+      "global_batch": global_batch, "micro_batch": step.micro, "micro_batches": step.accum, "seq_len": cfg.seq_len,
+      "parameters_total": cfg.num_params(), "links": link_of, "collectives": rows,
+      "bytes_by_axes": _by(rows, lambda r: ",".join(r["axes"])),
+      "bytes_by_purpose": _by(rows, lambda r: r["purpose"]),
+      "bytes_total": sum(r["bytes"] for r in rows),
+      "time": {"compute": compute, "communication": comm, "bubble": bubble, "step": compute + comm + bubble,
+               "step_overlapped": max(compute, comm) + bubble,
+               "model_flops": model_flops, "optimizer_flops": opt_flops},
+      "memory": memory, "hbm": hw.hbm_bytes, "fits": fits["activations"] or fits["activations_remat"],
+      "needs_remat": not fits["activations"] and fits["activations_remat"],
+      "bound": "communication" if comm > compute else "compute",
+  }
+  out["caveats"] = caveats(sizes)
+  if compare:
+    out["versus"] = {o: _summary(plan(model, sizes, o, rank_fraction, fraction, global_batch, micro, seq_len, gpu,
+                                      per_node, links, mfu, dtype, compare=False, network=network))
+                     for o in ("adamw", "muon") if o != optimizer}
+  return out
+
+
+def caveats(sizes: dict[str, int]) -> list[str]:
+  """Where the plan is not the compiler's (tests/test_train_plan.py and
+  tests/test_train_comm.py check the rest)."""
+  out = ["activations are an estimate, 1.4-3.9x below the compiled step's temporary memory on CPU"
+         " (docs/planning.md): the loss's vocabulary-sized buffers and remat's recomputed layer are not counted"]
+  if sizes["cp"] > 1 and sizes["pp"] > 1:
+    out.append("cp beside pp is planned as designed; compiled on CPU, the tables' gathers, their gradients and"
+               " the pipeline's sends group differently over cp and pp (tiny, cp=2,tp=2,pp=2: tp exact)")
+  return out
+
+
+def _by(rows, key) -> dict[str, int]:
+  out: dict[str, int] = {}
+  for r in rows:
+    out[key(r)] = out.get(key(r), 0) + r["bytes"]
+  return out
+
+
+def _summary(p: dict) -> dict:
+  return {"bytes_total": p["bytes_total"], "step_seconds": p["time"]["step"],
+          "optimizer_state": p["memory"]["optimizer_state"], "fits": p["fits"]}
+
+
+def meshes(devices: int, cfg, experts: bool) -> list[dict[str, int]]:
+  """Every (rp, fs, ep, tp, pp) of ``devices`` with tp ≤ 8 dividing the heads, pp dividing
+  the layers (cp left at 1: a sweep of long contexts is a separate question)."""
+  divisors = [d for d in range(1, devices + 1) if devices % d == 0]
+  out = []
+  for tp, pp, ep in itertools.product(divisors, divisors, divisors if experts else [1]):
+    if tp > 8 or cfg.num_heads % tp or cfg.kv_heads % tp or cfg.num_layers % pp or devices % (tp * pp * ep):
+      continue
+    if experts and cfg.num_experts % ep:
+      continue
+    rest = devices // (tp * pp * ep)
+    for fs in (d for d in divisors if rest % d == 0):
+      out.append({"rp": rest // fs, "fs": fs, "ep": ep, "cp": 1, "tp": tp, "pp": pp})
+  return out
+
+
+def sweep(model: str, devices: int, top: int = 10, **kwargs) -> list[dict]:
+  """The meshes of ``devices`` that fit, fastest (non-overlapped step) first."""
+  cfg = plan_model.load_config(model, kwargs.get("seq_len"), kwargs.get("dtype", "bfloat16"))
+  ok = []
+  for sizes in meshes(devices, cfg, cfg.num_experts > 0):
+    try:
+      p = plan(model, sizes, compare=False, **kwargs)
+    except ValueError:
+      continue  # the batch or a dimension does not split on this mesh
+    if p["fits"]:
+      ok.append(p)
+  return sorted(ok, key=lambda p: p["time"]["step"])[:top]
+
+
+def _gib(n: float) -> str:
+  return f"{n / 2**30:.2f} GiB"
+
+
+def format_plan(p: dict) -> str:
+  t, m = p["time"], p["memory"]
+  lines = [f"{p['model']} ({p['parameters_total'] / 1e9:.2f}B) on {p['mesh']} ({p['devices']} x {p['gpu']}),"
+           f" {p['optimizer']}" + (f" rank {p['rank_fraction']:g}" if p["rank_fraction"] else "")
+           + f"; batch {p['global_batch']} x {p['seq_len']}, {p['micro_batches']} micro-batches of {p['micro_batch']}",
+           "", "| purpose | op | axes | link | MiB/device/step | ms |", "| --- | --- | --- | --- | --- | --- |"]
+  for r in sorted(p["collectives"], key=lambda r: -r["bytes"]):
+    link = "/".join(sorted({p["links"][a] for a in r["axes"]}))
+    lines.append(f"| {r['purpose']} | {r['op']} | {','.join(r['axes'])} | {link} | {r['bytes'] / 2**20:,.1f}"
+                 f" | {r['seconds'] * 1e3:.2f} |")
+  lines += ["", f"communication {p['bytes_total'] / 2**30:.2f} GiB/device/step: "
+            + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in p["bytes_by_purpose"].items()),
+            f"time: compute {t['compute'] * 1e3:.1f} ms, communication {t['communication'] * 1e3:.1f} ms,"
+            f" bubble {t['bubble'] * 1e3:.1f} ms; step {t['step'] * 1e3:.1f} ms"
+            f" ({t['step_overlapped'] * 1e3:.1f} ms if communication overlaps compute)",
+            f"memory: parameters {_gib(m['parameters'])}, gradients {_gib(m['gradients'])}, optimizer state"
+            f" {_gib(m['optimizer_state'])}, activations {_gib(m['activations'])} ({_gib(m['activations_remat'])}"
+            f" with remat); HBM {_gib(p['hbm'])}",
+            f"verdict: {'fits' if p['fits'] else 'does not fit'}{' with remat' if p['needs_remat'] else ''},"
+            f" {p['bound']}-bound"] + [f"caveat: {c}" for c in p["caveats"]]
+  for o, v in p.get("versus", {}).items():
+    lines.append(f"  vs {o}: {v['bytes_total'] / 2**30:.2f} GiB/device/step, step {v['step_seconds'] * 1e3:.1f} ms,"
+                 f" optimizer state {_gib(v['optimizer_state'])}{'' if v['fits'] else ', does not fit'}")
+  return "\n".join(lines)

@@ -1,0 +1,136 @@
+"""What a run checks before it writes anything: its model, data, checkpoint and memory.
+
+Each check raises ``UsageError`` with one line that names the problem and the fix
+(``train/cli.py`` prints it, exit code 2); the run directory's own are ``train/store/rundir.py``'s.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+
+import jax
+
+import data
+import models
+from train.cli import UsageError
+from train.run.config import Config
+from train.store import rundir
+
+# Model fields a checkpoint's arrays depend on.
+_SHAPE_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "kv_heads", "head_dim", "d_mlp",
+                 "mlp", "qk_norm", "tie_embeddings", "num_experts", "moe_every", "d_expert", "moe_shared_expert")
+
+
+def check_experts(model_cfg: models.GPTConfig, mesh: jax.sharding.Mesh) -> None:
+  sizes = dict(mesh.shape)
+  if not model_cfg.num_experts:
+    return
+  if model_cfg.num_experts % sizes["ep"]:
+    raise UsageError(f"--mesh ep={sizes['ep']} does not divide the {model_cfg.num_experts} experts;"
+                     " choose an ep that divides --num-experts (each ep rank holds experts/ep)")
+
+
+def check_same_model(saved: dict, model_cfg: models.GPTConfig, cfg: Config, where: str) -> None:
+  # Through GPTConfig, so that records written before a field existed take its default.
+  saved_cfg = models.GPTConfig(**saved["model"])
+  differ = [f"{k}={getattr(saved_cfg, k)} (now {getattr(model_cfg, k)})" for k in _SHAPE_FIELDS
+            if getattr(saved_cfg, k) != getattr(model_cfg, k)]
+  if differ:
+    raise UsageError(f"the checkpoint in {where} is of another model: {', '.join(differ)}; pass"
+                     " the model flags it was saved with (--resume reuses them when left off)"
+                     " or start a new --run-dir")
+  if saved["train"]["optimizer"] != cfg.optimizer:
+    raise UsageError(f"the checkpoint in {where} holds --optimizer {saved['train']['optimizer']}"
+                     f" state, not {cfg.optimizer}; resume with --optimizer"
+                     f" {saved['train']['optimizer']} or start a new --run-dir")
+
+
+def check_token_ids(flag: str, source, vocab_size: int, fix: str | None = None) -> None:
+  """Raises UsageError when ``source`` holds a token id at or past ``vocab_size``; the
+  message names the largest id and ``fix`` (default: a large enough --vocab-size)."""
+  largest = data.max_token_id(source)
+  if largest >= vocab_size:
+    fix = fix or f"pass --vocab-size {largest + 1} or more, or data made with the model's tokenizer"
+    raise UsageError(f"{flag} {source.name} holds token id {largest} but the model's vocabulary has"
+                     f" {vocab_size} ids (0..{vocab_size - 1}); {fix}")
+
+
+def check_data(cfg: Config, model_cfg: models.GPTConfig, source, valid_source, eod: int | None) -> None:
+  """Every data source fits the model's vocabulary, and the validation data holds a row."""
+  fix = ("tokenize the data with --init-from's tokenizer (python -m data.convert tokenize"
+         " --tokenizer DIR)" if cfg.hf_dir else None)
+  check_token_ids("--data", source, model_cfg.vocab_size, fix)
+  if valid_source is None or cfg.eval_tokens == 0:
+    return
+  check_token_ids("--valid-data", valid_source, model_cfg.vocab_size, fix)
+  try:
+    data.ordered_rows(valid_source, seq_len=model_cfg.seq_len, limit=1, eod=eod)
+  except data.DataError as e:
+    raise UsageError(f"--valid-data: {e}; pass more validation data, a smaller --seq-len,"
+                     " or --eval-tokens 0 for no validation") from None
+
+
+def damaged(command: str, ckpt_path: str, step: int | None, error: BaseException) -> UsageError:
+  """The one-line error of a checkpoint that does not restore: its step, the cause, and
+  the way back to an older one (``command`` is the flags that pick a step: ``--resume --step``
+  in train.gpt, ``--step`` in train.eval and train.export)."""
+  existing = rundir.existing_steps(ckpt_path)
+  step = max(existing, default=0) if step is None else step
+  cause = f"{type(error).__name__}: {error}".split(" See full")[0].splitlines()[0][:200]
+  older = [s for s in existing if s < step]
+  fix = (f"use an older one with {command} {max(older)}" if older
+         else "no older checkpoint exists: start a new --run-dir")
+  return UsageError(f"the checkpoint of step {step} in {ckpt_path} is damaged ({cause}); {fix}")
+
+
+@contextlib.contextmanager
+def reading(command: str, ckpt_path: str, step: int | None) -> Iterator[None]:
+  """Reads of checkpoint ``step`` (Orbax's restores and metadata, the saved records): the
+  errors damage gives them become :func:`damaged`'s one line; any other error (a bug)
+  keeps its traceback. Damage is a missing item or file (KeyError, OSError), bytes or
+  JSON that do not parse (ValueError), or a failed TensorStore read, which Orbax re-raises
+  as a bare ``Exception``."""
+  try:
+    yield
+  except UsageError:
+    raise
+  except (KeyError, ValueError, OSError) as e:
+    raise damaged(command, ckpt_path, step, e) from None
+  except Exception as e:
+    if type(e) is not Exception:
+      raise
+    raise damaged(command, ckpt_path, step, e) from None
+
+
+def check_memory(stats, mesh: jax.sharding.Mesh, model_cfg: models.GPTConfig) -> None:
+  """Refuses a compiled training step whose memory (XLA's ``memory_analysis``: arguments,
+  outputs and temporaries of one device) exceeds a device's memory, or, on CPU, whose
+  devices together exceed the host's; a backend that reports neither is not checked."""
+  if stats is None:
+    return
+  local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  device = local[0]  # memory_stats answers for this process's devices only
+  need = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+          + stats.temp_size_in_bytes)
+  limit = (device.memory_stats() or {}).get("bytes_limit")
+  if limit is not None:
+    where = f"the {limit / 2**30:.1f} GiB of a {device.device_kind}"
+  elif device.platform == "cpu":
+    need, limit = need * len(local), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    where = f"the host's {limit / 2**30:.1f} GiB" + (f" ({len(local)} CPU devices)" if len(local) > 1 else "")
+  else:
+    return
+  if need > limit:
+    raise UsageError(f"a training step needs {need / 2**30:,.1f} GiB, more than {where}"
+                     f" (--seq-len {model_cfg.seq_len}); lower --seq-len or --micro-batch-size, add"
+                     " --remat, or shard over more devices (--mesh)")
+
+
+def schedule_warning(cfg: Config, saved_train: dict) -> None:
+  """One line when ``--resume`` with a new --steps kept the saved run's lr decay length."""
+  if saved_train.get("lr_decay_steps") is None and cfg.lr_decay_steps == saved_train.get("steps") != cfg.steps:
+    print(f"warning: --resume --steps {cfg.steps} keeps the run's lr schedule, which decays over"
+          f" {cfg.lr_decay_steps} steps; pass --lr-decay-steps {cfg.steps} to stretch it over the"
+          " new length instead", file=sys.stderr)

@@ -1,0 +1,300 @@
+"""One optimizer step and one evaluation, jitted on the mesh.
+
+A step: gradients of the mean loss over ``accum`` micro-batches (a scan that sums them:
+gradient accumulation when pp == 1; with pp > 1 the pipeline consumes the micro-batches
+and ``accum`` is 1; the replicas' gradients are averaged over rp once, after the scan,
+as DDP's ``no_sync``), clipping by the global norm, the optimizer's update, and a guard:
+when the loss, the gradient norm, the new parameters or the new optimizer state are not
+all finite, the step changes nothing (parameters, optimizer state and the schedule's
+count come back as they were) and counts as skipped. So a step that would write NaN or
+inf anywhere (an lr that overflows float32, a float16 overflow) never does. With
+``skip_spikes``, so does a step whose loss or gradient norm spikes (``train/run/spikes.py``).
+
+float16 runs scale the loss dynamically (Megatron's ``--fp16``): the loss is multiplied
+by :class:`LossScale`'s ``scale`` before the gradient, so that small gradients of the
+float16 backward pass do not flush to zero; the gradient is divided by it again in
+float32 before clipping and the optimizer, which see the true gradient. A step whose
+scaled gradient overflowed is skipped by the guard and halves the scale; ``window``
+clean steps in a row double it.
+
+The loss is the mean over the counted targets of the whole global batch (a target -1,
+e.g. a prompt token of fine-tuning data or padding, is not counted): every micro-batch
+and every replica divides its sum by the global count, so that their losses and
+gradients add up to exactly the global mean however the targets fall.
+
+With a per-token ``objective`` (``models.loss``'s: GRPO's, ``train/grpo/objective.py``) the
+loss is the objective's terms summed over the global batch, their weights already its
+normalization (no division by the counted targets); its statistics are summed over
+micro-batches and replicas like the loss and reported in :class:`StepMetrics`.
+
+A mixture-of-experts model's loss includes its routers' auxiliary losses, averaged over the
+global batch's sequences in the same way; their statistics (tokens per expert, drops) are
+summed over micro-batches and replicas for the log.
+
+QK-clip (``--qk-clip-threshold``) takes each layer's and head's largest attention logit
+from the forward pass (maxed over micro-batches, and over replicas with per-replica
+gradients) and shrinks the query and key kernels of the heads above the threshold after
+the optimizer's update (``models/qk_clip.py``), inside the guard.
+
+With Dion's compressed sync (rp > 1) its matrices' gradients carry a leading rp axis,
+one gradient per replica, and the gradient Dion applies is their mean, which no device
+holds: the replicas exchange only Dion's low-rank factors. The norm that clipping and
+the log see is then, by default, the root mean square over replicas of each replica's
+own norm (``grad_norm="rms"``: one scalar all-reduce),
+
+    ‖g‖² = Σ_{averaged leaves} ‖ḡ‖² + (1/rp) Σ_r Σ_{per-replica leaves} ‖g_r‖²,
+
+an upper bound of the mean's norm (‖ḡ‖ ≤ RMS_r ‖g_r‖: the mean of squares exceeds
+the square of the mean by the replicas' variance, about rp times the whole batch's
+gradient noise). Clipping to it never lets the mean exceed the threshold, and fires
+earlier than one device would. ``grad_norm="exact"`` takes the mean's norm, at the cost
+of averaging every per-replica gradient over rp (an all-reduce as large as AdamW's
+gradient sync; Megatron-Dion's choice). Scaling every replica's gradient by the same
+factor scales their mean (docs/design.md §3).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import dion_jax
+import models
+from train.run import spikes
+
+# How the norm of per-replica gradients is taken (module docstring).
+GRAD_NORMS = ("rms", "exact")
+
+
+class LossScale(NamedTuple):
+  """Dynamic loss scaling's state: Megatron's ``DynamicGradScaler`` without hysteresis."""
+  scale: jax.Array  # float32: the loss's factor before the gradient; 1 outside float16
+  clean: jax.Array  # int32: finite steps in a row since the scale last changed
+
+
+class Scaling(NamedTuple):
+  """Dynamic loss scaling's hyper-parameters (``--loss-scale-window``, ``--min-loss-scale``)."""
+  window: int
+  min_scale: float
+
+
+class TrainState(NamedTuple):
+  params: Any
+  opt_state: Any
+  updates: jax.Array  # optimizer updates applied so far (skipped steps excluded): the schedule's count
+  loss_scale: LossScale
+  spikes: spikes.SpikeWindow | None = None  # the recent losses and gradient norms (None: not kept)
+
+
+class StepMetrics(NamedTuple):
+  loss: jax.Array
+  grad_norm: jax.Array  # before clipping
+  learning_rate: jax.Array
+  skipped: jax.Array  # bool: the step changed nothing
+  loss_scale: jax.Array  # the scale this step's loss was multiplied by
+  max_logit: jax.Array  # the largest attention logit of the step (-inf without QK-clip)
+  clipped_heads: jax.Array  # int32: heads QK-clip shrank (0 without it, or when skipped)
+  router_loss: jax.Array  # the MoE auxiliary losses' part of ``loss`` (0 without experts)
+  expert_load: jax.Array  # the worst MoE layer's max/mean tokens per expert (0 without experts)
+  dropped: jax.Array  # share of token-expert assignments over capacity (0 without experts)
+  spike: jax.Array  # bool: skipped as a loss or gradient-norm spike (``train/run/spikes.py``)
+  objective_stats: Any = None  # the objective's statistics summed over the batch (None without one)
+
+
+def initial_loss_scale(scale: float) -> LossScale:
+  return LossScale(jnp.asarray(scale, jnp.float32), jnp.zeros((), jnp.int32))
+
+
+def next_loss_scale(current: LossScale, finite: jax.Array, scaling: Scaling) -> LossScale:
+  """Halved (not below ``min_scale``) after a non-finite step; doubled after ``window``
+  finite steps in a row."""
+  grow = current.clean + 1 >= scaling.window
+  kept = jnp.where(grow, 2 * current.scale, current.scale)
+  scale = jnp.where(finite, kept, jnp.maximum(current.scale / 2, scaling.min_scale))
+  return LossScale(scale, jnp.where(finite & ~grow, current.clean + 1, 0))
+
+
+def all_finite(*trees: Any) -> jax.Array:
+  """Whether every floating-point element of ``trees`` is finite, as a bool scalar: one
+  ``all(isfinite)`` per leaf (as ``optax.apply_if_finite``), then one over the leaves."""
+  leaves = [x for x in jax.tree.leaves(trees) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
+
+
+def split_micro(batch: dict[str, jax.Array], accum: int) -> dict[str, jax.Array]:
+  """[B, T] -> [accum, B / accum, T]; micro-batch i holds rows i, i + accum, ..., so each
+  data-parallel shard splits its own rows and the batch sharding carries over."""
+
+  def split(x_BxT):
+    B, T = x_BxT.shape
+    return x_BxT.reshape(B // accum, accum, T).swapaxes(0, 1)
+
+  return jax.tree.map(split, batch)
+
+
+def counted(batch: dict[str, jax.Array]) -> jax.Array:
+  """The number of counted targets (>= 0) of a global batch, float32, at least 1."""
+  return jnp.maximum(jnp.sum(batch["targets"] >= 0), 1).astype(jnp.float32)
+
+
+def keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
+  """``new`` where the bool scalar ``ok`` holds, else ``old``, leaf by leaf."""
+  return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
+def make_gradient(graphdef: Any, par: models.Parallelism, per_replica: Any | None, accum: int,
+                  logit_max: bool = False, objective: Callable | None = None, temperature: float = 1.0
+                  ) -> Callable[..., tuple[tuple[jax.Array, models.LossAux], Any]]:
+  """``gradient(params, batch, scale) -> ((loss, aux), grads)``: the mean loss of a
+  global batch over ``accum`` micro-batches and its gradients (with ``per_replica``,
+  those leaves one per rp replica), ``scale`` the loss's factor (None: 1). With a
+  per-token ``objective`` (``models.loss``'s, at ``temperature``) the loss is its terms'
+  sum over the global batch.
+
+  With rp > 1 every replica sums its micro-batches' gradients unreduced over rp, in a
+  ``shard_map`` manual over rp (``dion_jax.parallel.synced_over_replicas``), and the gradients
+  are averaged over rp once, after the scan: gradient accumulation does not repeat the
+  replicas' all-reduce. The reductions over the axes that shard the parameters (fs, cp,
+  ep: ZeRO-3's reduce-scatters) stay in the scan, so the carry is a gradient shard.
+  """
+  rp = par.size("rp")
+
+  def summed_over_micro(scale, denominator, sequences):
+    """``((loss, models.LossAux), grads)`` of one batch: summed over ``accum`` micro-batches."""
+
+    def loss_fn(params, batch):
+      return models.loss(graphdef, params, batch, par, scale, denominator, sequences, aux=True,
+                         logit_max=logit_max, objective=objective, temperature=temperature)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if accum == 1:
+      return grad_fn
+
+    def summed(params, batch):
+      def add(total, batch_i):
+        ((loss, aux), grads), ((loss_i, aux_i), grads_i) = total, grad_fn(params, batch_i)
+        return ((loss + loss_i, _merge(aux, aux_i)), jax.tree.map(jnp.add, grads, grads_i)), None
+
+      micro = split_micro(batch, accum)
+      first = jax.tree.map(lambda x: x[0], micro)
+      # Inside the replicas' shard_map the sums vary over rp: so must the scan's carry.
+      manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+      zeros = lambda s: jax.lax.pcast(jnp.zeros(s.shape, s.dtype), manual, to="varying")  # noqa: E731
+      (loss0, aux0), grads0 = jax.tree.map(zeros, jax.eval_shape(grad_fn, params, first))
+      if logit_max:
+        aux0 = aux0._replace(logit_max=jnp.full_like(aux0.logit_max, -jnp.inf))
+      return jax.lax.scan(add, ((loss0, aux0), grads0), micro)[0]
+
+    return summed
+
+  def gradient(params, batch, scale=None):
+    # With replicas, each divides by its share: the replicas' losses are averaged.
+    denominator = jnp.float32(1) if objective is not None else counted(batch)
+    grad_fn = summed_over_micro(scale, denominator / rp, batch["inputs"].shape[0] / rp)
+    if rp == 1:
+      return grad_fn(params, batch)
+    keep = jax.tree.map(lambda _: False, params) if per_replica is None else per_replica
+    synced = dion_jax.parallel.synced_over_replicas(grad_fn, par.mesh, keep, has_aux=True)
+    (loss, aux), grads = synced(params, batch)
+    return (loss, _merge(*(jax.tree.map(lambda a, i=i: a[i], aux) for i in range(rp)), replicas=rp)), grads
+
+  return gradient
+
+
+def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTransformation,
+                    lr_schedule: optax.Schedule, per_replica: Any | None, accum: int,
+                    clip_grad: float, scaling: Scaling | None = None,
+                    qk_clip: tuple[float, models.GPTConfig] | None = None, skip_spikes: float = 0.0,
+                    objective: Callable | None = None, temperature: float = 1.0, grad_norm: str = "rms",
+                    ) -> Callable[[TrainState, dict], tuple[TrainState, StepMetrics]]:
+  """The jitted step; ``scaling`` None leaves the loss unscaled (the state's scale unused);
+  ``qk_clip`` is (threshold, the model's config) or None; ``skip_spikes`` > 0 skips a step
+  whose loss or gradient norm is that many standard deviations above the state's window
+  (``train/run/spikes.py``; the state must keep one), 0 applies it; ``objective`` a per-token
+  objective of ``models.loss`` (at ``temperature``) in place of the cross-entropy;
+  ``grad_norm`` "rms" or "exact": the norm of per-replica gradients (module docstring)."""
+  if grad_norm not in GRAD_NORMS:
+    raise ValueError(f"grad_norm {grad_norm!r}: choose one of {', '.join(GRAD_NORMS)}")
+  logit_max = qk_clip is not None
+  mean_grads = make_gradient(graphdef, par, per_replica, accum, logit_max, objective, temperature)
+
+  def applied_norm(grads):
+    if per_replica is None:
+      return optax.tree.norm(grads)
+    if grad_norm == "exact":
+      return optax.tree.norm(jax.tree.map(lambda g, rep: g.mean(0) if rep else g, grads, per_replica))
+    squares = jax.tree.map(lambda g, rep: optax.tree.norm(g, squared=True) / (g.shape[0] if rep else 1),
+                           grads, per_replica)
+    return jnp.sqrt(sum(jax.tree.leaves(squares)))
+
+  def step(state: TrainState, batch: dict) -> tuple[TrainState, StepMetrics]:
+    scale = state.loss_scale.scale if scaling else None
+    (loss, aux), grads = mean_grads(state.params, batch, scale)
+    if scaling:
+      loss, grads = jax.tree.map(lambda x: x / scale, (loss, grads))
+    norm = applied_norm(grads)
+    if clip_grad > 0:
+      factor = jnp.minimum(1.0, clip_grad / jnp.maximum(norm, 1e-30))
+      grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    clipped, max_logit = jnp.zeros((), jnp.int32), jnp.asarray(-jnp.inf, jnp.float32)
+    if logit_max:
+      params, clipped = models.qk_clip.qk_clip(params, aux.logit_max, *qk_clip)
+      max_logit = jnp.max(aux.logit_max)
+    finite = jnp.isfinite(loss) & jnp.isfinite(norm)
+    spike = spikes.is_spike(state.spikes, loss, norm, skip_spikes) if skip_spikes else jnp.zeros((), bool)
+    applied = finite & ~spike if skip_spikes else finite
+    params, opt_state = keep_if(applied, (params, opt_state), (state.params, state.opt_state))
+    # A second select for the new state's own check: folding it into the first changes how
+    # XLA fuses the update, and float32 results by an ulp from step 3. Measured on CPU
+    # (tiny, one device): step time and temporary memory unchanged within noise.
+    finite &= all_finite(params, opt_state)
+    applied = finite & ~spike if skip_spikes else finite
+    params, opt_state = keep_if(applied, (params, opt_state), (state.params, state.opt_state))
+    new = TrainState(params, opt_state, state.updates + applied.astype(state.updates.dtype),
+                     next_loss_scale(state.loss_scale, finite, scaling) if scaling else state.loss_scale,
+                     None if state.spikes is None else spikes.record(state.spikes, loss, norm))
+    routing = (jnp.zeros(()), jnp.zeros(())) if aux.router is None else _routing(aux.router)
+    return new, StepMetrics(loss, norm, lr_schedule(state.updates), ~applied, state.loss_scale.scale, max_logit,
+                            jnp.where(applied, clipped, 0), aux.router_loss, *routing, spike, aux.stats)
+
+  return jax.jit(step, donate_argnums=0)
+
+
+def _merge(a: models.LossAux, *rest: models.LossAux, replicas: int = 1) -> models.LossAux:
+  """LossAux of several micro-batches or replicas: logit maxima maxed, router statistics
+  summed, router losses summed (each already its share of the global mean; replicas'
+  shares are averaged, as their losses are), an objective's statistics summed (each
+  already weighted for the global batch)."""
+  add = lambda x, y: None if x is None else jax.tree.map(jnp.add, x, y)  # noqa: E731
+  for b in rest:
+    a = models.LossAux(None if a.logit_max is None else jnp.maximum(a.logit_max, b.logit_max),
+                       add(a.router, b.router), a.router_loss + b.router_loss, add(a.stats, b.stats))
+  return a._replace(router_loss=a.router_loss / replicas)
+
+
+def _routing(router: models.moe.RouterStats) -> tuple[jax.Array, jax.Array]:
+  """The worst layer's max/mean tokens per expert, and the share of assignments dropped."""
+  load_LxE = router.load.reshape(-1, router.load.shape[-1])
+  imbalance = jnp.max(load_LxE.max(-1) / jnp.maximum(load_LxE.mean(-1), 1e-9))
+  return imbalance, jnp.sum(router.dropped) / jnp.maximum(jnp.sum(router.load), 1.0)
+
+
+def make_eval_step(graphdef: Any, par: models.Parallelism, accum: int) -> Callable[[Any, dict], jax.Array]:
+  """The summed loss of a global batch over its counted targets (float32; the caller
+  divides, ``train/run/evaluation.py``), micro-batch by micro-batch like the train step; the
+  language-model loss only (a MoE's auxiliary losses left out)."""
+
+  def lm_loss_sum(params, batch):
+    loss, aux = models.loss(graphdef, params, batch, par, denominator=jnp.float32(1), aux=True)
+    return loss - aux.router_loss
+
+  def loss_fn(params, batch):
+    if accum == 1:
+      return lm_loss_sum(params, batch)
+    return jnp.sum(jax.lax.map(lambda b: lm_loss_sum(params, b), split_micro(batch, accum)))
+
+  return jax.jit(loss_fn)
