@@ -7,7 +7,7 @@ algorithms' wire bytes of every collective whose group spans rp), against Dion's
 fraction (1, 1/2, 1/4, 1/8, 1/16), beside Muon, NorMuon, Dion2 (fraction 1/4) and AdamW,
 which have no rank:
 
-- compiled: ``python -m train.gpt``'s step as ``train.run.loop.setup`` compiles it (forward,
+- compiled: ``python -m train.gpt``'s step as ``train.run.setup.setup`` compiles it (forward,
   backward, clipping, guard, update; ``train.run.comm``'s record, loops counted per run), for
   ``tiny`` with a global batch of 8 on 8 CPU devices, meshes rp=8 and rp=4,fs=2;
 - planned: ``train.plan`` for Llama 3 8B and 70B on 1024 H100s (8 per node, tp=8,
@@ -35,12 +35,12 @@ PLANNED_MODELS = ("8b", "70b")
 def compiled_over_rp(mesh: str, optimizer: str, rank: float = 0.25) -> int:
   """Wire bytes per device and step over rp of the trainer's compiled ``tiny`` step."""
   from train.run import config as config_lib
-  from train.run import loop
+  from train.run import setup
 
   with tempfile.TemporaryDirectory(prefix="comm_figure_") as run_dir:
     cfg = config_lib.parse(["--preset", "tiny", "--mesh", mesh, "--optimizer", optimizer, "--global-batch-size", "8",
                             "--dion-rank-fraction", repr(rank), "--eval-tokens", "0", "--run-dir", run_dir])
-    run = loop.setup(cfg)
+    run = setup.setup(cfg)
     run.directory.close()
   by_axes = run.record["communication"]["bytes_per_device_and_step"]
   return sum(b["wire"] for axes, b in by_axes.items() if "rp" in axes.split(","))

@@ -2,7 +2,7 @@
 
     python -m benchmarks.trainer_overhead [--steps 60] [trainer flags, e.g. --preset tiny]
 
-Sets up one run as the trainer does (``train.run.loop.setup``), then times
+Sets up one run as the trainer does (``train.run.setup.setup``), then times
 1. the bare jitted train step (forward, backward, optimizer) on one fixed batch already on
    the devices, ``--steps`` calls with one wait at the end (``timing.throughput_time``);
 2. the trainer's loop (``train.run.loop.train``: data loading, host-to-device transfer, metric
@@ -29,9 +29,9 @@ def main(argv=None) -> int:
   start.start_jax(cfg)  # host devices for the mesh, before JAX starts
   import jax
 
-  from train.run import loop
+  from train.run import loop, setup
 
-  run = loop.setup(cfg)
+  run = setup.setup(cfg)
   batch = loop.global_batch(run, next(run.data.loader))
   state = jax.tree.map(lambda x: x.copy(), run.state)  # the step donates its input
 

@@ -1,4 +1,4 @@
-"""What the trainer's step sends (``train/run/comm.py``), read from the step ``train.run.loop.setup``
+"""What the trainer's step sends (``train/run/comm.py``), read from the step ``train.run.setup.setup``
 compiles (scan, clipping, guard, update; loops counted per run): equal to
 ``train.plan`` per group of mesh axes on every kind of mesh, and over the replicas
 to what Dion's compressed sync should send, counted by hand from the parameters' shapes.
@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 import dion_jax
 import models
 from train.plan import planner as plan_lib
-from train.run import comm, loop
+from train.run import comm, setup
 from train.run import config as config_lib
 
 BATCH = 8
@@ -41,7 +41,7 @@ def trainer_step(preset: str, mesh: str, optimizer: str, rank: float = 0.25, fla
     cfg = config_lib.parse(["--preset", preset, "--mesh", mesh, "--optimizer", optimizer,
                             "--global-batch-size", str(BATCH), "--dion-rank-fraction", str(rank),
                             "--eval-tokens", "0", "--run-dir", run_dir, *flags])
-    run = loop.setup(cfg)
+    run = setup.setup(cfg)
     run.directory.close()
     with open(os.path.join(run_dir, "config.json")) as f:
       return json.load(f)

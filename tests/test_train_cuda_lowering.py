@@ -14,7 +14,7 @@ from dion_jax.kernels import backend as backend_lib
 from tests import stablehlo_calls
 from tests.triton_ir import parse_triton_modules
 from train.run import config as config_lib
-from train.run import loop
+from train.run import loop, setup
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def _lowered_step(tmp_path, optimizer: str, dtype: str | None = None, preset: st
                           eval_tokens=0, save_every=0, mesh="fs=1", run_dir=str(tmp_path / optimizer),
                           dtype=dtype, **overrides)
   cfg.check()
-  run = loop.setup(cfg)
+  run = setup.setup(cfg)
   assert run.model_cfg.dtype == (dtype or "bfloat16") and run.model_cfg.attention == "cudnn"
   batch = loop.global_batch(run, next(run.data.loader))
   with jax.set_mesh(run.mesh):

@@ -20,7 +20,7 @@ from train.grpo import __main__ as grpo
 from train.grpo import loop as grpo_loop
 from train.grpo import objective as grpo_objective
 from train.run import config as config_lib
-from train.run import loop
+from train.run import loop, setup
 from train.run import restore as restore_lib
 from train.store import checkpoint as ckpt_lib
 
@@ -279,7 +279,7 @@ def test_pipelined_and_context_parallel_loss_and_gradient_are_one_devices(one_de
   entry; checked at about 5-10x those."""
   cfg, graphdef, params_one, inputs, logps_one, results = one_device_update
   tokens_BxT, pad_B, old_BxM, *_, mask_BxM = inputs
-  mesh = loop.make_mesh(mesh_spec)
+  mesh = setup.make_mesh(mesh_spec)
   par = models.Parallelism(mesh, microbatches=microbatches)
   _, shapes = models.abstract(cfg, par)
   params_mesh = jax.device_put(dict(params_one, blocks=models.to_stages(models.to_layers(params_one["blocks"], 1),
@@ -368,7 +368,7 @@ def test_metrics_hold_no_bare_nan(compile_cache, poisoned_run, prompts_file, tmp
   assert record["loss"] is None and record["grad_norm"] is None and record["skipped"] == 1
 
 
-def _rp_bytes(run: loop.Run, batch: dict) -> int:
+def _rp_bytes(run: setup.Run, batch: dict) -> int:
   """The bytes the run's compiled step moves over rp per device, counted per run of each loop."""
   with jax.set_mesh(run.mesh):
     compiled = run.train_step.lower(run.state, batch).compile()
@@ -392,7 +392,7 @@ def test_rp2_dion_syncs_over_replicas_as_train_gpt(compile_cache, base_run, prom
   cfg = config_lib.Config(num_layers=2, hidden_size=32, num_attention_heads=2, seq_len=SEQ_LEN, mesh="rp=2",
                           optimizer="dion", dion_rank_fraction=0.25, global_batch_size=8, steps=1, eval_tokens=0,
                           run_dir=str(tmp_path / "gpt"))
-  reference = loop.setup(cfg)
+  reference = setup.setup(cfg)
   assert reference.model_cfg == run.model_cfg
   gpt_bytes = _rp_bytes(reference, loop.global_batch(reference, next(reference.data.loader)))
   print(f"bytes over rp: GRPO {grpo_bytes}, train.gpt {gpt_bytes}")

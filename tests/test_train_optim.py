@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import models
-from train.run import loop, optim
+from train.run import optim, setup
 from train.run.config import Config
 
 
@@ -73,7 +73,7 @@ def test_weight_decay_groups_after_one_step(optimizer):
   cfg = Config(optimizer=optimizer, lr=lr, weight_decay=wd, scalar_weight_decay=scalar_wd,
                lr_warmup_steps=0, lr_decay_style="constant", steps=10, mesh="fs=1")
   model_cfg = models.preset("tiny", num_layers=1, d_model=16, num_heads=2, seq_len=8, vocab_size=32)
-  mesh = loop.make_mesh("fs=1")
+  mesh = setup.make_mesh("fs=1")
   with jax.set_mesh(mesh):
     _, params = models.init(model_cfg, models.Parallelism(mesh), 0)
     tx = optim.optimizer(cfg, params, mesh, models.param_specs(params))

@@ -87,7 +87,7 @@ def update(name, spec, optimizer):
 
   grads = jax.tree.map(gradient, abstract(params), dion_jax.default_labels(params))
   with jax.set_mesh(mesh):
-    # The state as training creates it (train/run/loop.py: tx.init on the sharded parameters).
+    # The state as training creates it (train/run/setup.py: tx.init on the sharded parameters).
     state = abstract(tx.init(params))
     compiled = jax.jit(lambda g, s, p: tx.update(g, s, p)).lower(grads, state, abstract(params)).compile()
   leaves = plan_model.leaves(cfg)

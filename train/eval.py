@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 
 import jax
@@ -38,31 +37,10 @@ from models import context
 from train import cli
 from train.cli import UsageError
 from train.run import config as config_lib
-from train.run import evaluation, flags, loop, start
-from train.run import restore as restore_lib
+from train.run import evaluation, flags, start
+from train.run import model_source as model_source_lib
+from train.run import setup as setup_lib
 from train.run import step as step_lib
-from train.store import hf as hf_io
-from train.store import hub
-
-
-def load_model(spec: str, step: int | None, par: models.Parallelism) -> tuple[models.GPTConfig, object, object]:
-  """``(cfg, graphdef, params)`` from a run directory or ``hf:DIR``, laid out on ``par``'s
-  mesh like ``models.init``'s (call it under ``jax.set_mesh(par.mesh)``)."""
-  if spec.startswith("hf:"):
-    directory = hub.local_dir(spec[3:])
-    if step is not None:
-      raise UsageError("--step applies to run directories, not to hf:DIR")
-    cfg = hf_io.model_config(directory, seq_len=1024)
-    try:
-      graphdef, params = hf_io.load(directory, cfg, par)
-    except UsageError:
-      raise
-    except ValueError as e:
-      raise UsageError(f"--mesh: {e}") from None
-    return cfg, graphdef, params
-  run_dir = os.path.abspath(spec)
-  restored = restore_lib.restore(run_dir, step, par)
-  return restored.cfg, restored.graphdef, restored.params
 
 
 def windows(spec: str, num_tokens: int, seq_len: int) -> np.ndarray:
@@ -98,7 +76,7 @@ def rows(spec: str, num_tokens: int, seq_len: int, tokenizer) -> dict[str, np.nd
 
 def _parallelism(spec: str | None, batch_size: int) -> models.Parallelism:
   """The mesh of ``--mesh`` (one device by default), checked against the batch."""
-  mesh = loop.make_mesh(spec or "fs=1")
+  mesh = setup_lib.make_mesh(spec or "fs=1")
   sizes = dict(mesh.shape)
   pp, dp = sizes["pp"], sizes["rp"] * sizes["fs"] * sizes["ep"]
   if batch_size % (dp * pp):
@@ -144,28 +122,21 @@ def _start(argv):
   runtime.check()
   start.start_jax(runtime)
   par = _parallelism(args.mesh, args.batch_size)
+  origin = model_source_lib.resolve(args.model)
   with jax.set_mesh(par.mesh):
-    cfg, graphdef, params = load_model(args.model, args.step, par)
+    cfg, graphdef, params, _ = origin.load(args.step, par)
   seq_len = args.seq_len or cfg.seq_len
   try:
     context.check_seq_len(seq_len, par.cp)
   except ValueError as e:
     raise UsageError(f"--seq-len / --mesh: {e}") from None
-  r = rows(args.data, args.tokens, seq_len, _tokenizer(args.model))
+  r = rows(args.data, args.tokens, seq_len, origin.tokenizer())
   largest = max(int(r["inputs"].max()), int(r["targets"].max()))
   if largest >= cfg.vocab_size:
     raise UsageError(f"--data {args.data} holds token id {largest} but the model's vocabulary has"
                      f" {cfg.vocab_size} ids (0..{cfg.vocab_size - 1}); evaluate on data made with"
                      " the model's tokenizer")
   return graphdef, params, r, par, args.batch_size
-
-
-def _tokenizer(spec: str):
-  """What reads sft: data: the model's own tokenizer.json (and chat template), else bytes."""
-  if spec.startswith("hf:"):
-    return hf_io.load_tokenizer(hub.local_dir(spec[3:]))
-  run_dir = os.path.abspath(spec)
-  return hf_io.load_tokenizer(hf_io.tokenizer_dir(run_dir, config_lib.saved_config(run_dir).get("init_from")))
 
 
 def _report(loaded) -> int:

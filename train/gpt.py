@@ -38,11 +38,11 @@ def _setup(argv: list[str] | None):
     print(config_file.to_yaml(cfg.to_json()), end="")
     return None
   start.start_jax(cfg)
-  from train.run import loop, peers  # import jax, models, dion_jax, data
+  from train.run import peers, setup  # import jax, models, dion_jax, data
 
   peers.watch(cfg)  # several processes: a fault in one, or a lost one, ends them all
   with peers.together(setting_up=True):
-    return loop.setup(cfg)
+    return setup.setup(cfg)
 
 
 def _train(run) -> int:

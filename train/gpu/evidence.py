@@ -105,7 +105,7 @@ def train_run(preset: str, optimizer: str, steps: int, batch: int, attention: st
     with tempfile.TemporaryDirectory() as run_dir:
       return train_run(preset, optimizer, steps, batch, attention, optimizer_steps, run_dir, profile_steps)
   from train.run import config as config_lib
-  from train.run import loop
+  from train.run import loop, setup
   from train.store import log
 
   cfg = config_lib.Config(
@@ -113,7 +113,7 @@ def train_run(preset: str, optimizer: str, steps: int, batch: int, attention: st
       log_interval=steps // 2, global_batch_size=batch, eval_tokens=0, save_every=0,
       run_dir=run_dir, mesh="fs=1", profile_steps=profile_steps)
   cfg.check()
-  run = loop.setup(cfg)
+  run = setup.setup(cfg)
   optimizer_ms = optimizer_seconds(run, optimizer_steps) * 1e3 if optimizer_steps else None
   code = loop.train(run)
   if code:

@@ -11,7 +11,7 @@ reward functions (``train/grpo/rewards.py``), turns the rewards into advantages 
 mask and KL to the frozen starting policy with ``--beta`` > 0).
 
 What is GRPO's own is here: the prompts, the rollouts, the rewards and advantages. The
-rest is ``python -m train.gpt``'s (``train/run/loop.py``): the same set-up steps, the same
+rest is ``python -m train.gpt``'s (``train/run/setup.py``, ``train/run/loop.py``): the same set-up steps, the same
 jitted step (``train/run/step.py``, with GRPO's per-token objective in ``models.loss``: the
 non-finite guard, float16 loss scaling, clipping, accumulation over
 ``--micro-batch-size``, Dion's per-replica path on rp, QK-clip, the schedules and

@@ -27,6 +27,9 @@ from train.grpo import rewards as grpo_rewards
 from train.grpo.config import GRPOConfig
 from train.run import config as config_lib
 from train.run import loop, start, trainer
+from train.run import model_source as model_source_lib
+from train.run import setup as setup_lib
+from train.run.setup import Run
 from train.run import restore as restore_lib
 from train.run import step as step_lib
 from train.run.interrupt import Agreement, Interrupt
@@ -35,7 +38,7 @@ from train.store import rundir
 
 
 class Prompts(NamedTuple):
-  """GRPO's own part of a run (``loop.Run.data``)."""
+  """GRPO's own part of a run (``Run.data``)."""
   grpo: GRPOConfig
   rows: list[dict]
   texts: list[str]  # each row's prompt as the rewards see it
@@ -106,33 +109,34 @@ def _check_split(grpo: GRPOConfig, mesh: jax.sharding.Mesh) -> None:
                      f" {dp * sizes['pp']} divides")
 
 
-def setup(argv: list[str] | None) -> loop.Run:
-  """The run of ``argv``: ``loop.setup``'s steps, with GRPO's own model (the starting
+def setup(argv: list[str] | None) -> Run:
+  """The run of ``argv``: ``train.run.setup.setup``'s steps, with GRPO's own model (the starting
   policy), data (the prompts and rewards) and objective; the first rollout compiles the step."""
   grpo, cfg = _config(argv)
-  directory, start_step = loop.check_directory(cfg)
-  mesh = loop.make_mesh(cfg.mesh or f"fs={len(jax.devices())}")
+  directory, start_step = setup_lib.check_directory(cfg)
+  mesh = setup_lib.make_mesh(cfg.mesh or f"fs={len(jax.devices())}")
   _check_split(grpo, mesh)
   accum = trainer.batch_split(cfg, mesh)
   par = trainer.parallelism(cfg, mesh, accum)
-  starting, model_cfg, graphdef = _starting_policy(grpo, cfg, par)
-  prompts = _prompts(grpo, model_cfg, graphdef, starting)
+  origin = model_source_lib.resolve(grpo.init_from)
+  starting, model_cfg, graphdef = _starting_policy(grpo, cfg, par, origin)
+  prompts = _prompts(grpo, model_cfg, graphdef, starting, origin.tokenizer())
   with jax.set_mesh(mesh):
     state, train_step = trainer.make_trainer(cfg, model_cfg, graphdef, starting.params, par, accum,
                                              functools.partial(grpo_objective.weighted, prompts.objective),
                                              grpo.temperature)
   checkpoints = ckpt_lib.Checkpoints(cfg.ckpt_path, cfg.keep, create=False)  # made once checked
   state, _, _ = trainer.resume_state(checkpoints, start_step, state, cfg, model_cfg, par)
-  record = {**loop.config_record(cfg, model_cfg, _start_record(grpo).get("hf_config")),
+  record = {**setup_lib.config_record(cfg, model_cfg, origin),
             "grpo": dataclasses.asdict(grpo), "init_step": starting.step}
-  run = loop.Run(cfg=cfg, model_cfg=model_cfg, mesh=mesh, par=par, directory=directory, checkpoints=checkpoints,
+  run = setup_lib.Run(cfg=cfg, model_cfg=model_cfg, mesh=mesh, par=par, directory=directory, checkpoints=checkpoints,
                  record=record, state=state, start_step=start_step, train_step=train_step, data=prompts)
   first = rollout(run, state.params, start_step + 1)
-  compiled = loop.compile_within_memory(train_step, state, first.batch, mesh, model_cfg)
-  loop.describe_communication(run, compiled)
+  compiled = setup_lib.compile_within_memory(train_step, state, first.batch, mesh, model_cfg)
+  setup_lib.describe_communication(run, compiled)
   run.data = prompts._replace(first=first)
-  loop.start_trackers(run)
-  loop.open_directory(run)
+  setup_lib.start_trackers(run)
+  setup_lib.open_directory(run)
   return run
 
 
@@ -145,25 +149,21 @@ def _config(argv: list[str] | None) -> tuple[GRPOConfig, config_lib.Config]:
   return grpo, cfg
 
 
-def _start_record(grpo: GRPOConfig) -> dict:
-  """The record of the run GRPO starts from (this run's own once resumed)."""
-  return rundir.saved_record(grpo.run_dir if grpo.resume else grpo.init_from) or {}
-
-
-def _starting_policy(grpo: GRPOConfig, cfg: config_lib.Config, par: models.Parallelism
-                     ) -> tuple[restore_lib.Restored, models.GPTConfig, Any]:
+def _starting_policy(grpo: GRPOConfig, cfg: config_lib.Config, par: models.Parallelism,
+                     origin: model_source_lib.ModelSource) -> tuple[restore_lib.Restored, models.GPTConfig, Any]:
   """The --init-from run's checkpoint (the one a resumed run started from) on ``par``'s
   mesh, and its model computing as the flags say (dtype, attention, remat)."""
+  step = (rundir.saved_record(grpo.run_dir) or {}).get("init_step") if grpo.resume else None
   with jax.set_mesh(par.mesh):
-    starting = restore_lib.restore(grpo.init_from, _start_record(grpo).get("init_step") if grpo.resume else None, par)
+    starting = origin.load(step, par)
   model_cfg = dataclasses.replace(starting.cfg, **trainer.compute_settings(cfg))
   trainer.check_model(cfg, model_cfg, par.mesh)
   return starting, model_cfg, models.abstract(model_cfg, par)[0]
 
 
-def _prompts(grpo: GRPOConfig, model_cfg: models.GPTConfig, graphdef: Any, starting: restore_lib.Restored) -> Prompts:
+def _prompts(grpo: GRPOConfig, model_cfg: models.GPTConfig, graphdef: Any, starting: restore_lib.Restored,
+             tokenizer) -> Prompts:
   """GRPO's data: the prompts, the rewards, the objective, the reference (with --beta > 0)."""
-  tokenizer = restore_lib.run_tokenizer(grpo.init_from)
   rewards = grpo_rewards.reward_functions(list(grpo.reward), grpo.answer_column)
   limit = model_cfg.seq_len - grpo.max_new_tokens
   if limit < 1:
@@ -179,7 +179,7 @@ def _prompts(grpo: GRPOConfig, model_cfg: models.GPTConfig, graphdef: Any, start
   return Prompts(grpo, rows, texts, tokens, tokenizer, rewards, objective, graphdef, reference, None)
 
 
-def rollout(run: loop.Run, params: Any, step: int) -> Rollout:
+def rollout(run: Run, params: Any, step: int) -> Rollout:
   """Step ``step``'s rollout from the policy ``params``: the prompts, completions, rewards,
   advantages, the rollout policy's (and reference's) log-probabilities, the update batch."""
   p, grpo = run.data, run.data.grpo
@@ -213,7 +213,7 @@ def rollout(run: loop.Run, params: Any, step: int) -> Rollout:
   return made._replace(batch=_update_batch(run, made, keep_BxM), seconds=time.perf_counter() - t0)
 
 
-def _update_batch(run: loop.Run, made: Rollout, keep_BxM: jax.Array | None) -> dict:
+def _update_batch(run: Run, made: Rollout, keep_BxM: jax.Array | None) -> dict:
   """The rollout's update batch (``grpo_objective.update_batch``), split over the batch axes."""
   with jax.set_mesh(run.mesh):
     batch = _jitted_update_batch(made.tokens_BxT, made.pad_B, made.old_BxM, made.ref_BxM,
@@ -225,7 +225,7 @@ def _update_batch(run: loop.Run, made: Rollout, keep_BxM: jax.Array | None) -> d
 _jitted_update_batch = jax.jit(grpo_objective.update_batch, static_argnames=("objective", "cp"))
 
 
-def _logps(run: loop.Run, params: Any, tokens_BxT: np.ndarray, pad_B: np.ndarray, completion: int,
+def _logps(run: Run, params: Any, tokens_BxT: np.ndarray, pad_B: np.ndarray, completion: int,
            entropy: bool = False) -> Any:
   with jax.set_mesh(run.mesh):
     return _token_logps(run.data.graphdef, params, tokens_BxT, pad_B, completion, run.data.grpo.temperature,
@@ -235,7 +235,7 @@ def _logps(run: loop.Run, params: Any, tokens_BxT: np.ndarray, pad_B: np.ndarray
 _token_logps = jax.jit(grpo_objective.token_logps, static_argnums=(0, 4, 5, 6, 7))
 
 
-def _logps_and_keep(run: loop.Run, params: Any, tokens_BxT: np.ndarray, pad_B: np.ndarray, mask_BxM: np.ndarray
+def _logps_and_keep(run: Run, params: Any, tokens_BxT: np.ndarray, pad_B: np.ndarray, mask_BxM: np.ndarray
                     ) -> tuple[jax.Array, jax.Array | None, float | None]:
   """The completion tokens' log-probabilities under ``params`` [B, M]; with
   ``--top-entropy-quantile`` < 1 also the high-entropy mask and the mean entropy."""
@@ -248,7 +248,7 @@ def _logps_and_keep(run: loop.Run, params: Any, tokens_BxT: np.ndarray, pad_B: n
   return logps_BxM, keep_BxM, float(jnp.sum(entropies_BxM * mask_BxM) / max(mask_BxM.sum(), 1))
 
 
-def train(run: loop.Run) -> int:
+def train(run: Run) -> int:
   """The GRPO steps in ``loop.run_loop`` (its exit codes); a reward's bad output later in
   the run prints ``error: ...``, exit 2."""
   try:
@@ -258,7 +258,7 @@ def train(run: loop.Run) -> int:
     return cli.EXIT_USAGE
 
 
-def _steps(run: loop.Run, progress: loop.Progress, interrupt: Interrupt) -> None:
+def _steps(run: Run, progress: loop.Progress, interrupt: Interrupt) -> None:
   cfg, grpo = run.cfg, run.data.grpo
   primary = jax.process_index() == 0
   metrics = run.directory.metrics(run.trackers) if primary else None
@@ -294,7 +294,7 @@ def _steps(run: loop.Run, progress: loop.Progress, interrupt: Interrupt) -> None
       metrics.close()
 
 
-def _updates(run: loop.Run, progress: loop.Progress, made: Rollout) -> list[step_lib.StepMetrics]:
+def _updates(run: Run, progress: loop.Progress, made: Rollout) -> list[step_lib.StepMetrics]:
   """``--updates-per-rollout`` steps on the rollout (each skipped one counted); with the
   high-entropy mask each after the first takes it from the current policy, as TRL's."""
   out = []
@@ -313,7 +313,7 @@ def _updates(run: loop.Run, progress: loop.Progress, made: Rollout) -> list[step
   return out
 
 
-def _record(run: loop.Run, step: int, made: Rollout, updates: list[step_lib.StepMetrics], train_s: float) -> dict:
+def _record(run: Run, step: int, made: Rollout, updates: list[step_lib.StepMetrics], train_s: float) -> dict:
   """Step ``step``'s metrics.jsonl record; the updates' numbers are means over them."""
   rewards, grpo = run.data.rewards, run.data.grpo
   total_B = made.rewards_BxR @ np.asarray([w for _, _, w in rewards], np.float64)

@@ -1,4 +1,4 @@
-"""What one training step sends, read from the step ``train.run.loop.setup`` compiles.
+"""What one training step sends, read from the step ``train.run.setup.setup`` compiles.
 
     communication over fs: 1.87 MB payload, 1.33 MB on the wire per device and step
     communication over rp: 86.83 kB payload, 86.83 kB on the wire per device and step

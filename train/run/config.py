@@ -160,12 +160,6 @@ class Config:
     return int(first), int(last)
 
   @property
-  def hf_dir(self) -> str | None:
-    """The local Hugging Face checkpoint folder of ``--init-from hf:DIR`` or ``hf:ORG/NAME[@REVISION]``
-    (absolute; a Hub id's cached snapshot, fetched on first use: ``train/store/hub.py``), or None."""
-    return None if self.init_from is None else hub.local_dir(self.init_from[len("hf:"):])
-
-  @property
   def data_spec(self) -> str:
     """``--data`` as a ``data.load_source`` spec (a Megatron-style blend ``W1 S1 W2 S2``
     becomes ``W1:S1,W2:S2``; ``fineweb:`` and ``megatron:`` prefixes are dropped, the

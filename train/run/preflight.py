@@ -57,10 +57,12 @@ def check_token_ids(flag: str, source, vocab_size: int, fix: str | None = None) 
                      f" {vocab_size} ids (0..{vocab_size - 1}); {fix}")
 
 
-def check_data(cfg: Config, model_cfg: models.GPTConfig, source, valid_source, eod: int | None) -> None:
-  """Every data source fits the model's vocabulary, and the validation data holds a row."""
+def check_data(cfg: Config, model_cfg: models.GPTConfig, source, valid_source, eod: int | None,
+               imported: bool) -> None:
+  """Every data source fits the model's vocabulary (an ``imported`` one's: the data must be
+  made with its tokenizer), and the validation data holds a row."""
   fix = ("tokenize the data with --init-from's tokenizer (python -m data.convert tokenize"
-         " --tokenizer DIR)" if cfg.hf_dir else None)
+         " --tokenizer DIR)" if imported else None)
   check_token_ids("--data", source, model_cfg.vocab_size, fix)
   if valid_source is None or cfg.eval_tokens == 0:
     return

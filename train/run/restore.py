@@ -107,9 +107,15 @@ def restore(run_dir: str, step: int | None = None, par: models.Parallelism | Non
   return Restored(cfg, graphdef, ckpt_lib.from_saved(state["params"], like, par.pp, par.virtual_stages), step)
 
 
+def tokenizer_dir(run_dir: str) -> str | None:
+  """Where the run's tokenizer files are (its RUN_DIR/tokenizer copy, else its --init-from
+  hf:DIR); None: bytes."""
+  return hf_io.tokenizer_dir(run_dir, config_lib.saved_config(run_dir).get("init_from"))
+
+
 def run_tokenizer(run_dir: str):
-  """The run's tokenizer (its RUN_DIR/tokenizer copy, else its --init-from hf:DIR), else bytes."""
-  return hf_io.load_tokenizer(hf_io.tokenizer_dir(run_dir, config_lib.saved_config(run_dir).get("init_from")))
+  """The run's tokenizer (:func:`tokenizer_dir`'s), else bytes."""
+  return hf_io.load_tokenizer(tokenizer_dir(run_dir))
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float, greedy: bool = True) -> None:

@@ -1,8 +1,8 @@
-"""What a run trains: the model's configuration and checks, its parallelism, the optimizer
-and its jitted step (``train/run/step.py``), and a state resumed from a checkpoint, from the
-run's :class:`~train.run.config.Config`; shared by ``python -m train.gpt`` (``train/run/loop.py``)
-and ``python -m train.grpo``, which passes GRPO's per-token objective to
-:func:`make_trainer`. Each check raises ``UsageError`` with one line.
+"""What a run trains, from its :class:`~train.run.config.Config`: the model's compute
+settings and checks, its parallelism, the optimizer and its jitted step
+(``train/run/step.py``), and a state resumed from a checkpoint. Shared by ``python -m
+train.gpt`` (``train/run/setup.py``) and ``python -m train.grpo``, which passes GRPO's
+per-token objective to :func:`make_trainer`. Each check raises ``UsageError`` with one line.
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from train.run import optim, preflight, spikes
 from train.run import step as step_lib
 from train.run.config import Config
 from train.store import checkpoint as ckpt_lib
-from train.store import hf as hf_io
 
 
 def batch_split(cfg: Config, mesh: jax.sharding.Mesh) -> int:
@@ -57,37 +56,6 @@ def compute_settings(cfg: Config) -> dict:
                      f" (here: {jax.default_backend()}, {dtype}); use --attention xla")
   attention = ("cudnn" if fused else "xla") if cfg.attention == "auto" else cfg.attention
   return {"dtype": dtype, "attention": attention, "remat": cfg.remat}
-
-
-# MoE flags that change the training, not the weights: they apply to imported models too.
-_ROUTING_FLAGS = ("moe_capacity_factor", "moe_aux_loss_coeff", "moe_z_loss_coeff")
-
-
-def model_config(cfg: Config, vocab_size: int | None) -> models.GPTConfig:
-  compute = compute_settings(cfg)
-  if cfg.hf_dir is not None:
-    hf_config = hf_io.read_config(cfg.hf_dir)
-    longest = hf_config.get("max_position_embeddings")
-    if cfg.seq_len and longest and cfg.seq_len > longest:
-      raise UsageError(f"--seq-len {cfg.seq_len} exceeds the {longest} positions {cfg.hf_dir} was"
-                       f" trained for (max_position_embeddings); choose at most {longest}")
-    seq_len = cfg.seq_len or min(longest or 1024, 1024)
-    routing = {name: getattr(cfg, name) for name in _ROUTING_FLAGS if getattr(cfg, name) is not None}
-    return hf_io.model_config(cfg.hf_dir, seq_len=seq_len, **compute, **routing)
-  overrides = {"vocab_size": vocab_size, **compute}
-  for flag, field in (("num_layers", "num_layers"), ("hidden_size", "d_model"),
-                      ("num_attention_heads", "num_heads"), ("seq_len", "seq_len"), ("qk_norm", "qk_norm"),
-                      ("num_experts", "num_experts"), ("moe_top_k", "moe_top_k"), ("moe_every", "moe_every"),
-                      ("moe_ffn_hidden_size", "moe_mlp_dim"),
-                      *((name, name) for name in _ROUTING_FLAGS)):
-    if getattr(cfg, flag) is not None:
-      overrides[field] = getattr(cfg, flag)
-  if cfg.moe_shared_expert:
-    overrides["moe_shared_expert"] = True
-  try:
-    return models.preset(cfg.preset, **overrides)
-  except ValueError as e:
-    raise UsageError(str(e)) from None
 
 
 def check_model(cfg: Config, model_cfg: models.GPTConfig, mesh: jax.sharding.Mesh) -> None:

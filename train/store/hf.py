@@ -207,13 +207,16 @@ def copy_tokenizer(source: str, run_dir: str) -> None:
   os.rename(tmp, target)
 
 
+def own_tokenizer_dir(run_dir: str) -> str | None:
+  """The run's copy of its tokenizer files (``RUN_DIR/tokenizer``), or None before it has one."""
+  own = os.path.join(run_dir, RUN_TOKENIZER)
+  return own if os.path.isdir(own) else None
+
+
 def tokenizer_dir(run_dir: str, init_from: str | None) -> str | None:
   """Where a run's tokenizer files are: its copy, else its --init-from folder or Hub id's
   snapshot (runs saved before the copy), else None (the byte tokenizer)."""
-  own = os.path.join(run_dir, RUN_TOKENIZER)
-  if os.path.isdir(own):
-    return own
-  return hub.local_dir(init_from[len("hf:"):]) if init_from else None
+  return own_tokenizer_dir(run_dir) or (hub.local_dir(init_from[len("hf:"):]) if init_from else None)
 
 
 def load_tokenizer(directory: str | None):

@@ -1,0 +1,121 @@
+"""Where a run's model comes from, resolved once: a preset (initialized from ``--seed``), a
+Hugging Face checkpoint (``hf:DIR``, or ``hf:ORG/NAME[@REVISION]``, fetched once into the
+Hub's cache by ``train/store/hub.py``), or a checkpoint of one of our runs (``RUN_DIR``:
+GRPO's starting policy, ``train.eval``'s model).
+
+A command resolves its source first (:func:`resolve`) and asks it for everything that
+depends on it: the model's configuration, the tokenizer, the weights on a mesh, and what
+``config.json`` keeps of it. A missing folder, file or run is a ``UsageError``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import models
+from train.cli import UsageError
+from train.run import restore as restore_lib
+from train.run.config import Config
+from train.store import hf as hf_io
+from train.store import hub, rundir
+
+# MoE flags that change the training, not the weights: they apply to imported models too.
+_ROUTING_FLAGS = ("moe_capacity_factor", "moe_aux_loss_coeff", "moe_z_loss_coeff")
+# Flag -> GPTConfig field of the flags that shape a preset.
+_PRESET_FLAGS = (("num_layers", "num_layers"), ("hidden_size", "d_model"), ("num_attention_heads", "num_heads"),
+                 ("seq_len", "seq_len"), ("qk_norm", "qk_norm"), ("num_experts", "num_experts"),
+                 ("moe_top_k", "moe_top_k"), ("moe_every", "moe_every"), ("moe_ffn_hidden_size", "moe_mlp_dim"),
+                 *((name, name) for name in _ROUTING_FLAGS))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+  """A resolved model source: exactly one of ``preset``, ``hf_dir`` and ``run_dir`` is set."""
+  preset: str | None = None
+  hf_dir: str | None = None  # a Hugging Face checkpoint's local folder, absolute
+  hf_config: dict | None = None  # its config.json (a run's: that of the checkpoint it was imported from)
+  run_dir: str | None = None  # a run of ours, absolute
+  tokenizer_dir: str | None = None  # where its tokenizer.json lives; None: bytes
+
+  @property
+  def imported(self) -> bool:
+    """The weights (and tokenizer) come from a Hugging Face checkpoint."""
+    return self.hf_dir is not None
+
+  def tokenizer(self):
+    """The source's tokenizer (``tokenizer.json`` and chat template), else the byte tokenizer."""
+    return hf_io.load_tokenizer(self.tokenizer_dir)
+
+  def model_config(self, cfg: Config, vocab_size: int | None, compute: dict) -> models.GPTConfig:
+    """The model of a new run from ``cfg``'s flags: a preset's shape with the flags' overrides
+    and ``vocab_size`` (the data's), or the Hugging Face checkpoint's with ``cfg``'s
+    ``--seq-len`` and MoE routing flags; computing as ``compute`` says (dtype, attention, remat)."""
+    routing = {name: getattr(cfg, name) for name in _ROUTING_FLAGS if getattr(cfg, name) is not None}
+    if self.imported:
+      longest = self.hf_config.get("max_position_embeddings")
+      if cfg.seq_len and longest and cfg.seq_len > longest:
+        raise UsageError(f"--seq-len {cfg.seq_len} exceeds the {longest} positions {self.hf_dir} was"
+                         f" trained for (max_position_embeddings); choose at most {longest}")
+      seq_len = cfg.seq_len or min(longest or 1024, 1024)
+      return hf_io.model_config(self.hf_dir, seq_len=seq_len, **compute, **routing)
+    overrides = {"vocab_size": vocab_size, **compute, **routing}
+    overrides |= {field: getattr(cfg, flag) for flag, field in _PRESET_FLAGS if getattr(cfg, flag) is not None}
+    if cfg.moe_shared_expert:
+      overrides["moe_shared_expert"] = True
+    try:
+      return models.preset(self.preset, **overrides)
+    except ValueError as e:
+      raise UsageError(str(e)) from None
+
+  def init(self, model_cfg: models.GPTConfig, par: models.Parallelism, seed: int, resuming: bool = False
+           ) -> tuple[Any, Any]:
+    """``(graphdef, params)`` of a new run on ``par``'s mesh: the checkpoint's weights, or a
+    preset initialized from ``seed``; ``resuming``, the preset's initialization stands in for
+    weights a checkpoint of the run replaces. Call under ``jax.set_mesh(par.mesh)``."""
+    if self.imported and not resuming:
+      return hf_io.load(self.hf_dir, model_cfg, par)
+    return models.init(model_cfg, par, seed)
+
+  def load(self, step: int | None, par: models.Parallelism | None) -> restore_lib.Restored:
+    """The trained model as it is, on ``par``'s mesh (one device when None): checkpoint
+    ``step`` of a run of ours (the latest when None: ``train.run.restore.restore``), or a
+    Hugging Face checkpoint at 1024 positions. Call under ``jax.set_mesh(par.mesh)``."""
+    if not self.imported:
+      return restore_lib.restore(self.run_dir, step, par)
+    if step is not None:
+      raise UsageError("--step applies to run directories, not to hf:DIR")
+    cfg = hf_io.model_config(self.hf_dir, seq_len=1024)
+    try:
+      graphdef, params = hf_io.load(self.hf_dir, cfg, par or models.Parallelism())
+    except UsageError:
+      raise
+    except ValueError as e:
+      raise UsageError(f"--mesh: {e}") from None
+    return restore_lib.Restored(cfg, graphdef, params, 0)
+
+  def record(self) -> dict:
+    """What ``config.json`` keeps of the source: the ``config.json`` of the Hugging Face
+    checkpoint it came from, which ``train.export`` writes back even if the folder goes."""
+    return {} if self.hf_config is None else {"hf_config": self.hf_config}
+
+  def keep_tokenizer(self, run_path: str) -> None:
+    """Copies an imported checkpoint's tokenizer files into the run (``RUN_DIR/tokenizer``),
+    which later commands read instead of a folder that may move."""
+    if self.imported:
+      hf_io.copy_tokenizer(self.hf_dir, run_path)
+
+
+def resolve(init_from: str | None, preset: str | None = None, run_path: str | None = None) -> ModelSource:
+  """The source of ``init_from``: ``hf:DIR`` or ``hf:ORG/NAME[@REVISION]`` (a Hub id is
+  fetched here, once), a run directory, or, when None, ``preset``. ``run_path``: the run
+  being trained, whose own copy of the tokenizer (once saved) wins over the source's."""
+  own = hf_io.own_tokenizer_dir(run_path) if run_path else None
+  if init_from is None:
+    return ModelSource(preset=preset, tokenizer_dir=own)
+  if init_from.startswith("hf:"):
+    directory = hub.local_dir(init_from[len("hf:"):])
+    return ModelSource(hf_dir=directory, hf_config=hf_io.read_config(directory), tokenizer_dir=own or directory)
+  run_dir = os.path.abspath(init_from)
+  hf_config = (rundir.saved_record(run_dir) or {}).get("hf_config")
+  return ModelSource(run_dir=run_dir, hf_config=hf_config, tokenizer_dir=own or restore_lib.tokenizer_dir(run_dir))
