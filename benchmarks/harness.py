@@ -2,7 +2,7 @@
 
 Benchmarks run as modules from the repository root, ``python -m benchmarks.NAME``.
 Importing this module limits OpenBLAS to one thread, as ``python -m train.gpt`` does
-(see ``train/gpt.py`` for why), unless the caller set OPENBLAS_NUM_THREADS.
+(see ``train/run/start.py`` for why), unless the caller set OPENBLAS_NUM_THREADS.
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT_FLOAT64 = "tests/test_models_gpt.py::test_loss_matches_float64_numpy"
-SCHEDULE = "tests/test_train_optim.py::test_schedule_is_megatrons"
+SCHEDULE = "tests/test_train_run_optim.py::test_schedule_is_megatrons"
 ROUTER_GRADIENT = "tests/test_models_moe.py::test_router_losses_reach_the_router_gradient"
 
 
@@ -41,15 +41,15 @@ MUTANTS = [
     Mutant("linear decay ignores --min-lr", "train/run/optim.py", "optax.linear_schedule(lr, end, decay)",
            "optax.linear_schedule(lr, 0.0, decay)", (SCHEDULE,)),
     Mutant("wsd anneal default from decay minus warmup", "train/run/optim.py", "max(cfg.decay_steps // 5, 1)",
-           "max(decay // 5, 1)", ("tests/test_train_optim.py::test_schedule_defaults_warmup_and_wsd_decay",)),
+           "max(decay // 5, 1)", ("tests/test_train_run_optim.py::test_schedule_defaults_warmup_and_wsd_decay",)),
     Mutant("default warmup 10% instead of 5%", "train/run/config.py", "self.decay_steps // 20 if",
-           "self.decay_steps // 10 if", ("tests/test_train_optim.py::test_schedule_defaults_warmup_and_wsd_decay",)),
+           "self.decay_steps // 10 if", ("tests/test_train_run_optim.py::test_schedule_defaults_warmup_and_wsd_decay",)),
     Mutant("--weight-decay on embeddings/LM head/norms (AdamW)", "train/run/optim.py",
            '"scalar": cfg.scalar_weight_decay}', '"scalar": cfg.weight_decay}',
-           ("tests/test_train_optim.py::test_weight_decay_groups_after_one_step",)),
+           ("tests/test_train_run_optim.py::test_weight_decay_groups_after_one_step",)),
     Mutant("--weight-decay on embeddings/LM head/norms (Dion)", "train/run/optim.py",
            "scalar_weight_decay=cfg.scalar_weight_decay)", "scalar_weight_decay=cfg.weight_decay)",
-           ("tests/test_train_optim.py::test_weight_decay_groups_after_one_step",)),
+           ("tests/test_train_run_optim.py::test_weight_decay_groups_after_one_step",)),
     Mutant("RMSNorm epsilon 10x", "models/config.py", "norm_eps: float = FLOAT32_EPS",
            "norm_eps: float = 10 * FLOAT32_EPS", (GPT_FLOAT64,)),
     Mutant("rotary base 10x", "models/config.py", "rope_base: float = 10000.0", "rope_base: float = 100000.0",
@@ -61,9 +61,9 @@ MUTANTS = [
            ("tests/test_models_gpt.py::test_bfloat16_layers_keep_a_float32_residual_stream", GPT_FLOAT64)),
     Mutant("clipping uses twice the norm", "train/run/step.py",
            "clip_grad / jnp.maximum(norm, 1e-30)", "clip_grad / jnp.maximum(2 * norm, 1e-30)",
-           ("tests/test_train_step.py::test_gradient_clipping_against_the_float64_norm",)),
+           ("tests/test_train_run_step.py::test_gradient_clipping_against_the_float64_norm",)),
     Mutant("scalar AdamW's beta2 0.999", "train/run/optim.py", "B1, B2 = 0.9, 0.95", "B1, B2 = 0.9, 0.999",
-           ("tests/test_train_optim.py::test_adamw_is_the_published_recipe",)),
+           ("tests/test_train_run_optim.py::test_adamw_is_the_published_recipe",)),
     Mutant("balance loss without gradient", "models/moe.py", "probs_BxE = _over_cp(probs_BxTxE.sum(1))",
            "probs_BxE = jax.lax.stop_gradient(_over_cp(probs_BxTxE.sum(1)))",
            ("tests/test_models_moe.py::test_balance_loss_spreads_a_skewed_router", ROUTER_GRADIENT)),

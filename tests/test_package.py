@@ -1,6 +1,6 @@
 """The package's layers: imports point one way, no cycles, and ``import dion_jax`` neither
 changes the process nor loads Pallas; the wheel holds the packages and every command the
-README names."""
+README and docs/ name."""
 
 import ast
 import os
@@ -119,7 +119,7 @@ WHEEL_PACKAGES = {"dion_jax", "models", "train", "data"}
 def test_every_readme_command_runs_from_the_wheel(tmp_path):
   """The wheel built from this tree, installed into a venv (the dependencies from this
   environment, the package from the wheel alone), run from a directory that is not the
-  checkout: every ``python -m train.*`` / ``data.*`` the README names is the wheel's, and
+  checkout: every ``python -m train.*`` / ``data.*`` the README and docs/ name is the wheel's, and
   the planner, GRPO and the GPU evidence start (``--help``; exit 2 with one line on CPU)."""
   source = tmp_path / "source"  # a copy, so that setuptools' build/ lands outside the checkout
   source.mkdir()
@@ -140,9 +140,10 @@ def test_every_readme_command_runs_from_the_wheel(tmp_path):
   user = tmp_path / "elsewhere"
   user.mkdir()
   env = xla_env.subprocess_env(drop=("PYTHONPATH",))
-  commands = sorted(set(re.findall(r"python -m ((?:train|data)\.\w+)", (ROOT / "README.md").read_text())))
+  documented = "".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+  commands = sorted(set(re.findall(r"python -m ((?:train|data)\.\w+)", documented)))
   assert {"train.gpt", "train.grpo", "train.plan", "train.gpu", "train.eval", "train.export"} <= set(commands)
-  prefixes = {m.split(".")[0] for m in re.findall(r"python -m (\w+)", (ROOT / "README.md").read_text())}
+  prefixes = {m.split(".")[0] for m in re.findall(r"python -m (\w+)", documented)}
   # benchmarks: the checkout's own measurements; pytest and build: the tools
   assert prefixes == {"train", "data", "benchmarks", "pytest", "build"}, prefixes
   where = subprocess.run([python, "-c", "import importlib.util, sys; print('\\n'.join(importlib.util.find_spec(m).origin"

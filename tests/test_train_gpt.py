@@ -19,7 +19,7 @@ import pytest
 
 import data
 from tests import xla_env
-from tests.test_train_optim import expected_lr
+from tests.test_train_run_optim import expected_lr
 from train import gpt
 
 SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-len", "16",

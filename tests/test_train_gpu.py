@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 
-from tests.test_train_profiling import annotated_steps
+from tests.test_train_store_profiling import annotated_steps
 from train.gpu import __main__ as gpu_cmd
 from train.gpu import evidence as gpu
 from train.gpu import moe as gpu_moe

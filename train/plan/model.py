@@ -44,7 +44,7 @@ partitioner (``models/sharding.py``, ``train/run/step.py``), not an idealized on
 
 Bytes are payloads as ``dion_jax.accounting`` counts them: operand bytes, output bytes
 for all-gather. ``tests/test_train_plan.py`` compiles steps on 8 CPU devices and
-checks these numbers against the HLO; ``tests/test_train_comm.py`` the trainer's whole
+checks these numbers against the HLO; ``tests/test_train_run_comm.py`` the trainer's whole
 step (``train.run.setup.setup``'s: scan, clipping, guard, update) on every kind of mesh.
 """
 from __future__ import annotations

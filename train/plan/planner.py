@@ -168,7 +168,7 @@ def plan(model: str | models.GPTConfig = "small", mesh: str | dict = "", optimiz
 
 def caveats(sizes: dict[str, int]) -> list[str]:
   """Where the plan is not the compiler's (tests/test_train_plan.py and
-  tests/test_train_comm.py check the rest)."""
+  tests/test_train_run_comm.py check the rest)."""
   out = ["activations are an estimate, 1.4-3.9x below the compiled step's temporary memory on CPU"
          " (docs/planning.md): the loss's vocabulary-sized buffers and remat's recomputed layer are not counted"]
   if sizes["cp"] > 1 and sizes["pp"] > 1:

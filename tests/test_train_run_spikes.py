@@ -1,7 +1,7 @@
 """--skip-spikes: the window's statistics against NumPy, and a planted batch of tokens the corpus
 never holds (byte 255: no UTF-8 text has it) skipped with --skip-spikes 6 and applied without.
 
-The runs are the smallest GPT of ``tests/test_train_faults.py`` on one device; the spike comes
+The runs are the smallest GPT of ``tests/test_train_run_faults.py`` on one device; the spike comes
 after 69 steps, once the window (128 steps) is half full and checks.
 """
 import json
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.test_train_faults import TINY
+from tests.test_train_run_faults import TINY
 from tests.test_train_gpt import compile_cache, records  # noqa: F401  fixture
 from train import gpt
 from train.run import loop, spikes

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from tests.test_train_faults import TINY
+from tests.test_train_run_faults import TINY
 from tests.test_train_gpt import compile_cache, subprocess_env, train_losses  # noqa: F401  fixture
 from train import gpt
 from train.store import rundir

@@ -359,7 +359,7 @@ def test_an_imported_model_is_checked_on_the_data_ids_and_its_positions(tmp_path
 
 
 def test_a_kept_lr_schedule_is_said_in_one_line(capsys):
-  """parse kept the saved decay length (tests/test_train_config.py); the run says so when it starts."""
+  """parse kept the saved decay length (tests/test_train_run_config.py); the run says so when it starts."""
   saved = config_lib.Config(steps=2).to_json()
   preflight.schedule_warning(config_lib.Config(steps=3, lr_decay_steps=2), saved)
   assert capsys.readouterr().err == ("warning: --resume --steps 3 keeps the run's lr schedule, which decays"
