@@ -130,7 +130,7 @@ def _start(argv):
     context.check_seq_len(seq_len, par.cp)
   except ValueError as e:
     raise UsageError(f"--seq-len / --mesh: {e}") from None
-  r = rows(args.data, args.tokens, seq_len, origin.tokenizer())
+  r = rows(args.data, args.tokens, seq_len, origin.tokenizer)
   largest = max(int(r["inputs"].max()), int(r["targets"].max()))
   if largest >= cfg.vocab_size:
     raise UsageError(f"--data {args.data} holds token id {largest} but the model's vocabulary has"

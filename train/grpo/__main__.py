@@ -10,9 +10,9 @@ reward functions (``train/grpo/rewards.py``), turns the rewards into advantages 
 (``train/grpo/objective.py``: the ``--loss-type``, importance sampling level, high-entropy
 mask and KL to the frozen starting policy with ``--beta`` > 0).
 
-What is GRPO's own is here: the prompts, the rollouts, the rewards and advantages. The
-rest is ``python -m train.gpt``'s (``train/run/setup.py``, ``train/run/loop.py``): the same set-up steps, the same
-jitted step (``train/run/step.py``, with GRPO's per-token objective in ``models.loss``: the
+What is GRPO's own is in this package (``train/grpo/loop.py``): the prompts, the rollouts,
+the rewards and advantages. The rest is ``python -m train.gpt``'s (``train/run/setup.py``,
+``train/run/loop.py``): the same set-up steps, the same jitted step (``train/run/step.py``, with GRPO's per-token objective in ``models.loss``: the
 non-finite guard, float16 loss scaling, clipping, accumulation over
 ``--micro-batch-size``, Dion's per-replica path on rp, QK-clip, the schedules and
 weight-decay groups), the same optimizer flags (``train/grpo/config.py``), the same run

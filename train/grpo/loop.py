@@ -26,7 +26,7 @@ from train.grpo import objective as grpo_objective
 from train.grpo import rewards as grpo_rewards
 from train.grpo.config import GRPOConfig
 from train.run import config as config_lib
-from train.run import loop, start, trainer
+from train.run import loop, preflight, start, trainer
 from train.run import model_source as model_source_lib
 from train.run import setup as setup_lib
 from train.run.setup import Run
@@ -116,11 +116,10 @@ def setup(argv: list[str] | None) -> Run:
   directory, start_step = setup_lib.check_directory(cfg)
   mesh = setup_lib.make_mesh(cfg.mesh or f"fs={len(jax.devices())}")
   _check_split(grpo, mesh)
-  accum = trainer.batch_split(cfg, mesh)
-  par = trainer.parallelism(cfg, mesh, accum)
+  par, accum = trainer.parallelism(cfg, mesh)
   origin = model_source_lib.resolve(grpo.init_from)
   starting, model_cfg, graphdef = _starting_policy(grpo, cfg, par, origin)
-  prompts = _prompts(grpo, model_cfg, graphdef, starting, origin.tokenizer())
+  prompts = _prompts(grpo, model_cfg, graphdef, starting, origin.tokenizer)
   with jax.set_mesh(mesh):
     state, train_step = trainer.make_trainer(cfg, model_cfg, graphdef, starting.params, par, accum,
                                              functools.partial(grpo_objective.weighted, prompts.objective),
@@ -156,8 +155,8 @@ def _starting_policy(grpo: GRPOConfig, cfg: config_lib.Config, par: models.Paral
   step = (rundir.saved_record(grpo.run_dir) or {}).get("init_step") if grpo.resume else None
   with jax.set_mesh(par.mesh):
     starting = origin.load(step, par)
-  model_cfg = dataclasses.replace(starting.cfg, **trainer.compute_settings(cfg))
-  trainer.check_model(cfg, model_cfg, par.mesh)
+  model_cfg = dataclasses.replace(starting.cfg, **model_source_lib.compute_settings(cfg))
+  preflight.check_model(cfg, model_cfg, par.mesh)
   return starting, model_cfg, models.abstract(model_cfg, par)[0]
 
 

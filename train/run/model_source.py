@@ -13,6 +13,8 @@ import dataclasses
 import os
 from typing import Any
 
+import jax
+
 import models
 from train.cli import UsageError
 from train.run import restore as restore_lib
@@ -29,6 +31,18 @@ _PRESET_FLAGS = (("num_layers", "num_layers"), ("hidden_size", "d_model"), ("num
                  *((name, name) for name in _ROUTING_FLAGS))
 
 
+def compute_settings(cfg: Config) -> dict:
+  """The model's compute dtype, attention and remat of the flags (``--dtype`` default:
+  bfloat16 on GPU, float32 on CPU)."""
+  dtype = cfg.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+  fused = jax.default_backend() == "gpu" and dtype in ("bfloat16", "float16")
+  if cfg.attention == "cudnn" and not fused:
+    raise UsageError(f"--attention cudnn needs an NVIDIA GPU and --dtype bfloat16 or float16"
+                     f" (here: {jax.default_backend()}, {dtype}); use --attention xla")
+  attention = ("cudnn" if fused else "xla") if cfg.attention == "auto" else cfg.attention
+  return {"dtype": dtype, "attention": attention, "remat": cfg.remat}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
   """A resolved model source: exactly one of ``preset``, ``hf_dir`` and ``run_dir`` is set."""
@@ -37,20 +51,18 @@ class ModelSource:
   hf_config: dict | None = None  # its config.json (a run's: that of the checkpoint it was imported from)
   run_dir: str | None = None  # a run of ours, absolute
   tokenizer_dir: str | None = None  # where its tokenizer.json lives; None: bytes
+  tokenizer: Any = None  # ``data.hf_tokenizer.load`` of it
 
   @property
   def imported(self) -> bool:
     """The weights (and tokenizer) come from a Hugging Face checkpoint."""
     return self.hf_dir is not None
 
-  def tokenizer(self):
-    """The source's tokenizer (``tokenizer.json`` and chat template), else the byte tokenizer."""
-    return hf_io.load_tokenizer(self.tokenizer_dir)
-
-  def model_config(self, cfg: Config, vocab_size: int | None, compute: dict) -> models.GPTConfig:
+  def model_config(self, cfg: Config, vocab_size: int | None) -> models.GPTConfig:
     """The model of a new run from ``cfg``'s flags: a preset's shape with the flags' overrides
     and ``vocab_size`` (the data's), or the Hugging Face checkpoint's with ``cfg``'s
-    ``--seq-len`` and MoE routing flags; computing as ``compute`` says (dtype, attention, remat)."""
+    ``--seq-len`` and MoE routing flags; computing as :func:`compute_settings` says."""
+    compute = compute_settings(cfg)
     routing = {name: getattr(cfg, name) for name in _ROUTING_FLAGS if getattr(cfg, name) is not None}
     if self.imported:
       longest = self.hf_config.get("max_position_embeddings")
@@ -58,7 +70,7 @@ class ModelSource:
         raise UsageError(f"--seq-len {cfg.seq_len} exceeds the {longest} positions {self.hf_dir} was"
                          f" trained for (max_position_embeddings); choose at most {longest}")
       seq_len = cfg.seq_len or min(longest or 1024, 1024)
-      return hf_io.model_config(self.hf_dir, seq_len=seq_len, **compute, **routing)
+      return hf_io.model_config(self.hf_dir, self.hf_config, seq_len=seq_len, **compute, **routing)
     overrides = {"vocab_size": vocab_size, **compute, **routing}
     overrides |= {field: getattr(cfg, flag) for flag, field in _PRESET_FLAGS if getattr(cfg, flag) is not None}
     if cfg.moe_shared_expert:
@@ -85,7 +97,7 @@ class ModelSource:
       return restore_lib.restore(self.run_dir, step, par)
     if step is not None:
       raise UsageError("--step applies to run directories, not to hf:DIR")
-    cfg = hf_io.model_config(self.hf_dir, seq_len=1024)
+    cfg = hf_io.model_config(self.hf_dir, self.hf_config, seq_len=1024)
     try:
       graphdef, params = hf_io.load(self.hf_dir, cfg, par or models.Parallelism())
     except UsageError:
@@ -108,14 +120,17 @@ class ModelSource:
 
 def resolve(init_from: str | None, preset: str | None = None, run_path: str | None = None) -> ModelSource:
   """The source of ``init_from``: ``hf:DIR`` or ``hf:ORG/NAME[@REVISION]`` (a Hub id is
-  fetched here, once), a run directory, or, when None, ``preset``. ``run_path``: the run
-  being trained, whose own copy of the tokenizer (once saved) wins over the source's."""
+  fetched here, once), a run directory, or, when None, ``preset``; with its tokenizer.
+  ``run_path``: the run being trained, whose own copy of the tokenizer (once saved) wins
+  over the source's."""
   own = hf_io.own_tokenizer_dir(run_path) if run_path else None
   if init_from is None:
-    return ModelSource(preset=preset, tokenizer_dir=own)
-  if init_from.startswith("hf:"):
+    found = ModelSource(preset=preset, tokenizer_dir=own)
+  elif init_from.startswith("hf:"):
     directory = hub.local_dir(init_from[len("hf:"):])
-    return ModelSource(hf_dir=directory, hf_config=hf_io.read_config(directory), tokenizer_dir=own or directory)
-  run_dir = os.path.abspath(init_from)
-  hf_config = (rundir.saved_record(run_dir) or {}).get("hf_config")
-  return ModelSource(run_dir=run_dir, hf_config=hf_config, tokenizer_dir=own or restore_lib.tokenizer_dir(run_dir))
+    found = ModelSource(hf_dir=directory, hf_config=hf_io.read_config(directory), tokenizer_dir=own or directory)
+  else:
+    run_dir = os.path.abspath(init_from)
+    found = ModelSource(run_dir=run_dir, hf_config=(rundir.saved_record(run_dir) or {}).get("hf_config"),
+                        tokenizer_dir=own or restore_lib.tokenizer_dir(run_dir))
+  return dataclasses.replace(found, tokenizer=hf_io.load_tokenizer(found.tokenizer_dir))

@@ -14,6 +14,7 @@ import jax
 
 import data
 import models
+from models import context
 from train.cli import UsageError
 from train.run.config import Config
 from train.store import rundir
@@ -30,6 +31,20 @@ def check_experts(model_cfg: models.GPTConfig, mesh: jax.sharding.Mesh) -> None:
   if model_cfg.num_experts % sizes["ep"]:
     raise UsageError(f"--mesh ep={sizes['ep']} does not divide the {model_cfg.num_experts} experts;"
                      " choose an ep that divides --num-experts (each ep rank holds experts/ep)")
+
+
+def check_model(cfg: Config, model_cfg: models.GPTConfig, mesh: jax.sharding.Mesh) -> None:
+  """The model fits the flags and the mesh: QK-clip's needs, the sequence over cp, the experts over ep."""
+  if cfg.qk_clip_threshold is not None:
+    try:
+      models.qk_clip.check(model_cfg, cfg.qk_clip_threshold)
+    except ValueError as e:
+      raise UsageError(f"--qk-clip-threshold: {e}") from None
+  try:
+    context.check_seq_len(model_cfg.seq_len, dict(mesh.shape)["cp"])
+  except ValueError as e:
+    raise UsageError(f"--seq-len / --mesh: {e}") from None
+  check_experts(model_cfg, mesh)
 
 
 def check_same_model(saved: dict, model_cfg: models.GPTConfig, cfg: Config, where: str) -> None:

@@ -70,15 +70,13 @@ def setup(cfg: Config) -> Run:
   """The run of ``cfg`` (module docstring)."""
   directory, start_step = check_directory(cfg)
   mesh = make_mesh(cfg.mesh or f"fs={len(jax.devices())}")
-  accum = trainer.batch_split(cfg, mesh)
+  par, accum = trainer.parallelism(cfg, mesh)
   origin = model_source_lib.resolve(cfg.init_from, cfg.preset, cfg.run_path)
-  tokenizer = origin.tokenizer()
-  eod = tokenizer.eod if cfg.document_mask else None
-  source, valid_source = _sources(cfg, tokenizer, origin)
-  model_cfg = origin.model_config(cfg, cfg.vocab_size or source.vocab_size, trainer.compute_settings(cfg))
-  trainer.check_model(cfg, model_cfg, mesh)
+  eod = origin.tokenizer.eod if cfg.document_mask else None
+  source, valid_source = _sources(cfg, origin)
+  model_cfg = origin.model_config(cfg, cfg.vocab_size or source.vocab_size)
+  preflight.check_model(cfg, model_cfg, mesh)
   preflight.check_data(cfg, model_cfg, source, valid_source, eod, origin.imported)
-  par = trainer.parallelism(cfg, mesh, accum)
   with jax.set_mesh(mesh):
     graphdef, params = origin.init(model_cfg, par, cfg.seed, resuming=cfg.resume)
     state, train_step = trainer.make_trainer(cfg, model_cfg, graphdef, params, par, accum)
@@ -131,10 +129,10 @@ def make_mesh(spec: str) -> jax.sharding.Mesh:
   return dion_jax.make_mesh(sizes, devices[:needed])
 
 
-def _sources(cfg: Config, tokenizer, origin: model_source_lib.ModelSource) -> tuple[Any, Any]:
-  source = data.load_source(cfg.data_spec, progress=jax.process_index() == 0, tokenizer=tokenizer,
+def _sources(cfg: Config, origin: model_source_lib.ModelSource) -> tuple[Any, Any]:
+  source = data.load_source(cfg.data_spec, progress=jax.process_index() == 0, tokenizer=origin.tokenizer,
                             packed=cfg.pack)
-  valid_source = (data.load_source(cfg.valid_spec, progress=False, tokenizer=tokenizer, packed=cfg.pack)
+  valid_source = (data.load_source(cfg.valid_spec, progress=False, tokenizer=origin.tokenizer, packed=cfg.pack)
                   if cfg.valid_spec else None)
   if cfg.vocab_size is None and source.vocab_size is None and not origin.imported:
     raise UsageError(f"--data {' '.join(cfg.data)} does not record its vocabulary size; pass"

@@ -51,10 +51,11 @@ def read_config(directory: str) -> dict:
     return json.load(f)
 
 
-def model_config(directory: str, **kwargs) -> models.GPTConfig:
-  """:func:`models.hf.from_hf_config` of the directory's config, errors as UsageError."""
+def model_config(directory: str, config: dict | None = None, **kwargs) -> models.GPTConfig:
+  """:func:`models.hf.from_hf_config` of the directory's config (``config``, when already
+  read), errors as UsageError."""
   try:
-    return hf_map.from_hf_config(read_config(directory), **kwargs)
+    return hf_map.from_hf_config(config or read_config(directory), **kwargs)
   except (hf_map.UnsupportedCheckpoint, KeyError) as e:
     raise UsageError(f"{directory}: {e if not isinstance(e, KeyError) else f'config.json lacks {e}'}") from None
 
