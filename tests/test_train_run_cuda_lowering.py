@@ -29,8 +29,8 @@ def as_on_a_gpu(monkeypatch):
   monkeypatch.setattr(fused_attention_stablehlo, "check_compute_capability", lambda capability: True)
   # cuDNN's kernels do not compile for this CPU: setup's compile and memory check is skipped
   # (and the communication it reads off the compiled step), the tests lower the step themselves.
-  monkeypatch.setattr(loop, "compile_within_memory", lambda *args: None)
-  monkeypatch.setattr(loop.comm, "describe", lambda *args: {"bytes_per_device_and_step": {}, "dion_replica_sync": None})
+  monkeypatch.setattr(setup, "compile_within_memory", lambda *args: None)
+  monkeypatch.setattr(setup.comm, "describe", lambda *args: {"bytes_per_device_and_step": {}, "dion_replica_sync": None})
 
 
 def _lowered_step(tmp_path, optimizer: str, dtype: str | None = None, preset: str = "tiny",
