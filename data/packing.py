@@ -36,13 +36,11 @@ def first_fit_decreasing(lengths_E: np.ndarray, seq_len: int) -> tuple[np.ndarra
   """Each example's row and first position, int [E] each: the longest first, each into the
   first row it fits (at most 11/9 of the fewest rows, plus one). Lengths at most ``seq_len``."""
   row_E, start_E = np.zeros(len(lengths_E), np.int64), np.zeros(len(lengths_E), np.int64)
-  used_R: list[int] = []
+  free_R = np.full(len(lengths_E), seq_len)  # room left in each row; never more rows than examples
   for e in np.argsort(-np.asarray(lengths_E), kind="stable"):
-    row = next((r for r, used in enumerate(used_R) if used + lengths_E[e] <= seq_len), len(used_R))
-    if row == len(used_R):
-      used_R.append(0)
-    row_E[e], start_E[e] = row, used_R[row]
-    used_R[row] += lengths_E[e]
+    row = int(np.argmax(free_R >= lengths_E[e]))
+    row_E[e], start_E[e] = row, seq_len - free_R[row]
+    free_R[row] -= lengths_E[e]
   return row_E, start_E
 
 
