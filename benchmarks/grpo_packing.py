@@ -3,14 +3,14 @@
 
 Two rollouts, each laid out both ways (``train/grpo/batch.py``) and updated by the run's own
 jitted step (``python -m train.grpo``'s, AdamW), the two layouts' updates interleaved,
-``--repeats`` each after a compiling one; the update's tokens/s is the rollout's completion
+``--repeats`` (25) each after a compiling one; the update's tokens/s is the rollout's completion
 tokens over the median update time (``metrics.jsonl``'s ``train_tokens_per_s`` per update):
 
 - ``demo``: the README demo's first GRPO rollouts (``benchmarks/grpo_demo.py``: the 2-layer,
   64-wide byte-level GPT after its 120 SFT steps, 16 prompts x 8 completions of up to 10
-  tokens, rows of 32), ``--demo-steps`` of them, sampled by the run itself;
+  tokens after 4-token prompts), ``--demo-steps`` of them, sampled by the run itself;
 - ``wide``: one rollout whose lengths vary widely, drawn rather than sampled (a model
-  samples lengths it has learned): the ``tiny`` preset (4 layers x 128, rows of 128), 128
+  samples lengths it has learned): the ``tiny`` preset (4 layers x 128, seq_len 128), 128
   completions of 1 to 64 tokens after prompts of 1 to 64, uniformly.
 
 The machine is shared: read the medians, which interleaving keeps comparable.
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--out", default="benchmarks/results/grpo_packing.json")
   parser.add_argument("--runs", default="runs/grpo_packing", help="directory for the runs, replaced")
   parser.add_argument("--demo-steps", type=int, default=3)
-  parser.add_argument("--repeats", type=int, default=15)
+  parser.add_argument("--repeats", type=int, default=25)
   args = parser.parse_args(argv)
   shutil.rmtree(args.runs, ignore_errors=True)
   os.makedirs(args.runs)

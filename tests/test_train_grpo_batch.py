@@ -45,7 +45,7 @@ def test_first_fit_decreasing_places_every_example_once_within_its_row():
 def test_both_layouts_predict_each_completion_token_where_their_index_says(unit):
   """At index (b, j): the target is completion b's token j, the input before it the
   previous token (the prompt's last for j = 0), in the same segment at position
-  len(prompt) + j - 1; packed rows are fewer, a multiple of ``unit``."""
+  len(prompt) + j - 1; packed rows are fewer, a multiple of ``unit``, and as long."""
   prompts, completions_BxM, lengths_B = _rollout(257)
   packed = grpo_batch.packed(prompts, completions_BxM, lengths_B, SEQ_LEN, unit)
   padded = grpo_batch.padded(prompts, completions_BxM, lengths_B)
@@ -61,6 +61,7 @@ def test_both_layouts_predict_each_completion_token_where_their_index_says(unit)
   assert (packed.batch["targets"] >= 0).sum() == lengths_B.sum()  # padded rows keep M slots a completion
   rows = packed.batch["inputs"].shape[0]
   assert rows % unit == 0 and rows < padded.batch["inputs"].shape[0]
+  assert packed.batch["inputs"].shape[1] == padded.batch["inputs"].shape[1]  # no longer attention span
 
 
 # The objectives compared: the token level with δ and the high-entropy mask; GSPO's sequence

@@ -10,8 +10,7 @@ reward functions (``train/grpo/rewards.py``), turns the rewards into advantages 
 TRL 1.16's objective (``train/grpo/objective.py``: the ``--loss-type``, importance sampling
 level, two-sided clip, off-policy sequence mask, high-entropy mask, KL to the frozen
 starting policy with ``--beta`` > 0 and entropy bonus), its completions packed with their
-prompts into rows of the model's ``seq_len`` (``train/grpo/batch.py``; ``--no-pack``: one
-to a row).
+prompts several to a row (``train/grpo/batch.py``; ``--no-pack``: one to a row).
 
 What is GRPO's own is in this package (``train/grpo/loop.py``): the prompts, the rollouts,
 the rewards and advantages, the update's rows. The rest is ``python -m train.gpt``'s (``train/run/setup.py``,

@@ -2,23 +2,25 @@
 ``models.loss``, with the objective's per-token fields where the completion tokens are
 predicted.
 
-    layout = packed(prompts, completions_BxM, lengths_B, row_length, unit)   # or padded(...)
+    layout = packed(prompts, completions_BxM, lengths_B, seq_len, unit)   # or padded(...)
     old_BxM = token_logps(graphdef, params, layout, temperature)
     batch = update_batch(layout, objective.per_token_fields(old_BxM, ...))
 
 Two layouts of the same tokens; the objective's loss, statistics and gradient are the same
 in both up to float32 rounding (``tests/test_train_grpo_batch.py``):
 
-- :func:`packed` (the default): each completion with its prompt as one example, laid end to
-  end into rows of the model's ``seq_len`` as ``train.gpt --data sft:`` packs fine-tuning
-  examples (``data/packing.py``: segment ids keep attention within each, positions restart
-  at each), the longest first into the first row with room; the rows' count rounded up to a
-  multiple of ``unit`` (the data-parallel ranks times the micro-batches, which split the
-  rows) and to a few sizes per power of two, so that a handful of compiled steps serve a
-  run. The forward runs over the rollout's tokens, not over its longest prompt and
-  completion once per completion.
 - :func:`padded`: one completion to a row, its prompt left-padded to the rollout's longest
   (a power of two, ``models.generate.bucket``), then ``--max-new-tokens`` completion slots.
+- :func:`packed` (the default): each completion with its prompt as one example, laid end to
+  end as ``train.gpt --data sft:`` packs fine-tuning examples (``data/packing.py``: segment
+  ids keep attention within each, positions restart at each), the longest first into the
+  first row with room. Rows as long as the padded layout's (at most the model's
+  ``seq_len``), so that a row's attention spans no more than before while the rows are
+  fewer: the forward runs over about the rollout's tokens, not over its longest prompt and
+  completion once per completion. The rows' count is rounded up to a multiple of ``unit``
+  (the data-parallel ranks times the micro-batches, which split the rows) and to one of 8
+  sizes per power of two (at most the padded layout's), so that a few compiled steps serve
+  a run.
 
 A :class:`Layout` maps each completion token (b, j) to the position of the row that
 predicts it (``index_BxM``), so the objective is written once on [B, M] arrays
@@ -53,17 +55,24 @@ def _bucket(rows: int) -> int:
   return -(-rows // step) * step
 
 
-def packed(prompts: list[np.ndarray], completions_BxM: np.ndarray, lengths_B: np.ndarray, row_length: int,
-           unit: int = 1) -> Layout:
+def _padded_length(prompts: list[np.ndarray], M: int, multiple: int) -> int:
+  """The padded layout's row: the longest prompt's bucket and M, a multiple of ``multiple``."""
+  return -(-(generate.bucket(max(len(p) for p in prompts)) + M) // multiple) * multiple
+
+
+def packed(prompts: list[np.ndarray], completions_BxM: np.ndarray, lengths_B: np.ndarray, seq_len: int,
+           unit: int = 1, multiple: int = 1) -> Layout:
   """Completion b (its first ``lengths_B[b]`` tokens) after ``prompts[b]`` as one example,
-  packed into rows of ``row_length`` positions (module docstring); rows a multiple of
-  ``unit``. Each prompt plus completion is at most ``row_length`` + 1 tokens."""
+  packed into rows as long as :func:`padded`'s, at most ``seq_len`` (a multiple of
+  ``multiple`` either way; module docstring); rows a multiple of ``unit``, which divides B.
+  Each prompt plus completion is at most ``seq_len`` tokens."""
   B, M = completions_BxM.shape
+  row_length = min(_padded_length(prompts, M, multiple), -(-seq_len // multiple) * multiple)
   tokens = [np.concatenate([p, c[:n]]) for p, c, n in zip(prompts, completions_BxM, lengths_B)]
   inputs = [t[:-1] for t in tokens]
   targets = [np.where(np.arange(1, len(t)) >= len(p), t[1:], -1) for t, p in zip(tokens, prompts)]
   row_B, start_B = packing.first_fit_decreasing(np.asarray([len(x) for x in inputs]), row_length)
-  rows = unit * _bucket(-(-(int(row_B.max()) + 1) // unit))
+  rows = min(unit * _bucket(-(-(int(row_B.max()) + 1) // unit)), B)
   first_B = row_B * row_length + start_B + np.asarray([len(p) for p in prompts]) - 1
   index_BxM = np.where(np.arange(M)[None] < lengths_B[:, None], first_B[:, None] + np.arange(M)[None], -1)
   return Layout(packing.fill(inputs, targets, row_B, start_B, rows, row_length), index_BxM.astype(np.int32))
@@ -79,8 +88,7 @@ def padded(prompts: list[np.ndarray], completions_BxM: np.ndarray, lengths_B: np
   B, M = completions_BxM.shape
   prompts_BxP, prompt_lengths_B = generate.left_pad(prompts, generate.bucket(max(len(p) for p in prompts)))
   tokens_BxT = np.concatenate([prompts_BxP, completions_BxM], 1).astype(np.int32)
-  T = tokens_BxT.shape[1]
-  T_padded = -(-T // multiple) * multiple
+  T, T_padded = tokens_BxT.shape[1], _padded_length(prompts, M, multiple)
   inputs_BxT = np.pad(tokens_BxT, ((0, 0), (0, T_padded - T)))
   slots_BxT = np.arange(T_padded)[None, :] - (prompts_BxP.shape[1] - prompt_lengths_B)[:, None]
   predicts_T = (np.arange(T_padded) >= T - M - 1) & (np.arange(T_padded) < T - 1)

@@ -222,12 +222,12 @@ def rollout(run: Run, params: Any, step: int) -> Rollout:
 
 def _layout(run: Run, prompts: list[np.ndarray], completions_BxM: np.ndarray, lengths_B: np.ndarray
             ) -> grpo_batch.Layout:
-  """The update's rows (``train/grpo/batch.py``): packed into rows of the model's seq_len
-  (a multiple of cp's 2·cp chunks), or with --no-pack one completion to a row."""
+  """The update's rows (``train/grpo/batch.py``): packed, or with --no-pack one completion
+  to a row; their length a multiple of cp's 2·cp chunks."""
   multiple = 2 * run.par.cp
   if run.data.grpo.pack:
-    return grpo_batch.packed(prompts, completions_BxM, lengths_B, -(-run.model_cfg.seq_len // multiple) * multiple,
-                             run.data.rows_unit)
+    return grpo_batch.packed(prompts, completions_BxM, lengths_B, run.model_cfg.seq_len, run.data.rows_unit,
+                             multiple)
   return grpo_batch.padded(prompts, completions_BxM, lengths_B, multiple)
 
 

@@ -219,9 +219,10 @@ GRPO_HELP = {
     "updates_per_rollout": "optimizer updates on each rollout, each on all of it (default 1; also"
                            " --num-iterations, TRL's name: its mu with steps_per_generation equal to"
                            " gradient_accumulation_steps, TRL's default)",
-    "pack": "pack the update's completions, each after its prompt, several to a row of the model's"
-            " seq_len (segment ids keep attention within each, positions restart), as train.gpt packs"
-            " sft: data (default on; --no-pack: one completion to a row, the prompt left-padded)",
+    "pack": "pack the update's completions, each after its prompt, several to a row (segment ids"
+            " keep attention within each, positions restart), as train.gpt packs sft: data; rows as"
+            " long as --no-pack's, at most the model's seq_len (default on; --no-pack: one"
+            " completion to a row, the prompt left-padded to the longest's power of two)",
     "loss_type": "grpo|bnpo|dr_grpo|dapo|cispo|sapo|luspo|vespo, TRL 1.16's: the clipped ratio"
                  " averaged per sequence, over the batch's tokens, over B x --max-new-tokens or over the"
                  " rollout's tokens; cispo the policy gradient weighted by the ratio capped at"
