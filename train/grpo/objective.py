@@ -78,7 +78,6 @@ import jax.numpy as jnp
 from train.grpo.config import ObjectiveConfig
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
