@@ -11,16 +11,11 @@ An example is its tokens and which of them are learned; its inputs are all token
 the last, its targets all but the first, and a target that is not learned is -1 (not
 counted by the loss).
 
-Packing (:func:`pack`) lays examples one after another into rows of ``seq_len`` positions,
-in file order, starting a new row when the next example does not fit (an example longer
-than a row is cut to it). Each row carries, besides ``inputs`` and ``targets``:
-
-- ``segment_ids``: 1, 2, ... for the examples of the row, 0 for the padding at its end;
-  attention stays within a segment (``models/gpt.py``);
-- ``positions``: each token's position within its own example, for the rotary embedding.
-
-So a packed row gives each of its examples the loss it would have alone. Padding has
-inputs 0 and targets -1. Without packing, each example gets a row of its own.
+Packing (:func:`pack`, ``data/packing.py``) lays examples one after another into rows of
+``seq_len`` positions, in file order, starting a new row when the next example does not fit
+(an example longer than a row is cut to it), with segment ids and restarted positions, so a
+packed row gives each of its examples the loss it would have alone. Without packing, each
+example gets a row of its own.
 """
 from __future__ import annotations
 
@@ -30,7 +25,7 @@ import os
 
 import numpy as np
 
-from data import chat
+from data import chat, packing
 from data.errors import DataError, DataFileNotFoundError
 
 
@@ -103,25 +98,12 @@ def example_row(tokens: np.ndarray, learn: np.ndarray, seq_len: int) -> tuple[np
 
 
 def pack(examples, seq_len: int, packed: bool = True) -> dict[str, np.ndarray]:
-  """Rows of ``seq_len`` positions (module docstring): int32 [R, seq_len] each of
-  ``inputs``, ``targets``, ``segment_ids``, ``positions``."""
-  rows: list[list[tuple[np.ndarray, np.ndarray]]] = []
-  used = seq_len
-  for tokens, learn in examples:
-    inputs, targets = example_row(tokens, learn, seq_len)
-    if not packed or used + len(inputs) > seq_len:
-      rows.append([])
-      used = 0
-    rows[-1].append((inputs, targets))
-    used += len(inputs)
-  out = {k: np.zeros((len(rows), seq_len), np.int32) for k in ("inputs", "segment_ids", "positions")}
-  out["targets"] = np.full((len(rows), seq_len), -1, np.int32)
-  for r, row in enumerate(rows):
-    start = 0
-    for segment, (inputs, targets) in enumerate(row, 1):
-      span = slice(start, start + len(inputs))
-      out["inputs"][r, span], out["targets"][r, span] = inputs, targets
-      out["segment_ids"][r, span] = segment
-      out["positions"][r, span] = np.arange(len(inputs))
-      start += len(inputs)
-  return out
+  """Rows of ``seq_len`` positions (module docstring; ``data.packing``'s, in file order):
+  int32 [R, seq_len] each of ``inputs``, ``targets``, ``segment_ids``, ``positions``."""
+  inputs, targets = zip(*(example_row(tokens, learn, seq_len) for tokens, learn in examples))
+  lengths_E = np.asarray([len(x) for x in inputs])
+  if packed:
+    row_E, start_E = packing.next_fit(lengths_E, seq_len)
+  else:
+    row_E, start_E = np.arange(len(lengths_E)), np.zeros(len(lengths_E), np.int64)
+  return packing.fill(list(inputs), list(targets), row_E, start_E, int(row_E[-1]) + 1, seq_len)

@@ -10,8 +10,9 @@ annotations; with pp > 1 or cp > 1 the whole model runs inside one ``shard_map``
 (``models/pipeline.py``, ``models/context.py``).
 
 A per-token ``objective`` (GRPO's: ``train/grpo/objective.py``) replaces the cross-entropy
-with its own terms of each target's log-probability at a ``temperature``, read from more
-[B, T] batch fields, on the same forward; :func:`token_logps` gives those log-probabilities.
+with its own terms of each target's log-probability (and its distribution's entropy) at a
+``temperature``, read from more [B, T] batch fields, on the same forward; :func:`token_logps`
+gives those log-probabilities.
 
 With experts (``models/moe.py``) the loss adds each MoE layer's load-balancing and z-losses,
 averaged over the sequences of the global batch.
@@ -64,9 +65,10 @@ def loss(graphdef: Any, params: Any, batch: dict[str, jax.Array], par: Paralleli
   plus the router's auxiliary losses divided by ``sequences`` (default: the batch's
   sequences), times ``scale`` when given.
 
-  With ``objective``, ``objective(logps_BxT, fields) -> (terms_BxT, stats)`` takes the place
-  of the cross-entropy: ``logps_BxT`` the targets' log softmax(logits / ``temperature``)
-  (0 where a target is -1), ``fields`` the batch's [B, T] fields but inputs, positions and
+  With ``objective``, ``objective(logps_BxT, entropies_BxT, fields) -> (terms_BxT, stats)``
+  takes the place of the cross-entropy: ``logps_BxT`` the targets' log softmax(logits /
+  ``temperature``) and ``entropies_BxT`` the entropies of those distributions (each 0
+  where a target is -1; both differentiable), ``fields`` the batch's [B, T] fields but inputs, positions and
   segment ids (the targets and the objective's own, split with them over micro-batches
   and cp); the sum of ``terms_BxT`` is divided by ``denominator`` and the sums of the
   ``stats`` pytree's [B, T] leaves come back in ``LossAux.stats``.
@@ -156,7 +158,8 @@ def _target_logps(model: Any, x_BxTxD: jax.Array, targets_BxT: jax.Array, par: P
   if not entropy:
     return logps_BxT
   probs_BxTxV = jnp.exp(logits_BxTxV - normalizer_BxT[..., None])
-  mean_logit_BxT = jnp.sum(jnp.where(real_V, probs_BxTxV * logits_BxTxV, 0.0), -1)
+  # The padding rows' logits are -inf: zeroed before the product, whose gradient would be 0·inf.
+  mean_logit_BxT = jnp.sum(probs_BxTxV * jnp.where(real_V, logits_BxTxV, 0.0), -1)
   return logps_BxT, jnp.where(counted_BxT, normalizer_BxT - mean_logit_BxT, 0.0)
 
 
@@ -167,7 +170,10 @@ def _token_terms(model: Any, x_BxTxD: jax.Array, fields: dict[str, jax.Array], p
   targets_BxT = fields["targets"]
   if objective is None:
     return jnp.sum(jnp.where(targets_BxT >= 0, model.token_losses(x_BxTxD, targets_BxT, par), 0.0)), None
-  terms_BxT, stats = objective(_target_logps(model, x_BxTxD, targets_BxT, par, temperature), fields)
+  # An objective that does not read the entropies leaves them out of the compiled step (XLA
+  # drops unused values), so they cost only where one does (GRPO's entropy bonus).
+  logps_BxT, entropies_BxT = _target_logps(model, x_BxTxD, targets_BxT, par, temperature, entropy=True)
+  terms_BxT, stats = objective(logps_BxT, entropies_BxT, fields)
   return jnp.sum(terms_BxT), jax.tree.map(jnp.sum, stats)
 
 

@@ -6,12 +6,14 @@ after epoch), samples ``--group-size`` G completions of each with ``models.gener
 key/value cache from the current policy (on-policy; the rollout's rows split over the
 mesh's batch axes and the model over tp, as the training step's), scores them with the
 reward functions (``train/grpo/rewards.py``), turns the rewards into advantages and takes
-``--updates-per-rollout`` optimizer steps on the rollout with TRL 1.16's objective
-(``train/grpo/objective.py``: the ``--loss-type``, importance sampling level, high-entropy
-mask and KL to the frozen starting policy with ``--beta`` > 0).
+``--updates-per-rollout`` (TRL's ``--num-iterations``) optimizer steps on the rollout with
+TRL 1.16's objective (``train/grpo/objective.py``: the ``--loss-type``, importance sampling
+level, two-sided clip, off-policy sequence mask, high-entropy mask, KL to the frozen
+starting policy with ``--beta`` > 0 and entropy bonus), its completions packed with their
+prompts several to a row (``train/grpo/batch.py``; ``--no-pack``: one to a row).
 
 What is GRPO's own is in this package (``train/grpo/loop.py``): the prompts, the rollouts,
-the rewards and advantages. The rest is ``python -m train.gpt``'s (``train/run/setup.py``,
+the rewards and advantages, the update's rows. The rest is ``python -m train.gpt``'s (``train/run/setup.py``,
 ``train/run/loop.py``): the same set-up steps, the same jitted step (``train/run/step.py``, with GRPO's per-token objective in ``models.loss``: the
 non-finite guard, float16 loss scaling, clipping, accumulation over
 ``--micro-batch-size``, Dion's per-replica path on rp, QK-clip, the schedules and

@@ -37,8 +37,60 @@ MAY_CHANGE = ("resume", "run_dir", "step", "steps", "save_every", "keep", "mesh"
 
 
 @dataclasses.dataclass(frozen=True)
-class GRPOConfig:
-  """GRPO's own flags (help: ``train.run.flags.GRPO_HELP``); TRL's ``GRPOConfig`` names where it has them."""
+class ObjectiveConfig:
+  """The loss's flags, TRL 1.16's ``GRPOConfig`` names and defaults but ``epsilon_high``'s
+  (DAPO's 0.28; help: ``train.run.flags.GRPO_HELP``; the formulas:
+  ``train/grpo/objective.py``, whose ``Objective`` adds what the rollout fixes)."""
+  loss_type: str = "dapo"
+  importance_sampling_level: str = "token"
+  epsilon_low: float = 0.2
+  epsilon_high: float = 0.28
+  beta: float = 0.0
+  use_bias_correction_kl: bool = True
+  sapo_temperature_pos: float = 1.0
+  sapo_temperature_neg: float = 1.05
+  delta: float | None = None
+  off_policy_mask_threshold: float | None = None
+  vespo_k_pos: float = 2.0
+  vespo_lambda_pos: float = 3.0
+  vespo_k_neg: float = 3.0
+  vespo_lambda_neg: float = 2.0
+  entropy_coef: float = 0.0
+  use_adaptive_entropy: bool = False
+  entropy_coef_min: float = 0.0
+  entropy_coef_max: float = 1.0
+  entropy_coef_delta: float = 0.005
+  entropy_target: float = 0.2
+
+  @property
+  def entropy_bonus(self) -> bool:
+    """Whether the loss has the entropy term (TRL's ``_entropy_bonus_enabled``)."""
+    return self.entropy_coef != 0 or self.use_adaptive_entropy
+
+  def check(self) -> None:
+    """Range checks (finite numbers: :meth:`GRPOConfig.check`); raises :class:`UsageError`."""
+    for name in ("beta", "epsilon_low", "epsilon_high", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+                 "vespo_lambda_neg", "entropy_coef", "entropy_coef_min", "entropy_coef_delta", "entropy_target"):
+      if getattr(self, name) < 0:
+        raise UsageError(f"{rundir.flag_name(name)} must be >= 0, got {getattr(self, name)}")
+    for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+      if getattr(self, name) <= 0:
+        raise UsageError(f"{rundir.flag_name(name)} must be positive, got {getattr(self, name)}")
+    if self.delta is not None and self.delta <= 1:
+      raise UsageError(f"--delta must be > 1 (an upper bound on the ratio; INTELLECT-2 recommends above"
+                       f" 1 + --epsilon-high), got {self.delta}")
+    if self.off_policy_mask_threshold is not None and self.off_policy_mask_threshold <= 0:
+      raise UsageError(f"--off-policy-mask-threshold must be positive (DeepSeek-V3.2's delta, e.g. 0.5), got"
+                       f" {self.off_policy_mask_threshold}")
+    if self.use_adaptive_entropy and self.entropy_coef_max < self.entropy_coef_min:
+      raise UsageError(f"--entropy-coef-max {self.entropy_coef_max} is below --entropy-coef-min"
+                       f" {self.entropy_coef_min}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig(ObjectiveConfig):
+  """GRPO's own flags and the loss's (help: ``train.run.flags.GRPO_HELP``); TRL's
+  ``GRPOConfig`` names where it has them."""
   init_from: str | None = None
   prompts: str | None = None
   prompt_column: str = "prompt"
@@ -55,17 +107,10 @@ class GRPOConfig:
   top_k: int | None = None
   top_p: float = 1.0
   updates_per_rollout: int = 1
-  loss_type: str = "dapo"
-  importance_sampling_level: str = "token"
-  epsilon_low: float = 0.2
-  epsilon_high: float = 0.28
-  beta: float = 0.0
-  use_bias_correction_kl: bool = True
+  pack: bool = True
   scale_rewards: str = "group"
   multi_objective_aggregation: str = "sum_then_normalize"
   top_entropy_quantile: float = 1.0
-  sapo_temperature_pos: float = 1.0
-  sapo_temperature_neg: float = 1.05
 
   @property
   def rollout_size(self) -> int:
@@ -88,15 +133,10 @@ class GRPOConfig:
       if getattr(self, name) < 1:
         raise UsageError(f"{rundir.flag_name(name)} must be >= 1, got {getattr(self, name)}")
     restore_lib.check_sampling(self.temperature, self.top_k, self.top_p, greedy=False)
-    for name in ("beta", "epsilon_low", "epsilon_high"):
-      if getattr(self, name) < 0:
-        raise UsageError(f"{rundir.flag_name(name)} must be >= 0, got {getattr(self, name)}")
     if not 0 <= self.top_entropy_quantile <= 1:
       raise UsageError(f"--top-entropy-quantile must be in [0, 1] (1 keeps every token), got"
                        f" {self.top_entropy_quantile}")
-    for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
-      if getattr(self, name) <= 0:
-        raise UsageError(f"{rundir.flag_name(name)} must be positive, got {getattr(self, name)}")
+    super().check()
 
 
 _GRPO_FIELDS = tuple(f.name for f in dataclasses.fields(GRPOConfig))
@@ -105,7 +145,10 @@ _GRPO_FIELDS = tuple(f.name for f in dataclasses.fields(GRPOConfig))
 def parser() -> argparse.ArgumentParser:
   p = Parser(prog="python -m train.grpo", argument_default=argparse.SUPPRESS,
              description="GRPO fine-tuning of a python -m train.gpt run with verifiable rewards.")
-  config_lib.add_flags(p.add_argument_group("GRPO"), dataclasses.fields(GRPOConfig), flags.GRPO_HELP)
+  objective, fields = {f.name for f in dataclasses.fields(ObjectiveConfig)}, dataclasses.fields(GRPOConfig)
+  config_lib.add_flags(p.add_argument_group("GRPO"), [f for f in fields if f.name not in objective], flags.GRPO_HELP)
+  config_lib.add_flags(p.add_argument_group("objective (TRL 1.16's GRPOConfig names)"),
+                       [f for f in fields if f.name in objective], flags.GRPO_HELP)
   config_lib.add_flags(p.add_argument_group("optimizer, precision, mesh and checkpoints (as train.gpt's)"),
                        [f for f in dataclasses.fields(config_lib.Config) if f.name in SHARED], flags.HELP)
   return p

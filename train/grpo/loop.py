@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import sys
 import time
 from typing import Any, Callable, NamedTuple
@@ -21,6 +22,7 @@ from dion_jax.parallel import format_mesh_spec
 from models import generate
 from train import cli
 from train.cli import UsageError
+from train.grpo import batch as grpo_batch
 from train.grpo import config as grpo_config
 from train.grpo import objective as grpo_objective
 from train.grpo import rewards as grpo_rewards
@@ -49,13 +51,14 @@ class Prompts(NamedTuple):
   graphdef: Any
   reference: Any | None  # the starting policy's parameters (with --beta > 0)
   first: Rollout | None  # the first step's rollout, made in set-up to score and compile
+  rows_unit: int  # the update's rows split over the data-parallel ranks and micro-batches: a multiple of this
+  entropy_control: grpo_objective.EntropyControl  # the entropy bonus's at the start (a resumed run's saved one)
 
 
 class Rollout(NamedTuple):
   """One step's completions, their rewards and the update batch."""
-  batch: dict  # grpo_objective.update_batch's
-  tokens_BxT: np.ndarray  # prompt (left-padded) and completion
-  pad_B: np.ndarray
+  batch: dict  # grpo_batch.update_batch's
+  layout: grpo_batch.Layout  # the completions, each after its prompt, in the update's rows
   mask_BxM: np.ndarray  # 1 on the completion tokens
   old_BxM: jax.Array  # the rollout policy's log-probabilities
   ref_BxM: jax.Array | None  # the reference's (with --beta > 0)
@@ -99,9 +102,13 @@ def read_prompts(grpo: GRPOConfig, tokenizer, limit: int) -> tuple[list[dict], l
   return rows, texts, tokens
 
 
-def _check_split(grpo: GRPOConfig, mesh: jax.sharding.Mesh) -> None:
+def _data_parallel(mesh: jax.sharding.Mesh) -> int:
   sizes = dict(mesh.shape)
-  dp = sizes["rp"] * sizes["fs"] * sizes["ep"]
+  return sizes["rp"] * sizes["fs"] * sizes["ep"]
+
+
+def _check_split(grpo: GRPOConfig, mesh: jax.sharding.Mesh) -> None:
+  sizes, dp = dict(mesh.shape), _data_parallel(mesh)
   if grpo.rollout_size % (dp * sizes["pp"]):
     raise UsageError(f"--mesh {format_mesh_spec(sizes)}: the {grpo.rollout_size} completions of a step"
                      f" (--prompts-per-step x --group-size) split over {dp} data-parallel ranks (rp x fs x ep)"
@@ -119,13 +126,17 @@ def setup(argv: list[str] | None) -> Run:
   par, accum = trainer.parallelism(cfg, mesh)
   origin = model_source_lib.resolve(grpo.init_from)
   starting, model_cfg, graphdef = _starting_policy(grpo, cfg, par, origin)
-  prompts = _prompts(grpo, model_cfg, graphdef, starting, origin.tokenizer)
+  prompts = _prompts(grpo, model_cfg, graphdef, starting, origin.tokenizer, _data_parallel(mesh) * accum)
   with jax.set_mesh(mesh):
     state, train_step = trainer.make_trainer(cfg, model_cfg, graphdef, starting.params, par, accum,
                                              functools.partial(grpo_objective.weighted, prompts.objective),
                                              grpo.temperature)
   checkpoints = ckpt_lib.Checkpoints(cfg.ckpt_path, cfg.keep, create=False)  # made once checked
-  state, _, _ = trainer.resume_state(checkpoints, start_step, state, cfg, model_cfg, par)
+  state, meta, _ = trainer.resume_state(checkpoints, start_step, state, cfg, model_cfg, par)
+  if meta and "entropy_control" in meta:
+    saved = meta["entropy_control"]
+    prompts = prompts._replace(entropy_control=grpo_objective.EntropyControl(
+        saved["coef"], math.inf if saved["entropy"] is None else saved["entropy"]))
   record = {**setup_lib.config_record(cfg, model_cfg, origin),
             "grpo": dataclasses.asdict(grpo), "init_step": starting.step}
   run = setup_lib.Run(cfg=cfg, model_cfg=model_cfg, mesh=mesh, par=par, directory=directory, checkpoints=checkpoints,
@@ -161,7 +172,7 @@ def _starting_policy(grpo: GRPOConfig, cfg: config_lib.Config, par: models.Paral
 
 
 def _prompts(grpo: GRPOConfig, model_cfg: models.GPTConfig, graphdef: Any, starting: restore_lib.Restored,
-             tokenizer) -> Prompts:
+             tokenizer, rows_unit: int) -> Prompts:
   """GRPO's data: the prompts, the rewards, the objective, the reference (with --beta > 0)."""
   rewards = grpo_rewards.reward_functions(list(grpo.reward), grpo.answer_column)
   limit = model_cfg.seq_len - grpo.max_new_tokens
@@ -170,12 +181,12 @@ def _prompts(grpo: GRPOConfig, model_cfg: models.GPTConfig, graphdef: Any, start
                      f" {model_cfg.seq_len}")
   rows, texts, tokens = read_prompts(grpo, tokenizer, limit)
   objective = grpo_objective.Objective(
-      grpo.epsilon_low, grpo.epsilon_high, grpo.beta, grpo.loss_type, grpo.max_new_tokens,
-      grpo.importance_sampling_level, grpo.sapo_temperature_pos, grpo.sapo_temperature_neg,
-      grpo.use_bias_correction_kl)
+      **{f.name: getattr(grpo, f.name) for f in dataclasses.fields(grpo_config.ObjectiveConfig)},
+      max_completion_length=grpo.max_new_tokens, sequences=grpo.rollout_size)
   # The step donates the policy's buffers: the reference keeps its own.
   reference = jax.tree.map(jnp.copy, starting.params) if grpo.beta > 0 else None
-  return Prompts(grpo, rows, texts, tokens, tokenizer, rewards, objective, graphdef, reference, None)
+  return Prompts(grpo, rows, texts, tokens, tokenizer, rewards, objective, graphdef, reference, None, rows_unit,
+                 grpo_objective.EntropyControl(grpo.entropy_coef))
 
 
 def rollout(run: Run, params: Any, step: int) -> Rollout:
@@ -200,49 +211,58 @@ def rollout(run: Run, params: Any, step: int) -> Rollout:
   advantages_B = np.asarray(grpo_objective.advantages(
       jnp.asarray(rewards_BxR, jnp.float32), jnp.asarray([w for _, _, w in p.rewards], jnp.float32), G,
       grpo.scale_rewards, grpo.multi_objective_aggregation))
-  prompts_BxP, prompt_lengths = generate.left_pad([p.tokens[i] for i in picks],
-                                                  generate.bucket(max(len(p.tokens[i]) for i in picks)))
-  tokens_BxT = np.concatenate([np.repeat(prompts_BxP, G, 0), completions_BxM], 1)
-  pad_B = prompts_BxP.shape[1] - np.repeat(prompt_lengths, G)
+  layout = _layout(run, [p.tokens[i] for i in picks for _ in range(G)], completions_BxM, lengths_B)
   mask_BxM = (np.arange(M)[None] < lengths_B[:, None]).astype(np.float32)
-  old_BxM, keep_BxM, entropy = _logps_and_keep(run, params, tokens_BxT, pad_B, mask_BxM)
-  ref_BxM = None if p.reference is None else _logps(run, p.reference, tokens_BxT, pad_B, M)
-  made = Rollout(None, tokens_BxT, pad_B, mask_BxM, old_BxM, ref_BxM, rewards_BxR, advantages_B, lengths_B, ended_B,
-                 entropy, 0.0)
+  old_BxM, keep_BxM, entropy = _logps_and_keep(run, params, layout, mask_BxM)
+  ref_BxM = None if p.reference is None else _logps(run, p.reference, layout)
+  made = Rollout(None, layout, mask_BxM, old_BxM, ref_BxM, rewards_BxR, advantages_B, lengths_B, ended_B, entropy,
+                 0.0)
   return made._replace(batch=_update_batch(run, made, keep_BxM), seconds=time.perf_counter() - t0)
 
 
+def _layout(run: Run, prompts: list[np.ndarray], completions_BxM: np.ndarray, lengths_B: np.ndarray
+            ) -> grpo_batch.Layout:
+  """The update's rows (``train/grpo/batch.py``): packed, or with --no-pack one completion
+  to a row; their length a multiple of cp's 2·cp chunks."""
+  multiple = 2 * run.par.cp
+  if run.data.grpo.pack:
+    return grpo_batch.packed(prompts, completions_BxM, lengths_B, run.model_cfg.seq_len, run.data.rows_unit,
+                             multiple)
+  return grpo_batch.padded(prompts, completions_BxM, lengths_B, multiple)
+
+
 def _update_batch(run: Run, made: Rollout, keep_BxM: jax.Array | None) -> dict:
-  """The rollout's update batch (``grpo_objective.update_batch``), split over the batch axes."""
+  """The rollout's update batch (``grpo_batch.update_batch``), split over the batch axes;
+  the entropy bonus's coefficient is set for each update (:func:`_updates`)."""
   with jax.set_mesh(run.mesh):
-    batch = _jitted_update_batch(made.tokens_BxT, made.pad_B, made.old_BxM, made.ref_BxM,
-                                 jnp.asarray(made.advantages_B), jnp.asarray(made.mask_BxM), run.data.objective,
-                                 jnp.float32(made.mask_BxM.sum()), keep_BxM, run.par.cp)
+    batch = _jitted_update_batch(made.layout, made.old_BxM, made.ref_BxM, jnp.asarray(made.advantages_B),
+                                 jnp.asarray(made.mask_BxM), run.data.objective, jnp.float32(made.mask_BxM.sum()),
+                                 keep_BxM)
     return jax.device_put(batch, NamedSharding(run.mesh, P(models.BATCH_AXES)))
 
 
-_jitted_update_batch = jax.jit(grpo_objective.update_batch, static_argnames=("objective", "cp"))
+@functools.partial(jax.jit, static_argnames="objective")
+def _jitted_update_batch(layout, old_BxM, ref_BxM, advantages_B, mask_BxM, objective, num_items, keep_BxM):
+  return grpo_batch.update_batch(layout, grpo_objective.per_token_fields(old_BxM, ref_BxM, advantages_B, mask_BxM,
+                                                                         objective, num_items, keep_BxM))
 
 
-def _logps(run: Run, params: Any, tokens_BxT: np.ndarray, pad_B: np.ndarray, completion: int,
-           entropy: bool = False) -> Any:
+def _logps(run: Run, params: Any, layout: grpo_batch.Layout, entropy: bool = False) -> Any:
   with jax.set_mesh(run.mesh):
-    return _token_logps(run.data.graphdef, params, tokens_BxT, pad_B, completion, run.data.grpo.temperature,
-                        run.par, entropy)
+    return _token_logps(run.data.graphdef, params, layout, run.data.grpo.temperature, run.par, entropy)
 
 
-_token_logps = jax.jit(grpo_objective.token_logps, static_argnums=(0, 4, 5, 6, 7))
+_token_logps = jax.jit(grpo_batch.token_logps, static_argnums=(0, 3, 4, 5))
 
 
-def _logps_and_keep(run: Run, params: Any, tokens_BxT: np.ndarray, pad_B: np.ndarray, mask_BxM: np.ndarray
+def _logps_and_keep(run: Run, params: Any, layout: grpo_batch.Layout, mask_BxM: np.ndarray
                     ) -> tuple[jax.Array, jax.Array | None, float | None]:
   """The completion tokens' log-probabilities under ``params`` [B, M]; with
   ``--top-entropy-quantile`` < 1 also the high-entropy mask and the mean entropy."""
   quantile = run.data.grpo.top_entropy_quantile
-  M = mask_BxM.shape[1]
   if quantile >= 1:
-    return _logps(run, params, tokens_BxT, pad_B, M), None, None
-  logps_BxM, entropies_BxM = _logps(run, params, tokens_BxT, pad_B, M, entropy=True)
+    return _logps(run, params, layout), None, None
+  logps_BxM, entropies_BxM = _logps(run, params, layout, entropy=True)
   keep_BxM = grpo_objective.high_entropy_mask(entropies_BxM, jnp.asarray(mask_BxM), quantile)
   return logps_BxM, keep_BxM, float(jnp.sum(entropies_BxM * mask_BxM) / max(mask_BxM.sum(), 1))
 
@@ -266,15 +286,15 @@ def _steps(run: Run, progress: loop.Progress, interrupt: Interrupt) -> None:
           f" with {cfg.optimizer} on mesh {format_mesh_spec(dict(run.mesh.shape))}, steps"
           f" {run.start_step + 1}..{grpo.steps}, run directory {cfg.run_path}", flush=True)
   agreement = Agreement(run.mesh)
-  made = run.data.first
+  made, control = run.data.first, run.data.entropy_control
   try:
     for step in range(run.start_step + 1, grpo.steps + 1):
       progress.step = step
       made = made if made is not None else rollout(run, progress.state.params, step)
       t0 = time.perf_counter()
-      updates = _updates(run, progress, made)
+      updates, control = _updates(run, progress, made, control)
       train_s = time.perf_counter() - t0
-      record = _record(run, step, made, updates, train_s)
+      record = _record(run, step, made, updates, train_s, control)
       if metrics is not None:
         metrics.write(record)
         print(_line(record, grpo.steps), flush=True)
@@ -284,7 +304,7 @@ def _steps(run: Run, progress: loop.Progress, interrupt: Interrupt) -> None:
       if progress.diverged:
         break
       if step == grpo.steps or stop or (cfg.save_every and step % cfg.save_every == 0):
-        loop.save(run, step, progress.state, {})
+        loop.save(run, step, progress.state, _meta(run, control))
       if stop:
         break
     progress.signum = agreement.latest()
@@ -293,26 +313,42 @@ def _steps(run: Run, progress: loop.Progress, interrupt: Interrupt) -> None:
       metrics.close()
 
 
-def _updates(run: Run, progress: loop.Progress, made: Rollout) -> list[step_lib.StepMetrics]:
-  """``--updates-per-rollout`` steps on the rollout (each skipped one counted); with the
-  high-entropy mask each after the first takes it from the current policy, as TRL's."""
+def _updates(run: Run, progress: loop.Progress, made: Rollout, control: grpo_objective.EntropyControl
+             ) -> tuple[list[step_lib.StepMetrics], grpo_objective.EntropyControl]:
+  """``--updates-per-rollout`` steps on the rollout (each skipped one counted; TRL's
+  ``num_iterations``); with the high-entropy mask each after the first takes it from the
+  current policy, as TRL's; with the entropy bonus each applies ``control``'s coefficient
+  and moves it by the entropy it measured (adaptive control)."""
   out = []
-  batch = made.batch
+  batch, objective = made.batch, run.data.objective
   for update in range(run.data.grpo.updates_per_rollout):
     if update and "keep" in batch:
-      _, keep_BxM, _ = _logps_and_keep(run, progress.state.params, made.tokens_BxT, made.pad_B, made.mask_BxM)
+      _, keep_BxM, _ = _logps_and_keep(run, progress.state.params, made.layout, made.mask_BxM)
       batch = _update_batch(run, made, keep_BxM)
     with jax.set_mesh(run.mesh):
+      if objective.entropy_bonus:
+        batch = {**batch, "entropy_bonus": batch["entropy_weights"] * control.applied(objective)}
       progress.state, metrics = run.train_step(progress.state, batch)
     metrics = jax.device_get(metrics)
     out.append(metrics)
+    control = control.after(float(metrics.objective_stats.entropy), objective)
     progress.count(bool(metrics.skipped), run.cfg.max_skipped)
     if progress.diverged:
       break
-  return out
+  return out, control
 
 
-def _record(run: Run, step: int, made: Rollout, updates: list[step_lib.StepMetrics], train_s: float) -> dict:
+def _meta(run: Run, control: grpo_objective.EntropyControl) -> dict:
+  """What a checkpoint keeps beside the state: the adaptive entropy bonus's control (its
+  entropy null before the first measurement)."""
+  if not run.data.objective.use_adaptive_entropy:
+    return {}
+  return {"entropy_control": {"coef": control.coef, "entropy": control.entropy if math.isfinite(control.entropy)
+                              else None}}
+
+
+def _record(run: Run, step: int, made: Rollout, updates: list[step_lib.StepMetrics], train_s: float,
+            control: grpo_objective.EntropyControl) -> dict:
   """Step ``step``'s metrics.jsonl record; the updates' numbers are means over them."""
   rewards, grpo = run.data.rewards, run.data.grpo
   total_B = made.rewards_BxR @ np.asarray([w for _, _, w in rewards], np.float64)
@@ -331,11 +367,16 @@ def _record(run: Run, step: int, made: Rollout, updates: list[step_lib.StepMetri
             "train_tokens_per_s": len(updates) * tokens / train_s, "rollout_s": made.seconds, "train_s": train_s}
   if made.entropy is not None:
     record["entropy"] = made.entropy
+  if run.data.objective.entropy_bonus:  # the policy's at the updates, over the bonus's tokens, as TRL's controller's
+    record["entropy"], record["entropy_coef"] = mean([s.entropy for s in stats]), control.coef
   if run.model_cfg.dtype == "float16":
     record["loss_scale"] = float(updates[-1].loss_scale)
   if grpo.loss_type == "cispo":  # TRL's name for its one clip share
     record["cispo_clip_ratio"] = record.pop("clip_high")
     del record["clip_low"]
+  if grpo.loss_type == "vespo":  # TRL's metric in place of the clip shares
+    record["vespo/phi_seq_mean"] = mean([s.phi for s in stats])
+    del record["clip_low"], record["clip_high"]
   return record
 
 

@@ -19,7 +19,7 @@ import os
 
 from train.cli import Parser, UsageError
 from train.run import config_file
-from train.run.flags import CHOICES, DEFAULT_LR, HELP, METAVARS
+from train.run.flags import ALIASES, CHOICES, DEFAULT_LR, HELP, METAVARS
 from train.store import hub, rundir, tracking
 
 # The optimizer flags each --optimizer reads (train/run/optim.py); the others do nothing there.
@@ -265,22 +265,22 @@ def strip_format(spec: str) -> str:
 def add_flags(parser: argparse.ArgumentParser, fields: list[dataclasses.Field], help: dict[str, str]) -> None:
   """One flag per dataclass field, named as it (``lr_warmup_steps``: ``--lr-warmup-steps``),
   typed by its annotation, its values from :data:`train.run.flags.CHOICES`, its help from
-  ``help``; a bool field is a switch (``--no-X`` too when it defaults to on), a tuple field
+  ``help``, its other names from :data:`train.run.flags.ALIASES`; a bool field is a switch (``--no-X`` too when it defaults to on), a tuple field
   takes one or more values (repeated flags add up). Left off, a flag sets nothing (the
   parser's ``argument_default`` should be SUPPRESS), so a resumed run tells the flags given
   from the saved ones."""
   for field in fields:
-    flag = "--" + field.name.replace("_", "-")
+    names = ("--" + field.name.replace("_", "-"), *ALIASES.get(field.name, ()))
     kind = field.type.split(" |")[0]
     if kind == "bool":
       action = argparse.BooleanOptionalAction if field.default else "store_true"
-      parser.add_argument(flag, action=action, help=help[field.name])
+      parser.add_argument(*names, action=action, help=help[field.name])
     elif field.name == "tensorboard":
-      parser.add_argument(flag, nargs="?", const="", metavar="DIR", help=help[field.name])
+      parser.add_argument(*names, nargs="?", const="", metavar="DIR", help=help[field.name])
     elif kind.startswith("tuple"):
-      parser.add_argument(flag, nargs="+", action="extend", metavar=METAVARS.get(field.name), help=help[field.name])
+      parser.add_argument(*names, nargs="+", action="extend", metavar=METAVARS.get(field.name), help=help[field.name])
     else:
-      parser.add_argument(flag, type={"int": int, "float": float}.get(kind, str), metavar=METAVARS.get(field.name),
+      parser.add_argument(*names, type={"int": int, "float": float}.get(kind, str), metavar=METAVARS.get(field.name),
                           choices=CHOICES.get(field.name), help=help[field.name])
 
 

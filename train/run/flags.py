@@ -20,10 +20,12 @@ CHOICES = {"preset": PRESET_NAMES, "dtype": ("float32", "bfloat16", "float16"),
            "lr_decay_style": DECAY_STYLES, "dion_qr_method": ("auto", "shifted_cqr", "cqr", "rcqr", "qr"),
            "dion_scale_rule": ("fan_ratio", "spectral", "max_one", "none"),
            "dion_scalar_optimizer": ("adamw", "lion"), "ortho_dtype": ("bfloat16", "float32"),
-           "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"),
+           "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"),
            "importance_sampling_level": ("token", "sequence"), "scale_rewards": ("group", "batch", "none"),
            "multi_objective_aggregation": ("sum_then_normalize", "normalize_then_sum"),
            "grad_norm": ("rms", "exact")}
+# Other names of a flag: TRL's, where it names the same thing differently.
+ALIASES = {"updates_per_rollout": ("--num-iterations",)}
 # The placeholder --help shows for a flag's value, where its name does not say it.
 METAVARS = {"data": "SPEC", "reward": "NAME[=WEIGHT]", "prompts": "PATH"}
 
@@ -214,12 +216,22 @@ GRPO_HELP = {
                    " (default 1.0)",
     "top_k": "sample among the K likeliest tokens only (default: all)",
     "top_p": "sample among the likeliest tokens whose probability reaches P only, in (0, 1] (default 1: all)",
-    "updates_per_rollout": "optimizer updates on each rollout (default 1; TRL's num_iterations)",
-    "loss_type": "grpo|bnpo|dr_grpo|dapo|cispo|sapo, TRL 1.16's: the clipped ratio averaged per"
-                 " sequence, over the batch's tokens, over B x --max-new-tokens or over the rollout's"
-                 " tokens; cispo the policy gradient weighted by the ratio capped at --epsilon-high"
-                 " (MiniMax-M1), over the rollout's tokens; sapo a soft gate instead of the clip"
-                 " (Soft Adaptive Policy Optimization), per sequence (default dapo)",
+    "updates_per_rollout": "optimizer updates on each rollout, each on all of it (default 1; also"
+                           " --num-iterations, TRL's name: its mu with steps_per_generation equal to"
+                           " gradient_accumulation_steps, TRL's default)",
+    "pack": "pack the update's completions, each after its prompt, several to a row (segment ids"
+            " keep attention within each, positions restart), as train.gpt packs sft: data; rows as"
+            " long as --no-pack's, at most the model's seq_len (default on; --no-pack: one"
+            " completion to a row, the prompt left-padded to the longest's power of two)",
+    "loss_type": "grpo|bnpo|dr_grpo|dapo|cispo|sapo|luspo|vespo, TRL 1.16's: the clipped ratio"
+                 " averaged per sequence, over the batch's tokens, over B x --max-new-tokens or over the"
+                 " rollout's tokens; cispo the policy gradient weighted by the ratio capped at"
+                 " --epsilon-high (MiniMax-M1), over the rollout's tokens; sapo a soft gate instead of"
+                 " the clip (Soft Adaptive Policy Optimization), per sequence; luspo the clipped ratio"
+                 " summed over each sequence, averaged over sequences (LUSPO; meant with"
+                 " --importance-sampling-level sequence); vespo the policy gradient weighted by a gamma"
+                 " function of the sequence's ratio (VESPO; --vespo-*), over the rollout's tokens"
+                 " (default dapo)",
     "importance_sampling_level": "token|sequence: the ratio to the rollout's policy per token, or"
                                  " for every token of a completion the geometric mean of its"
                                  " tokens' (GSPO) (default token)",
@@ -242,4 +254,28 @@ GRPO_HELP = {
     "sapo_temperature_pos": "--loss-type sapo: the gate's temperature on tokens of positive advantage"
                             " (default 1.0)",
     "sapo_temperature_neg": "--loss-type sapo: the gate's temperature on the other tokens (default 1.05)",
+    "delta": "two-sided clipping (INTELLECT-2): the ratio is also capped at DELTA > 1 where the"
+             " advantage is negative, recommended above 1 + --epsilon-high (default: none)",
+    "off_policy_mask_threshold": "OPSM (DeepSeek-V3.2): a completion of negative advantage whose mean"
+                                 " log-ratio of the rollout's policy to the current one exceeds this"
+                                 " positive threshold counts nothing, e.g. 0.5 (default: none)",
+    "vespo_k_pos": "--loss-type vespo: the gamma weight's power k where the advantage is >= 0: how"
+                   " fast sequences of ratio below 1 lose weight (default 2.0)",
+    "vespo_lambda_pos": "--loss-type vespo: the gamma weight's decay lambda where the advantage is"
+                        " >= 0: how fast sequences of ratio above 1 lose weight (default 3.0)",
+    "vespo_k_neg": "--loss-type vespo: k where the advantage is negative (default 3.0)",
+    "vespo_lambda_neg": "--loss-type vespo: lambda where the advantage is negative (default 2.0)",
+    "entropy_coef": "subtract this times the policy's mean entropy over the completion tokens (those"
+                    " of --top-entropy-quantile's mask) from the loss: an entropy bonus for exploration,"
+                    " the same for every --loss-type; with --use-adaptive-entropy its starting value"
+                    " (default 0: none)",
+    "use_adaptive_entropy": "adaptive entropy control (Skywork-OR1): the bonus applies only while the"
+                            " entropy at the previous update is at most --entropy-target, and its"
+                            " coefficient moves by --entropy-coef-delta after each update, up where"
+                            " the entropy was at most the target, down elsewhere",
+    "entropy_coef_min": "--use-adaptive-entropy: the coefficient's floor (default 0.0)",
+    "entropy_coef_max": "--use-adaptive-entropy: the coefficient's ceiling (default 1.0)",
+    "entropy_coef_delta": "--use-adaptive-entropy: the coefficient's step per update (default 0.005)",
+    "entropy_target": "--use-adaptive-entropy: the mean entropy (nats) at or below which the bonus"
+                      " applies and grows (default 0.2)",
 }
