@@ -383,9 +383,11 @@ def test_rp2_dion_syncs_over_replicas_as_train_gpt(compile_cache, base_run, prom
   for the same model and mesh, but for the objective's three statistics (KL and clip
   shares, gathered with the loss: 32 bytes here); the momentum has one copy per replica.
   Measured (Dion at rank 1/4, where it compresses): 258,794 bytes against train.gpt's 258,762."""
-  run = grpo_loop.setup(["--init-from", base_run, "--prompts", prompts_file, "--run-dir", str(tmp_path / "grpo"),
-                    "--steps", "1", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6",
-                    "--reward", "format", "--mesh", "rp=2", "--optimizer", "dion", "--dion-rank-fraction", "0.25"])
+  grpo_cfg, cfg, _ = grpo.configure(["--init-from", base_run, "--prompts", prompts_file, "--run-dir",
+                                     str(tmp_path / "grpo"), "--steps", "1", "--prompts-per-step", "2", "--group-size",
+                                     "4", "--max-new-tokens", "6", "--reward", "format", "--mesh", "rp=2", "--optimizer",
+                                     "dion", "--dion-rank-fraction", "0.25"])
+  run = grpo_loop.setup(grpo_cfg, cfg)
   momentum = [x for x in jax.tree.leaves(run.state.opt_state) if len(x.sharding.spec) and x.sharding.spec[0] == "rp"]
   assert momentum and all(x.shape[0] == 2 for x in momentum)
   grpo_bytes = _rp_bytes(run, run.data.first.batch)
