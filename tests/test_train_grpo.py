@@ -1,11 +1,16 @@
 """python -m train.grpo: the policy's log-probabilities under left padding, the built-in
-rewards, a short run that train.sample reads back, and bad input."""
+rewards, a short run that train.sample reads back, bad input, two processes against one
+(and process 0's death), and the config file."""
 import dataclasses
 import functools
 import json
 import math
 import os
+import re
+import signal
 import socket
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +19,8 @@ import pytest
 
 import dion_jax
 import models
-from tests.test_train_gpt import compile_cache  # noqa: F401  a fixture
+from tests.test_train_gpt import compile_cache, free_port, subprocess_env  # noqa: F401  a fixture
+from tests.test_train_run_peers import wait_for_step
 from train import sample
 from train.grpo import __main__ as grpo
 from train.grpo import loop as grpo_loop
@@ -503,6 +509,85 @@ def test_gsm8k_shaped_parquet_end_to_end(compile_cache, tmp_path):  # noqa: F811
   for record in strict_records(run_dir):
     assert 0 <= record["reward/answer/mean"] <= 1 and record["skipped"] == 0
   assert restore_lib.restore(str(run_dir)).step == 2
+
+
+# The multi-process runs: KL on, two rewards, a constant lr (runs of other --steps compare step by step).
+PROCESSES = ["--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6", "--beta", "0.04", "--lr", "1e-2",
+             "--lr-decay-style", "constant", "--lr-warmup-steps", "0", "--reward", "tests.test_train_grpo:digits_reward",
+             "--reward", "format=0.5", "--save-every", "2"]
+TIMING = ("rollout_s", "train_s", "rollout_tokens_per_s", "train_tokens_per_s")
+
+
+def two_processes(cache: str, run_dir, *args: str) -> list[subprocess.Popen]:
+  """Processes 0 and 1 of a GRPO run on 127.0.0.1, 2 CPU devices each (gloo), each in a
+  process group of its own as on two hosts."""
+  port = free_port()
+  return [subprocess.Popen([sys.executable, "-m", "train.grpo", *args, "--run-dir", str(run_dir), "--coordinator",
+                            f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+                           env=subprocess_env(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), start_new_session=True)
+          for i in range(2)]
+
+
+def assert_same_steps(run_dir, reference, steps: list[int]) -> None:
+  """The run's metrics at ``steps`` (a resumed run's later records win) are ``reference``'s
+  within 1e-6, but for the timings."""
+  got = {r["step"]: r for r in strict_records(run_dir)}
+  want = {r["step"]: r for r in strict_records(reference)}
+  assert sorted(got) == steps
+  for step in steps:
+    assert {k: v for k, v in got[step].items() if k not in TIMING} == pytest.approx(
+        {k: v for k, v in want[step].items() if k not in TIMING}, abs=1e-6), step
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_with_dion_over_replicas(compile_cache, base_run, prompts_file, tmp_path):  # noqa: F811
+  """Two processes x 2 devices on rp=2,fs=2 (a replica per process: the batch split across
+  them) take the prompts, completions, rewards and updates of one process with the 4 devices:
+  each process scores the completions it sampled, and the rewards of every group reach both.
+  Measured: metrics equal to the last bit, the policy too; only process 0 logs and writes."""
+  args = ["--init-from", base_run, "--prompts", prompts_file, *PROCESSES, "--optimizer", "dion",
+          "--dion-rank-fraction", "0.25", "--mesh", "rp=2,fs=2", "--steps", "3"]
+  procs = two_processes(compile_cache, tmp_path / "two", *args)
+  outs = [p.communicate(timeout=600) for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+  assert "(2 process(es))" in outs[0][0] and "step" not in outs[1][0]
+  assert grpo.main([*args, "--run-dir", str(tmp_path / "one")]) == 0
+  assert_same_steps(tmp_path / "two", tmp_path / "one", [1, 2, 3])
+  for a, b in zip(jax.tree.leaves(restore_lib.restore(str(tmp_path / "two")).params),
+                  jax.tree.leaves(restore_lib.restore(str(tmp_path / "one")).params)):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_process_0_dies_then_one_process_resumes_as_never_stopped(compile_cache, base_run, prompts_file,  # noqa: F811
+                                                                  tmp_path):
+  """Two processes x 2 devices on fs=2,tp=2 (the model's fs shards across the processes) with
+  AdamW; process 0 killed with its process group once step 3 is logged. Process 1 ends with
+  one line naming process 0 and the last checkpoint (``train/run/agent.py``), exit 1, nothing
+  partial left, the lock released; --resume on one process with the 4 devices then continues:
+  every step's metrics are those of one process that never stopped (measured: to 1e-7)."""
+  args = ["--init-from", base_run, "--prompts", prompts_file, *PROCESSES, "--optimizer", "adamw", "--mesh", "fs=2,tp=2"]
+  run_dir = tmp_path / "two"
+  procs = two_processes(compile_cache, run_dir, *args, "--steps", "1000")
+  try:
+    wait_for_step(run_dir, 3, procs)
+    os.killpg(procs[0].pid, signal.SIGKILL)
+    _, err = procs[1].communicate(timeout=120)
+  finally:
+    for p in procs:
+      p.kill()
+      p.communicate()
+  steps = sorted(int(n) for n in os.listdir(run_dir / "checkpoints"))
+  assert procs[1].returncode == 1 and steps and steps[-1] >= 2, err[-3000:]
+  assert re.fullmatch(r"error: process 0 of 2 \(the coordinator\) stopped: its coordination service at 127.0.0.1:\d+"
+                      r" does not answer \(Connection refused\), and JAX ended this process; the last whole checkpoint"
+                      rf" is step {steps[-1]} in {run_dir / 'checkpoints'}; continue with: python -m train.grpo --run-dir"
+                      rf" {run_dir} --resume --coordinator 127.0.0.1:\d+ --num-processes 2 --process-id 1\n", err), err
+  assert not (run_dir / "run.lock").exists()
+  assert grpo.main(["--run-dir", str(run_dir), "--resume", "--steps", str(steps[-1] + 1)]) == 0
+  assert grpo.main([*args, "--run-dir", str(tmp_path / "one"), "--steps", str(steps[-1] + 1)]) == 0
+  assert_same_steps(run_dir, tmp_path / "one", list(range(1, steps[-1] + 2)))
 
 
 def test_help_shows_every_default(capsys):

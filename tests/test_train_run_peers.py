@@ -61,7 +61,8 @@ sys.exit(gpt.main(argv))
 
 
 def launch(run_dir, cache: str, *args: str, limit: str | None = None) -> list[subprocess.Popen]:
-  """Processes 0 and 1 of a run on 127.0.0.1; process 1 under the wrapper's ``limit``."""
+  """Processes 0 and 1 of a run on 127.0.0.1, each in a process group of its own (its agent
+  and worker, ``train/run/agent.py``), as on two hosts; process 1 under the wrapper's ``limit``."""
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -72,7 +73,7 @@ def launch(run_dir, cache: str, *args: str, limit: str | None = None) -> list[su
                                    "--heartbeat-timeout", str(HEARTBEAT), "--coordinator", f"127.0.0.1:{port}",
                                    "--num-processes", "2", "--process-id", str(i), *args],
                                   env=subprocess_env(cache), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                  text=True, cwd=ROOT))
+                                  text=True, cwd=ROOT, start_new_session=True))
   return procs
 
 
@@ -170,7 +171,7 @@ def test_a_hung_coordinator_ends_the_other_with_one_line(compile_cache, referenc
   run_dir = tmp_path / "run"
   procs = launch(run_dir, compile_cache)
   wait_for_step(run_dir, 3, procs)
-  procs[0].send_signal(signal.SIGSTOP)
+  os.killpg(procs[0].pid, signal.SIGSTOP)
   (code,), (err,), seconds = ends(procs, (1,))
   assert code == 1
   step = saved(run_dir)[-1]
@@ -178,6 +179,28 @@ def test_a_hung_coordinator_ends_the_other_with_one_line(compile_cache, referenc
                       rf" \(--heartbeat-timeout {HEARTBEAT}\) after step \d+; the last whole checkpoint is step"
                       rf" {step} in {run_dir / 'checkpoints'}" + resume_command(run_dir, 1), one_line(err))
   assert seconds < HEARTBEAT + 15
+  resumes_as_uninterrupted(run_dir, step, reference)
+
+
+def test_the_coordinators_death_ends_the_other_with_one_line(compile_cache, reference, tmp_path):  # noqa: F811
+  """Process 0, which holds JAX's coordination service, killed with its process group (SIGKILL,
+  as the out-of-memory killer or a lost host) once step 3 is logged: process 1's JAX client
+  aborts at once (before: exit 134, 20 lines of C++ log and stack, step 4's unfinished save
+  and the lock left), and its agent (``train/run/agent.py``) ends it with one line naming
+  process 0, exit 1, nothing partial left, the lock of the dead process 0 released; --resume on
+  one process continues as the run that never stopped."""
+  run_dir = tmp_path / "run"
+  procs = launch(run_dir, compile_cache)
+  wait_for_step(run_dir, 3, procs)
+  os.killpg(procs[0].pid, signal.SIGKILL)
+  (code,), (err,), _ = ends(procs, (1,))
+  assert code == 1
+  step = saved(run_dir)[-1]
+  assert re.fullmatch(r"error: process 0 of 2 \(the coordinator\) stopped: its coordination service at"
+                      r" 127\.0\.0\.1:\d+ does not answer \(Connection refused\), and JAX ended this process; the last"
+                      rf" whole checkpoint is step {step} in {run_dir / 'checkpoints'}" + resume_command(run_dir, 1),
+                      one_line(err))
+  assert not (run_dir / rundir.LOCK_NAME).exists()
   resumes_as_uninterrupted(run_dir, step, reference)
 
 
