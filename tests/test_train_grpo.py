@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 
 import dion_jax
 import models
@@ -482,8 +483,10 @@ def test_float16_with_loss_scaling_ends_where_float32_does(compile_cache, base_r
 def test_gsm8k_shaped_parquet_end_to_end(compile_cache, tmp_path):  # noqa: F811
   """A GSM8K-shaped Parquet file (question, answer = reasoning then "#### N"): train.gpt
   fine-tunes a byte-level GPT on its answers, then train.grpo trains it on the same file
-  with --prompt-column question and the built-in answer reward, which compares the number
-  after ####. The run ends with a finite policy and per-step answer rewards in [0, 1]."""
+  with the shipped example config (docs/examples/grpo_gsm8k.yaml: --prompt-column question,
+  the built-in answer reward, which compares the number after ####), its paths, sizes and
+  mesh those of this test on one process. The run ends with a finite policy and per-step
+  answer rewards in [0, 1]."""
   pa = pytest.importorskip("pyarrow")
   pq = pytest.importorskip("pyarrow.parquet")
   from data import prompts as prompts_lib
@@ -502,10 +505,15 @@ def test_gsm8k_shaped_parquet_end_to_end(compile_cache, tmp_path):  # noqa: F811
   assert gpt.main(["--data", f"sft:{sft}", *model, "--optimizer", "adamw", "--steps", "20", "--global-batch-size", "8",
                    "--mesh", "fs=1", "--eval-every", "0", "--eval-tokens", "0", "--run-dir", str(tmp_path / "sft")]) == 0
   run_dir = tmp_path / "grpo"
-  assert grpo.main(["--init-from", str(tmp_path / "sft"), "--prompts", str(parquet), "--prompt-column", "question",
-                    "--reward", "answer", "--reward", "format=0.1", "--run-dir", str(run_dir), "--steps", "2",
-                    "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "12", "--mesh", "fs=1",
-                    "--optimizer", "adamw", "--lr", "1e-3"]) == 0
+  with open(EXAMPLE) as f:
+    example = yaml.safe_load(f)
+  for multi_host in ("coordinator", "num_processes"):
+    del example[multi_host]
+  config = tmp_path / "gsm8k.yaml"
+  config.write_text(yaml.safe_dump({**example, "init_from": str(tmp_path / "sft"), "prompts": str(parquet),
+                                    "run_dir": str(run_dir), "mesh": "fs=1", "prompts_per_step": 2, "group_size": 4,
+                                    "max_new_tokens": 12, "lr": 1e-3, "lr_warmup_steps": 0}))
+  assert grpo.main(["--config", str(config), "--steps", "2"]) == 0
   for record in strict_records(run_dir):
     assert 0 <= record["reward/answer/mean"] <= 1 and record["skipped"] == 0
   assert restore_lib.restore(str(run_dir)).step == 2
@@ -588,6 +596,40 @@ def test_process_0_dies_then_one_process_resumes_as_never_stopped(compile_cache,
   assert grpo.main(["--run-dir", str(run_dir), "--resume", "--steps", str(steps[-1] + 1)]) == 0
   assert grpo.main([*args, "--run-dir", str(tmp_path / "one"), "--steps", str(steps[-1] + 1)]) == 0
   assert_same_steps(run_dir, tmp_path / "one", list(range(1, steps[-1] + 2)))
+
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "examples",
+                       "grpo_gsm8k.yaml")
+
+
+def test_the_gsm8k_example_config_parses_and_prints_back(tmp_path, capsys):
+  """The shipped example is a valid run on two processes (process 1 here): its flags pass the
+  checks, and --print-config writes a file that reads back as the same flags."""
+  grpo_cfg, cfg, printed = grpo.configure(["--config", EXAMPLE, "--process-id", "1", "--print-config"])
+  assert printed and (cfg.num_processes, cfg.process_id, cfg.mesh) == (2, 1, "rp=2,fs=8")
+  assert (grpo_cfg.prompt_column, grpo_cfg.reward, grpo_cfg.rollout_size) == ("question", ("answer", "format=0.2"), 512)
+  again = tmp_path / "printed.yaml"
+  again.write_text(capsys.readouterr().out)
+  assert grpo.configure(["--config", str(again)]) == (grpo_cfg, cfg, False)
+
+
+def test_a_config_file_run_is_the_flags_run(compile_cache, base_run, prompts_file, tmp_path, capsys):  # noqa: F811
+  """The flags of a run printed with --print-config, then run from that file (another
+  --run-dir on the command line): the same metrics and policy, bit for bit."""
+  flags = ["--init-from", base_run, "--prompts", prompts_file, "--prompts-per-step", "2", "--group-size", "4",
+           "--max-new-tokens", "6", "--mesh", "fs=1", "--optimizer", "adamw", "--lr", "1e-2", "--beta", "0.04",
+           "--reward", "tests.test_train_grpo:digits_reward", "--reward", "format=0.5", "--steps", "2"]
+  assert grpo.main([*flags, "--run-dir", str(tmp_path / "flags"), "--print-config"]) == 0
+  config = tmp_path / "run.yaml"
+  config.write_text(capsys.readouterr().out)
+  assert not os.path.exists(tmp_path / "flags")  # printing runs nothing
+  assert grpo.main([*flags, "--run-dir", str(tmp_path / "flags")]) == 0
+  assert grpo.main(["--config", str(config), "--run-dir", str(tmp_path / "file")]) == 0
+  records = [[{k: v for k, v in r.items() if k not in TIMING} for r in strict_records(tmp_path / d)]
+             for d in ("flags", "file")]
+  assert records[0] == records[1] and len(records[0]) == 2
+  for a, b in zip(*(jax.tree.leaves(restore_lib.restore(str(tmp_path / d)).params) for d in ("flags", "file"))):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_help_shows_every_default(capsys):
