@@ -31,10 +31,12 @@ delays, and users found even 100 s short for JAX's C++ heartbeats on hosts busy 
 pinned memory (jax#23599). A false alarm stops a healthy run; a late one idles the others for a
 minute more.
 
-Not covered: the sudden death of process 0 (SIGKILL, the kernel's out-of-memory killer, a lost
-host) takes the coordination service with it, and the other processes' JAX clients end at once
-(their long poll for errors fails: exit 134, a C++ message) before any Python runs. The
-checkpoints stay whole; ``--resume`` removes the unfinished save and takes over the lock.
+The sudden death of process 0 (SIGKILL, the kernel's out-of-memory killer, a lost host) takes
+the coordination service with it, and the other processes' JAX clients abort at once (their
+long poll for errors fails) before any Python runs: that end is caught from outside, by the
+agent each process runs under (``train/run/agent.py``), which prints the line (process 0
+stopped, the last whole checkpoint, the ``--resume`` command), removes unfinished saves and the
+dead process's lock, and exits 1.
 """
 from __future__ import annotations
 
