@@ -8,7 +8,7 @@
 2. A resume on another process count: the first half of the steps on two processes, the rest
    on one, and the other way; the worst difference to the one-process run that never stopped.
 3. Process 0 killed with its process group (SIGKILL, as the out-of-memory killer or a lost
-   host) once step 3 is logged, for ``train.gpt`` and ``train.grpo``, each under its agent (as
+   host) once step 3 is logged and step 2 saved, for ``train.gpt`` and ``train.grpo``, each under its agent (as
    shipped) and bare (the worker alone, as before ``train/run/agent.py``): the survivor's exit
    code, the lines it printed after the kill, the seconds until it ended, the checkpoints left
    and the lock; then ``--resume`` on one process against the one-process run that never
@@ -139,8 +139,8 @@ def resume_table(runs: str, base: str, prompts: str, mesh: str, steps: int) -> l
 def death(command: str, args: list[str], run_dir: str, bare: bool) -> dict:
   """Process 0's process group killed once step 3 is logged: what process 1 did."""
   procs = start(command, [*args, "--run-dir", run_dir], 2, bare, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-  metrics = os.path.join(run_dir, "metrics.jsonl")
-  while not (os.path.exists(metrics) and 3 in records(run_dir)):
+  metrics, whole = os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "checkpoints", "2", "commit_success.txt")
+  while not (os.path.exists(metrics) and 3 in records(run_dir) and os.path.exists(whole)):
     if any(p.poll() is not None for p in procs):
       raise SystemExit(f"ended early: {procs[0].communicate()[1].decode()[-3000:]}")
     time.sleep(0.05)
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
            *processes_table(args.runs, base, prompts, args.meshes, args.optimizers, args.steps), "",
            "## Resumed on another process count (Dion, rp=2,fs=2)", "",
            *resume_table(args.runs, base, prompts, "rp=2,fs=2", args.steps), "",
-           "## Process 0 killed with its process group after step 3", "",
+           "## Process 0 killed with its process group after step 3 (step 2 saved)", "",
            *death_table(args.runs, base, prompts), ""]
   with open(args.out, "w") as f:
     f.write("\n".join(lines))

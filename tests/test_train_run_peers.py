@@ -78,8 +78,11 @@ def launch(run_dir, cache: str, *args: str, limit: str | None = None) -> list[su
 
 
 def wait_for_step(run_dir, step: int, procs) -> None:
-  metrics = run_dir / "metrics.jsonl"
-  while not (metrics.exists() and any(json.loads(line)["step"] == step for line in open(metrics) if line.strip())):
+  """Until ``step`` is logged and the checkpoint of step 2 is whole (a process killed before
+  then would leave nothing to resume from)."""
+  metrics, whole = run_dir / "metrics.jsonl", run_dir / "checkpoints" / "2" / "commit_success.txt"
+  while not (metrics.exists() and any(json.loads(line)["step"] == step for line in open(metrics) if line.strip())
+             and whole.exists()):
     for p in procs:
       assert p.poll() is None, p.communicate()[1][-3000:]
     time.sleep(0.05)
