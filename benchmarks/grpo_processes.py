@@ -39,6 +39,10 @@ GRPO = ["--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6",
 GPT = [*MODEL[:-2], "--seq-len", "16", "--global-batch-size", "8", "--eval-tokens", "0", "--log-interval", "1",
        "--mesh", "fs=2", "--save-every", "2", "--lr-decay-steps", "1000"]
 TIMING = ("rollout_s", "train_s", "rollout_tokens_per_s", "train_tokens_per_s")
+NOTE = ("\"Nothing (before)\": the same worker without its agent, as every process ran before"
+        " train/run/agent.py. The last column compares train.gpt's loss (one process on fs=2 against the two"
+        " processes' run: the float32 rounding of two programs) and every GRPO metric. On fs=4 the gradient's"
+        " sum over 4 devices runs in another order across processes than within one.")
 
 
 def digits(prompts, completions, **_):
@@ -174,7 +178,8 @@ def death_table(runs: str, base: str, prompts: str) -> list[str]:
         os.remove(os.path.join(run_dir, "run.lock"))
       done = max(int(n) for n in seen["checkpoints"] if n.isdigit())
       run(command, ["--run-dir", run_dir, "--resume", "--steps", str(done + 2)])
-      rows.append(f"| {command} | {'nothing (before)' if bare else 'its agent'} | {seen['code']} | {seen['lines']}"
+      code = seen["code"] if seen["code"] >= 0 else f"{128 - seen['code']} ({signal.Signals(-seen['code']).name})"
+      rows.append(f"| {command} | {'nothing (before)' if bare else 'its agent'} | {code} | {seen['lines']}"
                   f" | {seen['seconds']:.1f} | {', '.join(seen['checkpoints'])} | {'yes' if seen['lock'] else 'no'}"
                   f" | {worst(straight, run_dir, key):.1e} |")
       print(rows[-1], f"\n  last line: {seen['last']}", flush=True)
@@ -199,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
            "## Resumed on another process count (Dion, rp=2,fs=2)", "",
            *resume_table(args.runs, base, prompts, "rp=2,fs=2", args.steps), "",
            "## Process 0 killed with its process group after step 3 (step 2 saved)", "",
-           *death_table(args.runs, base, prompts), ""]
+           *death_table(args.runs, base, prompts), "", NOTE, ""]
   with open(args.out, "w") as f:
     f.write("\n".join(lines))
   print(f"wrote {args.out}")

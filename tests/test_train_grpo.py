@@ -155,15 +155,22 @@ def test_run_writes_metrics_and_a_checkpoint_train_sample_reads(base_run, prompt
     (["--lr", "nan"], "--lr must be a finite number, got nan"),
     (["--min-lr", "1", "--lr", "0.1"], "--min-lr 1 exceeds the peak --lr 0.1"),
     (["--lr-decay-style", "steep"], "argument --lr-decay-style: invalid choice: 'steep'"),
+    # The multi-host flags and config files are train.gpt's too.
+    (["--coordinator", "127.0.0.1"], "--coordinator 127.0.0.1: expected HOST:PORT"),
+    (["--num-processes", "2"], "multi-host runs need all of --coordinator HOST:PORT, --num-processes"),
+    (["--config", "{config}"], "unknown key 'learning_rate'; the keys are python -m train.grpo's flags"),
+    (["--config", "{config}", "--print-config"], "unknown key 'learning_rate'"),
 ])
 def test_bad_input(base_run, prompts_file, tmp_path, capsys, extra, message):
   empty = tmp_path / "empty.jsonl"
   empty.write_text("\n")
+  config = tmp_path / "run.yaml"
+  config.write_text("group_size: 4\nlearning_rate: 0.1\n")
   run_dir = str(tmp_path / "run")
   args = ["--init-from", base_run, "--prompts", prompts_file, "--run-dir", run_dir, "--steps", "1",
           "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6", "--reward", "format",
           "--mesh", "fs=2,tp=2"]  # the run test's mesh and shapes: its compiled rollout serves
-  assert grpo.main(args + [a.format(empty=str(empty)) for a in extra]) == 2
+  assert grpo.main(args + [a.format(empty=str(empty), config=str(config)) for a in extra]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
   assert not os.path.exists(run_dir)  # nothing half-written
