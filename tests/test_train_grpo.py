@@ -1,20 +1,27 @@
 """python -m train.grpo: the policy's log-probabilities under left padding, the built-in
-rewards, a short run that train.sample reads back, and bad input."""
+rewards, a short run that train.sample reads back, bad input, two processes against one
+(and process 0's death), and the config file."""
 import dataclasses
 import functools
 import json
 import math
 import os
+import re
+import signal
 import socket
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 
 import dion_jax
 import models
-from tests.test_train_gpt import compile_cache  # noqa: F401  a fixture
+from tests.test_train_gpt import compile_cache, free_port, subprocess_env  # noqa: F401  a fixture
+from tests.test_train_run_peers import wait_for_step
 from train import sample
 from train.grpo import __main__ as grpo
 from train.grpo import batch as grpo_batch
@@ -158,15 +165,22 @@ def test_run_writes_metrics_and_a_checkpoint_train_sample_reads(base_run, prompt
     (["--lr", "nan"], "--lr must be a finite number, got nan"),
     (["--min-lr", "1", "--lr", "0.1"], "--min-lr 1 exceeds the peak --lr 0.1"),
     (["--lr-decay-style", "steep"], "argument --lr-decay-style: invalid choice: 'steep'"),
+    # The multi-host flags and config files are train.gpt's too.
+    (["--coordinator", "127.0.0.1"], "--coordinator 127.0.0.1: expected HOST:PORT"),
+    (["--num-processes", "2"], "multi-host runs need all of --coordinator HOST:PORT, --num-processes"),
+    (["--config", "{config}"], "unknown key 'learning_rate'; the keys are python -m train.grpo's flags"),
+    (["--config", "{config}", "--print-config"], "unknown key 'learning_rate'"),
 ])
 def test_bad_input(base_run, prompts_file, tmp_path, capsys, extra, message):
   empty = tmp_path / "empty.jsonl"
   empty.write_text("\n")
+  config = tmp_path / "run.yaml"
+  config.write_text("group_size: 4\nlearning_rate: 0.1\n")
   run_dir = str(tmp_path / "run")
   args = ["--init-from", base_run, "--prompts", prompts_file, "--run-dir", run_dir, "--steps", "1",
           "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6", "--reward", "format",
           "--mesh", "fs=2,tp=2"]  # the run test's mesh and shapes: its compiled rollout serves
-  assert grpo.main(args + [a.format(empty=str(empty)) for a in extra]) == 2
+  assert grpo.main(args + [a.format(empty=str(empty), config=str(config)) for a in extra]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
   assert not os.path.exists(run_dir)  # nothing half-written
@@ -404,9 +418,11 @@ def test_rp2_dion_syncs_over_replicas_as_train_gpt(compile_cache, base_run, prom
   for the same model and mesh, but for the objective's three statistics (KL and clip
   shares, gathered with the loss: 32 bytes here); the momentum has one copy per replica.
   Measured (Dion at rank 1/4, where it compresses): 258,794 bytes against train.gpt's 258,762."""
-  run = grpo_loop.setup(["--init-from", base_run, "--prompts", prompts_file, "--run-dir", str(tmp_path / "grpo"),
-                    "--steps", "1", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6",
-                    "--reward", "format", "--mesh", "rp=2", "--optimizer", "dion", "--dion-rank-fraction", "0.25"])
+  grpo_cfg, cfg, _ = grpo.configure(["--init-from", base_run, "--prompts", prompts_file, "--run-dir",
+                                     str(tmp_path / "grpo"), "--steps", "1", "--prompts-per-step", "2", "--group-size",
+                                     "4", "--max-new-tokens", "6", "--reward", "format", "--mesh", "rp=2", "--optimizer",
+                                     "dion", "--dion-rank-fraction", "0.25"])
+  run = grpo_loop.setup(grpo_cfg, cfg)
   momentum = [x for x in jax.tree.leaves(run.state.opt_state) if len(x.sharding.spec) and x.sharding.spec[0] == "rp"]
   assert momentum and all(x.shape[0] == 2 for x in momentum)
   grpo_bytes = _rp_bytes(run, run.data.first.batch)
@@ -496,8 +512,10 @@ def test_float16_with_loss_scaling_ends_where_float32_does(compile_cache, base_r
 def test_gsm8k_shaped_parquet_end_to_end(compile_cache, tmp_path):  # noqa: F811
   """A GSM8K-shaped Parquet file (question, answer = reasoning then "#### N"): train.gpt
   fine-tunes a byte-level GPT on its answers, then train.grpo trains it on the same file
-  with --prompt-column question and the built-in answer reward, which compares the number
-  after ####. The run ends with a finite policy and per-step answer rewards in [0, 1]."""
+  with the shipped example config (docs/examples/grpo_gsm8k.yaml: --prompt-column question,
+  the built-in answer reward, which compares the number after ####), its paths, sizes and
+  mesh those of this test on one process. The run ends with a finite policy and per-step
+  answer rewards in [0, 1]."""
   pa = pytest.importorskip("pyarrow")
   pq = pytest.importorskip("pyarrow.parquet")
   from data import prompts as prompts_lib
@@ -516,13 +534,131 @@ def test_gsm8k_shaped_parquet_end_to_end(compile_cache, tmp_path):  # noqa: F811
   assert gpt.main(["--data", f"sft:{sft}", *model, "--optimizer", "adamw", "--steps", "20", "--global-batch-size", "8",
                    "--mesh", "fs=1", "--eval-every", "0", "--eval-tokens", "0", "--run-dir", str(tmp_path / "sft")]) == 0
   run_dir = tmp_path / "grpo"
-  assert grpo.main(["--init-from", str(tmp_path / "sft"), "--prompts", str(parquet), "--prompt-column", "question",
-                    "--reward", "answer", "--reward", "format=0.1", "--run-dir", str(run_dir), "--steps", "2",
-                    "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "12", "--mesh", "fs=1",
-                    "--optimizer", "adamw", "--lr", "1e-3"]) == 0
+  with open(EXAMPLE) as f:
+    example = yaml.safe_load(f)
+  for multi_host in ("coordinator", "num_processes"):
+    del example[multi_host]
+  config = tmp_path / "gsm8k.yaml"
+  config.write_text(yaml.safe_dump({**example, "init_from": str(tmp_path / "sft"), "prompts": str(parquet),
+                                    "run_dir": str(run_dir), "mesh": "fs=1", "prompts_per_step": 2, "group_size": 4,
+                                    "max_new_tokens": 12, "lr": 1e-3, "lr_warmup_steps": 0}))
+  assert grpo.main(["--config", str(config), "--steps", "2"]) == 0
   for record in strict_records(run_dir):
     assert 0 <= record["reward/answer/mean"] <= 1 and record["skipped"] == 0
   assert restore_lib.restore(str(run_dir)).step == 2
+
+
+# The multi-process runs: KL on, two rewards, a constant lr (runs of other --steps compare step by step).
+PROCESSES = ["--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6", "--beta", "0.04", "--lr", "1e-2",
+             "--lr-decay-style", "constant", "--lr-warmup-steps", "0", "--reward", "tests.test_train_grpo:digits_reward",
+             "--reward", "format=0.5", "--save-every", "2"]
+TIMING = ("rollout_s", "train_s", "rollout_tokens_per_s", "train_tokens_per_s")
+
+
+def two_processes(cache: str, run_dir, *args: str) -> list[subprocess.Popen]:
+  """Processes 0 and 1 of a GRPO run on 127.0.0.1, 2 CPU devices each (gloo), each in a
+  process group of its own as on two hosts."""
+  port = free_port()
+  return [subprocess.Popen([sys.executable, "-m", "train.grpo", *args, "--run-dir", str(run_dir), "--coordinator",
+                            f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+                           env=subprocess_env(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), start_new_session=True)
+          for i in range(2)]
+
+
+def assert_same_steps(run_dir, reference, steps: list[int]) -> None:
+  """The run's metrics at ``steps`` (a resumed run's later records win) are ``reference``'s
+  within 1e-6, but for the timings."""
+  got = {r["step"]: r for r in strict_records(run_dir)}
+  want = {r["step"]: r for r in strict_records(reference)}
+  assert sorted(got) == steps
+  for step in steps:
+    assert {k: v for k, v in got[step].items() if k not in TIMING} == pytest.approx(
+        {k: v for k, v in want[step].items() if k not in TIMING}, abs=1e-6), step
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_with_dion_over_replicas(compile_cache, base_run, prompts_file, tmp_path):  # noqa: F811
+  """Two processes x 2 devices on rp=2,fs=2 (a replica per process: the batch split across
+  them) take the prompts, completions, rewards and updates of one process with the 4 devices:
+  each process scores the completions it sampled, and the rewards of every group reach both.
+  Measured: metrics equal to the last bit, the policy too; only process 0 logs and writes."""
+  args = ["--init-from", base_run, "--prompts", prompts_file, *PROCESSES, "--optimizer", "dion",
+          "--dion-rank-fraction", "0.25", "--mesh", "rp=2,fs=2", "--steps", "3"]
+  procs = two_processes(compile_cache, tmp_path / "two", *args)
+  outs = [p.communicate(timeout=600) for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+  assert "(2 process(es))" in outs[0][0] and "step" not in outs[1][0]
+  assert grpo.main([*args, "--run-dir", str(tmp_path / "one")]) == 0
+  assert_same_steps(tmp_path / "two", tmp_path / "one", [1, 2, 3])
+  for a, b in zip(jax.tree.leaves(restore_lib.restore(str(tmp_path / "two")).params),
+                  jax.tree.leaves(restore_lib.restore(str(tmp_path / "one")).params)):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_process_0_dies_then_one_process_resumes_as_never_stopped(compile_cache, base_run, prompts_file,  # noqa: F811
+                                                                  tmp_path):
+  """Two processes x 2 devices on fs=2,tp=2 (the model's fs shards across the processes) with
+  AdamW; process 0 killed with its process group once step 3 is logged. Process 1 ends with
+  one line naming process 0 and the last checkpoint (``train/run/agent.py``), exit 1, nothing
+  partial left, the lock released; --resume on one process with the 4 devices then continues:
+  every step's metrics are those of one process that never stopped (measured: to 1e-7)."""
+  args = ["--init-from", base_run, "--prompts", prompts_file, *PROCESSES, "--optimizer", "adamw", "--mesh", "fs=2,tp=2"]
+  run_dir = tmp_path / "two"
+  procs = two_processes(compile_cache, run_dir, *args, "--steps", "1000")
+  try:
+    wait_for_step(run_dir, 3, procs)
+    os.killpg(procs[0].pid, signal.SIGKILL)
+    _, err = procs[1].communicate(timeout=120)
+  finally:
+    for p in procs:
+      p.kill()
+      p.communicate()
+  steps = sorted(int(n) for n in os.listdir(run_dir / "checkpoints"))  # none partial
+  assert procs[1].returncode == 1, err[-3000:]
+  assert re.fullmatch(r"error: process 0 of 2 \(the coordinator\) stopped: its coordination service at 127.0.0.1:\d+"
+                      r" does not answer \(Connection refused\), and JAX ended this process; the last whole checkpoint"
+                      rf" is step {steps[-1]} in {run_dir / 'checkpoints'}; continue with: python -m train.grpo --run-dir"
+                      rf" {run_dir} --resume --coordinator 127.0.0.1:\d+ --num-processes 2 --process-id 1\n", err), err
+  assert not (run_dir / "run.lock").exists()
+  assert grpo.main(["--run-dir", str(run_dir), "--resume", "--steps", str(steps[-1] + 1)]) == 0
+  assert grpo.main([*args, "--run-dir", str(tmp_path / "one"), "--steps", str(steps[-1] + 1)]) == 0
+  assert_same_steps(run_dir, tmp_path / "one", list(range(1, steps[-1] + 2)))
+
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "examples",
+                       "grpo_gsm8k.yaml")
+
+
+def test_the_gsm8k_example_config_parses_and_prints_back(tmp_path, capsys):
+  """The shipped example is a valid run on two processes (process 1 here): its flags pass the
+  checks, and --print-config writes a file that reads back as the same flags."""
+  grpo_cfg, cfg, printed = grpo.configure(["--config", EXAMPLE, "--process-id", "1", "--print-config"])
+  assert printed and (cfg.num_processes, cfg.process_id, cfg.mesh) == (2, 1, "rp=2,fs=8")
+  assert (grpo_cfg.prompt_column, grpo_cfg.reward, grpo_cfg.rollout_size) == ("question", ("answer", "format=0.2"), 512)
+  again = tmp_path / "printed.yaml"
+  again.write_text(capsys.readouterr().out)
+  assert grpo.configure(["--config", str(again)]) == (grpo_cfg, cfg, False)
+
+
+def test_a_config_file_run_is_the_flags_run(compile_cache, base_run, prompts_file, tmp_path, capsys):  # noqa: F811
+  """The flags of a run printed with --print-config, then run from that file (another
+  --run-dir on the command line): the same metrics and policy, bit for bit."""
+  flags = ["--init-from", base_run, "--prompts", prompts_file, "--prompts-per-step", "2", "--group-size", "4",
+           "--max-new-tokens", "6", "--mesh", "fs=1", "--optimizer", "adamw", "--lr", "1e-2", "--beta", "0.04",
+           "--reward", "tests.test_train_grpo:digits_reward", "--reward", "format=0.5", "--steps", "2"]
+  assert grpo.main([*flags, "--run-dir", str(tmp_path / "flags"), "--print-config"]) == 0
+  config = tmp_path / "run.yaml"
+  config.write_text(capsys.readouterr().out)
+  assert not os.path.exists(tmp_path / "flags")  # printing runs nothing
+  assert grpo.main([*flags, "--run-dir", str(tmp_path / "flags")]) == 0
+  assert grpo.main(["--config", str(config), "--run-dir", str(tmp_path / "file")]) == 0
+  records = [[{k: v for k, v in r.items() if k not in TIMING} for r in strict_records(tmp_path / d)]
+             for d in ("flags", "file")]
+  assert records[0] == records[1] and len(records[0]) == 2
+  for a, b in zip(*(jax.tree.leaves(restore_lib.restore(str(tmp_path / d)).params) for d in ("flags", "file"))):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_help_shows_every_default(capsys):

@@ -61,7 +61,8 @@ sys.exit(gpt.main(argv))
 
 
 def launch(run_dir, cache: str, *args: str, limit: str | None = None) -> list[subprocess.Popen]:
-  """Processes 0 and 1 of a run on 127.0.0.1; process 1 under the wrapper's ``limit``."""
+  """Processes 0 and 1 of a run on 127.0.0.1, each in a process group of its own (its agent
+  and worker, ``train/run/agent.py``), as on two hosts; process 1 under the wrapper's ``limit``."""
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -72,13 +73,16 @@ def launch(run_dir, cache: str, *args: str, limit: str | None = None) -> list[su
                                    "--heartbeat-timeout", str(HEARTBEAT), "--coordinator", f"127.0.0.1:{port}",
                                    "--num-processes", "2", "--process-id", str(i), *args],
                                   env=subprocess_env(cache), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                  text=True, cwd=ROOT))
+                                  text=True, cwd=ROOT, start_new_session=True))
   return procs
 
 
 def wait_for_step(run_dir, step: int, procs) -> None:
-  metrics = run_dir / "metrics.jsonl"
-  while not (metrics.exists() and any(json.loads(line)["step"] == step for line in open(metrics) if line.strip())):
+  """Until ``step`` is logged and the checkpoint of step 2 is whole (a process killed before
+  then would leave nothing to resume from)."""
+  metrics, whole = run_dir / "metrics.jsonl", run_dir / "checkpoints" / "2" / "commit_success.txt"
+  while not (metrics.exists() and any(json.loads(line)["step"] == step for line in open(metrics) if line.strip())
+             and whole.exists()):
     for p in procs:
       assert p.poll() is None, p.communicate()[1][-3000:]
     time.sleep(0.05)
@@ -163,21 +167,33 @@ def test_a_killed_process_ends_the_other_with_one_line(compile_cache, reference,
   resumes_as_uninterrupted(run_dir, step, reference)
 
 
-def test_a_hung_coordinator_ends_the_other_with_one_line(compile_cache, reference, tmp_path):  # noqa: F811
-  """Process 0, which holds the coordination service, stopped (SIGSTOP) once step 3 is logged:
-  process 1's requests go unanswered, and it ends with one line after --heartbeat-timeout, exit
-  1. The lock is the stopped process's; --resume takes it over once that process is gone."""
+@pytest.mark.parametrize("signum", [signal.SIGSTOP, signal.SIGKILL])
+def test_a_hung_or_dead_coordinator_ends_the_other_with_one_line(compile_cache, reference, tmp_path,  # noqa: F811
+                                                                signum):
+  """Process 0, which holds JAX's coordination service, stopped (SIGSTOP, a hung host) or killed
+  with its process group (SIGKILL: the out-of-memory killer, a lost host) once step 3 is
+  logged. Stopped: process 1's requests go unanswered, and it ends after --heartbeat-timeout;
+  the lock stays the stopped process's (--resume takes it over once that process is gone).
+  Killed: process 1's JAX client aborts at once (before: exit 134 after 0.4 s, 20 lines of C++
+  log and stack, step 4's unfinished save and the lock left), and its agent
+  (``train/run/agent.py``) ends it with one line naming process 0 and releases the dead
+  process's lock. Either way exit 1, nothing partial left, and --resume on one process
+  continues as the run that never stopped."""
   run_dir = tmp_path / "run"
   procs = launch(run_dir, compile_cache)
   wait_for_step(run_dir, 3, procs)
-  procs[0].send_signal(signal.SIGSTOP)
+  os.killpg(procs[0].pid, signum)
   (code,), (err,), seconds = ends(procs, (1,))
   assert code == 1
   step = saved(run_dir)[-1]
-  assert re.fullmatch(rf"error: process 0 of 2 \(the coordinator\) stopped answering: nothing heard for [\d.]+ s"
-                      rf" \(--heartbeat-timeout {HEARTBEAT}\) after step \d+; the last whole checkpoint is step"
-                      rf" {step} in {run_dir / 'checkpoints'}" + resume_command(run_dir, 1), one_line(err))
+  why = {signal.SIGSTOP: rf"stopped answering: nothing heard for [\d.]+ s \(--heartbeat-timeout {HEARTBEAT}\) after"
+                         r" step \d+",
+         signal.SIGKILL: r"stopped: its coordination service at 127\.0\.0\.1:\d+ does not answer \(Connection"
+                         r" refused\), and JAX ended this process"}[signum]
+  assert re.fullmatch(rf"error: process 0 of 2 \(the coordinator\) {why}; the last whole checkpoint is step {step} in"
+                      rf" {run_dir / 'checkpoints'}" + resume_command(run_dir, 1), one_line(err))
   assert seconds < HEARTBEAT + 15
+  assert (run_dir / rundir.LOCK_NAME).exists() == (signum == signal.SIGSTOP)
   resumes_as_uninterrupted(run_dir, step, reference)
 
 

@@ -15,7 +15,7 @@ applies Dion (``dion_jax/optimizers/dion.py`` on ``optimizers/skeleton.py``;
 Bad input (flags, mesh, batch, data, checkpoints, an unusable or busy run directory)
 ends the run before anything is written, with one ``error: ...`` line on stderr. Exit
 codes: 0 done; 1 a checkpoint failed to save (the previous one intact), out of memory, or
-a process of a multi-host run lost (``train/run/peers.py``); 2 bad input; 3 diverged
+a process of a multi-host run lost (``train/run/peers.py``, ``train/run/agent.py``); 2 bad input; 3 diverged
 (non-finite or spiking steps); 130 / 143 stopped by SIGINT / SIGTERM after saving.
 """
 from __future__ import annotations
@@ -26,17 +26,20 @@ import numpy  # noqa: F401  numpy's own OpenBLAS loads first, keeping its thread
 
 from train import cli
 from train.run import config as config_lib
-from train.run import config_file, start
+from train.run import agent, config_file, start
 
 
 def _setup(argv: list[str] | None):
-  """The run of ``argv``; bad input raises here, before anything is written. None after
-  ``--print-config``, which prints the resolved flags instead."""
+  """The run of ``argv``, or the exit code of what ran instead (``--print-config``, which prints
+  the resolved flags; the agent of a multi-host run's process, ``train/run/agent.py``); bad
+  input raises here, before anything is written."""
   cfg, print_config = config_lib.command(argv)
   cfg.check()
   if print_config:
     print(config_file.to_yaml(cfg.to_json()), end="")
-    return None
+    return 0
+  if agent.wanted(cfg):  # this process watches a worker that runs the command
+    return agent.supervise(cfg, "train.gpt", agent.module_command("train.gpt", argv))
   start.start_jax(cfg)
   from train.run import peers, setup  # import jax, models, dion_jax, data
 
@@ -46,8 +49,8 @@ def _setup(argv: list[str] | None):
 
 
 def _train(run) -> int:
-  if run is None:
-    return 0
+  if isinstance(run, int):
+    return run
   from train.run import loop
 
   return loop.train(run)

@@ -37,6 +37,19 @@ with the saved flags and the same rollouts as a run that never stopped: the prom
 order and the sampler's seed follow from ``--seed`` and the step, the reference is the
 starting run's checkpoint it began from.
 
+``--config run.yaml`` reads the flags from a file (one file for the model's source, prompts,
+rewards, objective, optimizer, mesh and processes; the command line wins) and
+``--print-config`` prints them as one (``train/grpo/config.py``).
+
+Several processes (``--coordinator HOST:PORT --num-processes N --process-id I`` on each, or
+``--distributed``; ``docs/multihost.md``) split each rollout as they split the update batch:
+each samples the rows its devices hold, decodes and scores its own completions (a reward
+function sees that process's strings only), and the rewards, numbers, are gathered, so that
+the advantages are taken over whole groups wherever their completions were sampled
+(``train/grpo/loop.py``). Process 0 writes ``metrics.jsonl``, the log and the checkpoint's
+metadata; a lost or failed process ends them all with one line (``train/run/peers.py``,
+``train/run/agent.py``).
+
 Bad input prints one ``error: ...`` line and exits with code 2 before anything is
 written: a missing run, prompts file, column or reward module, an empty prompts file,
 G < 2, a prompt that leaves less than ``--max-new-tokens`` of the model's ``seq_len``, a
@@ -46,12 +59,59 @@ directory in use.
 """
 import sys
 
+import numpy  # noqa: F401  numpy's own OpenBLAS loads first, keeping its threads
+
 from train import cli
-from train.grpo import loop
+from train.grpo import config as grpo_config
+from train.grpo.config import GRPOConfig
+from train.run import config as config_lib
+from train.run import agent, config_file, start
+
+
+def configure(argv: list[str] | None) -> tuple[GRPOConfig, config_lib.Config, bool]:
+  """GRPO's flags, the run's Config (``train/grpo/config.py``), both checked, and whether
+  ``--print-config`` was given."""
+  grpo, shared, print_config = grpo_config.command(argv)
+  grpo.check()
+  start_run = config_lib.saved_config(grpo.run_dir if grpo.resume else grpo.init_from)
+  cfg = grpo_config.train_config(grpo, shared, start_run)
+  if print_config:
+    print(config_file.to_yaml(grpo_config.flags_record(grpo, shared)), end="")
+  return grpo, cfg, print_config
+
+
+def _setup(argv: list[str] | None):
+  """The run of ``argv``, or the exit code of what ran instead (``--print-config``; the agent
+  of a multi-host run's process, ``train/run/agent.py``); bad input raises here, before
+  anything is written."""
+  grpo, cfg, print_config = configure(argv)
+  if print_config:
+    return 0
+  if agent.wanted(cfg):  # this process watches a worker that runs the command
+    return agent.supervise(cfg, "train.grpo", agent.module_command("train.grpo", argv))
+  start.start_jax(cfg)  # host devices for the mesh and the multi-host runtime, before JAX starts
+  from train.grpo import loop  # import jax, models, dion_jax, data
+  from train.run import peers
+
+  peers.watch(cfg, "train.grpo")  # several processes: a fault in one, or a lost one, ends them all
+  with peers.together(setting_up=True):
+    return loop.setup(grpo, cfg)
+
+
+def _train(run) -> int:
+  if isinstance(run, int):
+    return run
+  from train.grpo import loop
+
+  return loop.train(run)
 
 
 def main(argv: list[str] | None = None) -> int:
-  return cli.run(lambda: loop.setup(argv), loop.train)
+  try:
+    return cli.run(lambda: _setup(argv), _train)
+  except KeyboardInterrupt:  # before training: the set-up writes nothing until its end
+    print("error: interrupted before training started; nothing was saved", file=sys.stderr)
+    return 128 + 2
 
 
 if __name__ == "__main__":

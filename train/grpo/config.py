@@ -2,12 +2,18 @@
 ones it shares with ``python -m train.gpt`` (:data:`SHARED`: fields of
 :class:`train.run.config.Config`, with its names, help text, defaults and checks), one parser.
 
+``--config FILE`` reads the flags from a YAML or JSON file, below the command line's
+(``train/run/config_file.py``: one file holds the model's source, the prompts, rewards,
+objective, optimizer, mesh and processes; ``docs/examples/grpo_gsm8k.yaml``), and
+``--print-config`` prints them as one.
+
 The run's :class:`~train.run.config.Config` (:func:`train_config`) is the starting run's (its
 model) with the shared flags, the rollout's completions as its global batch and the
 schedule counted in optimizer updates (``--lr-decay-steps`` by default ``--steps`` x
 ``--updates-per-rollout``). config.json keeps it under "train" and GRPO's flags under
 "grpo"; ``--resume`` reads both back, and refuses a flag given anew with another value
-unless it is one of :data:`MAY_CHANGE` (the others fix the rollouts and updates).
+unless it is one of :data:`MAY_CHANGE` (the others fix the rollouts and updates); the
+multi-host flags are those of one invocation, never saved ones.
 
 Nothing here imports jax: the entry point must know the mesh before JAX starts.
 """
@@ -20,20 +26,23 @@ import os
 
 from train.cli import Parser, UsageError
 from train.run import config as config_lib
-from train.run import flags
+from train.run import config_file, flags
 from train.run import restore as restore_lib
 from train.store import rundir
 
+# train.gpt's multi-host flags: they describe one invocation, never taken from a saved run.
+MULTI_HOST = ("coordinator", "num_processes", "process_id", "distributed", "distributed_timeout", "heartbeat_timeout")
 # Config fields train.grpo takes as train.gpt does.
 SHARED = ("optimizer", "lr", "min_lr", "lr_warmup_steps", "lr_decay_style", "lr_decay_steps", "lr_wsd_decay_steps",
           "weight_decay", "scalar_weight_decay", "clip_grad", "grad_norm", "skip_spikes", "max_skipped", "qk_clip_threshold",
           "initial_loss_scale", "loss_scale_window", "min_loss_scale", "dion_rank_fraction", "dion_momentum",
           "dion_qr_method", "dion_scale_rule", "dion_scalar_optimizer", "dion_replicate_sync",
           "dion_mixed_precision", "ortho_dtype", "dtype", "attention", "remat", "sequence_parallel",
-          "micro_batch_size", "mesh", "save_every", "keep", "step", "tensorboard", "wandb")
+          "micro_batch_size", "mesh", "save_every", "keep", "step", "tensorboard", "wandb",
+          *MULTI_HOST)
 # Flags a resumed run may give anew with another value.
 MAY_CHANGE = ("resume", "run_dir", "step", "steps", "save_every", "keep", "mesh", "micro_batch_size", "max_skipped",
-              "tensorboard", "wandb")
+              "tensorboard", "wandb", *MULTI_HOST)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +149,7 @@ class GRPOConfig(ObjectiveConfig):
 
 
 _GRPO_FIELDS = tuple(f.name for f in dataclasses.fields(GRPOConfig))
+_SHARED_FIELDS = [f for f in dataclasses.fields(config_lib.Config) if f.name in SHARED]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -149,18 +159,31 @@ def parser() -> argparse.ArgumentParser:
   config_lib.add_flags(p.add_argument_group("GRPO"), [f for f in fields if f.name not in objective], flags.GRPO_HELP)
   config_lib.add_flags(p.add_argument_group("objective (TRL 1.16's GRPOConfig names)"),
                        [f for f in fields if f.name in objective], flags.GRPO_HELP)
-  config_lib.add_flags(p.add_argument_group("optimizer, precision, mesh and checkpoints (as train.gpt's)"),
-                       [f for f in dataclasses.fields(config_lib.Config) if f.name in SHARED], flags.HELP)
+  config_lib.add_flags(p.add_argument_group("optimizer, precision, mesh, checkpoints and processes (as"
+                                            " train.gpt's)"), _SHARED_FIELDS, flags.HELP)
+  p.add_argument("--config", metavar="FILE", help=flags.HELP["config"])
+  p.add_argument("--print-config", action="store_true", help=flags.HELP["print_config"])
   return p
 
 
 def parse(argv: list[str] | None) -> tuple[GRPOConfig, dict]:
-  """GRPO's flags and the shared ones given (or, with ``--resume``, saved), as Config
-  field values; paths made absolute."""
-  given = vars(parser().parse_args(argv))
-  given.update({k: os.path.abspath(given[k]) for k in ("init_from", "prompts", "run_dir") if k in given})
+  """GRPO's flags and the shared ones (:func:`command`)."""
+  return command(argv)[:2]
+
+
+def command(argv: list[str] | None) -> tuple[GRPOConfig, dict, bool]:
+  """GRPO's flags and the shared ones given on the command line, in the ``--config`` file below
+  it or, with ``--resume``, saved below both, as Config field values (paths made absolute);
+  and whether ``--print-config`` was given."""
+  p = parser()
+  given = vars(p.parse_args(argv))
+  print_config = given.pop("print_config", False)
   if "reward" in given:
     given["reward"] = tuple(given["reward"])
+  if "config" in given:
+    fields = [*dataclasses.fields(GRPOConfig), *_SHARED_FIELDS]
+    given = {**config_file.given(given.pop("config"), p, fields, config_lib.PER_INVOCATION), **given}
+  given.update({k: os.path.abspath(given[k]) for k in ("init_from", "prompts", "run_dir") if k in given})
   if given.get("resume"):
     if "run_dir" not in given:
       raise UsageError("--resume needs --run-dir, the run to continue")
@@ -168,7 +191,14 @@ def parse(argv: list[str] | None) -> tuple[GRPOConfig, dict]:
     given = rundir.resumed(saved, given, set(saved) - set(MAY_CHANGE),
                            "its rollouts and updates follow from it")
   grpo = GRPOConfig(**{k: v for k, v in given.items() if k in _GRPO_FIELDS})
-  return grpo, {k: v for k, v in given.items() if k in SHARED}
+  return grpo, {k: v for k, v in given.items() if k in SHARED}, print_config
+
+
+def flags_record(grpo: GRPOConfig, shared: dict) -> dict:
+  """Every flag's value, as ``--print-config`` writes them (a ``--config`` file of the same run):
+  GRPO's and the shared ones, train.gpt's default where not given."""
+  defaults = config_lib.Config()
+  return {**dataclasses.asdict(grpo), **{k: shared.get(k, getattr(defaults, k)) for k in SHARED}}
 
 
 def saved_flags(run_dir: str) -> dict:
@@ -178,7 +208,7 @@ def saved_flags(run_dir: str) -> dict:
     raise UsageError(f"--resume: {run_dir} holds no GRPO run (config.json with a \"grpo\" record);"
                      " start it without --resume")
   grpo = {k: tuple(v) if k == "reward" else v for k, v in record["grpo"].items() if k in _GRPO_FIELDS}
-  return {**grpo, **{k: v for k, v in record["train"].items() if k in SHARED}}
+  return {**grpo, **{k: v for k, v in record["train"].items() if k in SHARED and k not in config_lib.PER_INVOCATION}}
 
 
 def train_config(grpo: GRPOConfig, shared: dict, start: dict) -> config_lib.Config:

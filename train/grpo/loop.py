@@ -28,7 +28,7 @@ from train.grpo import objective as grpo_objective
 from train.grpo import rewards as grpo_rewards
 from train.grpo.config import GRPOConfig
 from train.run import config as config_lib
-from train.run import loop, preflight, start, trainer
+from train.run import hosts, loop, peers, preflight, trainer
 from train.run import model_source as model_source_lib
 from train.run import setup as setup_lib
 from train.run.setup import Run
@@ -116,10 +116,10 @@ def _check_split(grpo: GRPOConfig, mesh: jax.sharding.Mesh) -> None:
                      f" {dp * sizes['pp']} divides")
 
 
-def setup(argv: list[str] | None) -> Run:
-  """The run of ``argv``: ``train.run.setup.setup``'s steps, with GRPO's own model (the starting
-  policy), data (the prompts and rewards) and objective; the first rollout compiles the step."""
-  grpo, cfg = _config(argv)
+def setup(grpo: GRPOConfig, cfg: config_lib.Config) -> Run:
+  """The run of ``grpo`` and ``cfg`` (``train/grpo/config.py``; JAX started for its mesh):
+  ``train.run.setup.setup``'s steps, with GRPO's own model (the starting policy), data (the
+  prompts and rewards) and objective; the first rollout compiles the step."""
   directory, start_step = setup_lib.check_directory(cfg)
   mesh = setup_lib.make_mesh(cfg.mesh or f"fs={len(jax.devices())}")
   _check_split(grpo, mesh)
@@ -145,18 +145,10 @@ def setup(argv: list[str] | None) -> Run:
   compiled = setup_lib.compile_within_memory(train_step, state, first.batch, mesh, model_cfg)
   setup_lib.describe_communication(run, compiled)
   run.data = prompts._replace(first=first)
-  setup_lib.start_trackers(run)
-  setup_lib.open_directory(run)
+  if jax.process_index() == 0:
+    setup_lib.start_trackers(run)
+    setup_lib.open_directory(run)
   return run
-
-
-def _config(argv: list[str] | None) -> tuple[GRPOConfig, config_lib.Config]:
-  """GRPO's flags and the run's Config (``train/grpo/config.py``), checked; JAX started for its mesh."""
-  grpo, shared = grpo_config.parse(argv)
-  grpo.check()
-  cfg = grpo_config.train_config(grpo, shared, config_lib.saved_config(grpo.run_dir if grpo.resume else grpo.init_from))
-  start.start_jax(cfg)  # host devices for the mesh, before JAX starts
-  return grpo, cfg
 
 
 def _starting_policy(grpo: GRPOConfig, cfg: config_lib.Config, par: models.Parallelism,
@@ -203,11 +195,9 @@ def rollout(run: Run, params: Any, step: int) -> Rollout:
                             generate.Sampling(grpo.temperature, grpo.top_k, grpo.top_p),
                             seed=grpo.seed * 1_000_003 + step, eos_id=p.tokenizer.eod, group_size=G,
                             batch_sharding=batch_sharding)
-  completions_BxM, lengths_B = np.asarray(out.tokens_BxM), np.asarray(out.lengths_B)
+  completions_BxM, lengths_B = hosts.fetch(out.tokens_BxM), hosts.fetch(out.lengths_B)
   ended_B = np.asarray([n > 0 and row[n - 1] == p.tokenizer.eod for row, n in zip(completions_BxM, lengths_B)])
-  texts = [p.tokenizer.decode(row[:n - int(end)]) for row, n, end in zip(completions_BxM, lengths_B, ended_B)]
-  rewards_BxR = grpo_rewards.score(p.rewards, [p.rows[i] for i in picks], [p.texts[i] for i in picks for _ in range(G)],
-                                   texts, G)
+  rewards_BxR = _score(p, picks, completions_BxM, lengths_B, ended_B, hosts.row_owners(batch_sharding, len(lengths_B)))
   advantages_B = np.asarray(grpo_objective.advantages(
       jnp.asarray(rewards_BxR, jnp.float32), jnp.asarray([w for _, _, w in p.rewards], jnp.float32), G,
       grpo.scale_rewards, grpo.multi_objective_aggregation))
@@ -229,6 +219,21 @@ def _layout(run: Run, prompts: list[np.ndarray], completions_BxM: np.ndarray, le
     return grpo_batch.packed(prompts, completions_BxM, lengths_B, run.model_cfg.seq_len, run.data.rows_unit,
                              multiple)
   return grpo_batch.padded(prompts, completions_BxM, lengths_B, multiple)
+
+
+def _score(p: Prompts, picks: list[int], completions_BxM: np.ndarray, lengths_B: np.ndarray, ended_B: np.ndarray,
+           owners_B: np.ndarray) -> np.ndarray:
+  """The rewards [B, R]. Each process decodes and scores the completions it owns, those its
+  devices sampled (``train/run/hosts.py``): the reward functions see this process's strings
+  only. The rewards, numbers, are then gathered, so that every process takes the advantages
+  over whole groups and the whole rollout, wherever a group's completions were sampled."""
+  G = p.grpo.group_size
+  mine = np.flatnonzero(owners_B == jax.process_index())
+  texts = [p.tokenizer.decode(completions_BxM[b, :lengths_B[b] - int(ended_B[b])]) for b in mine]
+  rows = [picks[b // G] for b in mine]
+  rewards_BxR = np.zeros((len(owners_B), len(p.rewards)))
+  rewards_BxR[mine] = grpo_rewards.score(p.rewards, [p.rows[i] for i in rows], [p.texts[i] for i in rows], texts)
+  return hosts.gather_rows(rewards_BxR, owners_B)
 
 
 def _update_batch(run: Run, made: Rollout, keep_BxM: jax.Array | None) -> dict:
@@ -283,7 +288,8 @@ def _steps(run: Run, progress: loop.Progress, interrupt: Interrupt) -> None:
   metrics = run.directory.metrics(run.trackers) if primary else None
   if primary:
     print(f"GRPO on {grpo.init_from} ({run.model_cfg.num_params() / 1e6:.2f}M parameters, {run.model_cfg.dtype})"
-          f" with {cfg.optimizer} on mesh {format_mesh_spec(dict(run.mesh.shape))}, steps"
+          f" with {cfg.optimizer} on mesh {format_mesh_spec(dict(run.mesh.shape))} ({jax.process_count()}"
+          f" process(es)), steps"
           f" {run.start_step + 1}..{grpo.steps}, run directory {cfg.run_path}", flush=True)
   agreement = Agreement(run.mesh)
   made, control = run.data.first, run.data.entropy_control
@@ -299,6 +305,7 @@ def _steps(run: Run, progress: loop.Progress, interrupt: Interrupt) -> None:
         metrics.write(record)
         print(_line(record, grpo.steps), flush=True)
       made = None
+      peers.progress(step)
       run.checkpoints.check_for_errors()
       stop = agreement(interrupt.signum or 0, progress.state.updates)  # a signal to any process stops all after this step
       if progress.diverged:

@@ -74,9 +74,13 @@ def reward_functions(specs: list[str], answer_column: str = "answer") -> list[tu
   return out
 
 
-def score(rewards: list[tuple[str, Callable, float]], rows: list[dict], prompts: list[str], completions: list[str], group: int) -> np.ndarray:
-  """Rewards [B, R] of the completions (rows repeated ``group`` times)."""
-  columns = {key: [row.get(key) for row in rows for _ in range(group)] for key in {k for r in rows for k in r}}
+def score(rewards: list[tuple[str, Callable, float]], rows: list[dict], prompts: list[str], completions: list[str]
+          ) -> np.ndarray:
+  """Rewards [B, R] of the completions, ``rows`` the prompts' rows, one per completion (a
+  prompt's row repeated for each of its completions). No completions: no call, [0, R]."""
+  if not completions:
+    return np.zeros((0, len(rewards)))
+  columns = {key: [row.get(key) for row in rows] for key in {k for r in rows for k in r}}
   columns.pop("prompt", None)
   out = []
   for name, fn, _ in rewards:

@@ -307,7 +307,7 @@ def command(argv: list[str] | None = None) -> tuple[Config, bool]:
   if "data" in given:
     given["data"] = tuple(given["data"])
   if "config" in given:
-    given = {**config_file.given(given.pop("config"), parser, Config, _PER_INVOCATION), **given}
+    given = {**config_file.given(given.pop("config"), parser, dataclasses.fields(Config), PER_INVOCATION), **given}
   values = dict(given)
   if given.get("resume"):
     start = Config(**given)
@@ -329,7 +329,7 @@ def _kept_schedule(saved: dict, given: dict) -> dict:
 
 
 # Flags that describe one invocation, not the run: never taken from a saved config.
-_PER_INVOCATION = ("resume", "step", "run_dir", "coordinator", "num_processes", "process_id", "distributed",
+PER_INVOCATION = ("resume", "step", "run_dir", "coordinator", "num_processes", "process_id", "distributed",
                    "distributed_timeout", "profile_steps", "heartbeat_timeout")
 
 
@@ -341,7 +341,7 @@ def saved_config(run_path: str, ckpt_path: str | None = None) -> dict:
   if record is None:
     return {}
   known = {f.name for f in dataclasses.fields(Config)}
-  saved = {k: v for k, v in record["train"].items() if k in known and k not in _PER_INVOCATION}
+  saved = {k: v for k, v in record["train"].items() if k in known and k not in PER_INVOCATION}
   if "data" in saved:
     saved["data"] = tuple(saved["data"])
   if "weight_decay" in saved:  # Runs saved before --scalar-weight-decay decayed all alike.

@@ -1,4 +1,5 @@
-"""Run configuration files: ``python -m train.gpt --config run.yaml`` and ``--print-config``.
+"""Run configuration files: ``python -m train.gpt --config run.yaml`` and ``--print-config``
+(and ``python -m train.grpo``'s, with its own flags).
 
 A file (YAML, or JSON by its ``.json`` extension) maps flags to values, each key a flag
 without its dashes, ``lr_warmup_steps`` or ``lr-warmup-steps``::
@@ -15,8 +16,9 @@ Flags on the command line override the file. A value goes through the parser of 
 flag (``train.run.config``'s), so a bad one is refused as on the command line, with one
 line naming the file and the key; so is a key that names no flag. ``null`` stands for
 the default of flags whose default is "none given" (``mesh``, ``lr``, ...). A run's own
-``config.json`` is a config file too: its ``train`` record, less what describes one
-invocation (``run_dir``, ``resume``, ``step``, the multi-host flags), so
+``config.json`` is a config file too: its ``train`` record (and a GRPO run's ``grpo``), less
+what describes one invocation (``run_dir``, ``resume``, ``step``, the multi-host flags) and
+what is no flag of the command (a GRPO run's model, taken from the run it started from), so
 ``--config runs/a/config.json --run-dir runs/b`` repeats run a in runs/b.
 ``--print-config`` writes the resolved flags in this format: reading them back gives
 the same configuration.
@@ -27,6 +29,7 @@ import argparse
 import dataclasses
 import json
 import re
+from collections.abc import Iterable
 
 import yaml
 
@@ -35,7 +38,7 @@ from train.cli import UsageError
 
 def read(path: str) -> tuple[dict, bool]:
   """The file's mapping of keys to values, and whether it is a run's config.json (then
-  the mapping is its ``train`` record)."""
+  the mapping is its ``train`` record, with a GRPO run's ``grpo`` record)."""
   try:
     with open(path) as f:
       record = json.load(f) if path.endswith(".json") else yaml.safe_load(f)
@@ -45,25 +48,26 @@ def read(path: str) -> tuple[dict, bool]:
     detail = " ".join(str(e).split())
     raise UsageError(f"--config {path} is not readable {'JSON' if path.endswith('.json') else 'YAML'}: {detail}") from None
   if isinstance(record, dict) and isinstance(record.get("train"), dict) and "model" in record:
-    return record["train"], True
+    return {**record["train"], **record.get("grpo", {})}, True
   if not isinstance(record, dict):
     raise UsageError(f"--config {path}: expected a mapping of flags to values (key: value lines)")
   return record, False
 
 
-def given(path: str, parser: argparse.ArgumentParser, config_cls: type, skip: tuple[str, ...] = ()) -> dict:
+def given(path: str, parser: argparse.ArgumentParser, fields: Iterable[dataclasses.Field],
+          skip: tuple[str, ...] = ()) -> dict:
   """The values of ``path``'s keys as ``parser`` reads the same flags from a command line
-  (``{field: value}``; the fields of ``config_cls``). ``skip``: keys dropped from a run's
-  config.json."""
+  (``{field: value}``; ``fields`` the dataclass fields of its flags). ``skip``: keys dropped
+  from a run's config.json."""
   record, run_record = read(path)
-  fields = {f.name: f for f in dataclasses.fields(config_cls)}
+  fields = {f.name: f for f in fields}
   values = {}
   for raw_key, value in record.items():
     key = str(raw_key).replace("-", "_")
-    if run_record and key in skip:
+    if run_record and (key in skip or key not in fields):
       continue
     if key not in fields:
-      raise UsageError(f"--config {path}: unknown key {raw_key!r}; the keys are python -m train.gpt's flags"
+      raise UsageError(f"--config {path}: unknown key {raw_key!r}; the keys are {parser.prog}'s flags"
                        " without their dashes (see --help)")
     values[key] = _value(path, key, value, fields[key], parser)
   return values
@@ -80,14 +84,15 @@ def _value(path: str, key: str, value, field: dataclasses.Field, parser: argpars
     if not isinstance(value, bool):
       raise UsageError(f"{where}: expected true or false, got {value!r}")
     return value
-  if isinstance(value, bool) or isinstance(value, dict) or (isinstance(value, list) and key != "data"):
+  several = field.type.startswith("tuple")
+  if isinstance(value, bool) or isinstance(value, dict) or (isinstance(value, list) and not several):
     raise UsageError(f"{where}: expected one value of {flag}, got {value!r}")
   words = [str(v) for v in value] if isinstance(value, list) else [str(value)]
   try:
     parsed = vars(parser.parse_args([flag, *words]))
   except UsageError as e:
     raise UsageError(f"{where}: {re.sub(r'^argument [^:]*: ', '', str(e))}") from None
-  return tuple(parsed[key]) if key == "data" else parsed[key]
+  return tuple(parsed[key]) if several else parsed[key]
 
 
 def to_yaml(values: dict) -> str:

@@ -161,7 +161,7 @@ HELP = {
     "profile_steps": "A:B: trace steps A to B with jax.profiler into RUN_DIR/profile (TensorBoard's"
                      " profile plugin, Perfetto), each step named with its number (default none)",
     "config": "read flags from a YAML or JSON file (keys: these flags without dashes, e.g."
-              " lr_warmup_steps: 10; or a run's config.json); flags given here override it",
+              " lr_warmup_steps: 10; or a run's config.json); flags given here override it (default: none)",
     "print_config": "print the resolved flags as YAML (a --config file) and exit",
     "name": "run name: the run directory is runs/NAME (default PRESET-OPTIMIZER, or"
             " BASENAME(DIR)-OPTIMIZER with --init-from hf:DIR, NAME-OPTIMIZER with hf:ORG/NAME)",
@@ -174,9 +174,11 @@ HELP = {
               " keeps the saved lr schedule unless --lr-decay-steps is given",
     "step": "with --resume: continue from this checkpoint step (default: the latest; an earlier"
             " one to go back past a damaged or unwanted one); the newer checkpoints are deleted",
-    "coordinator": "multi-host: HOST:PORT of process 0's coordinator",
-    "num_processes": "multi-host: number of processes",
-    "process_id": "multi-host: this process's index in [0, --num-processes)",
+    "coordinator": "multi-host: HOST:PORT of process 0's coordinator, the same on every process; each"
+                   " process then runs under a small agent of its own that ends it with one line when"
+                   " process 0 dies (default: none, one process)",
+    "num_processes": "multi-host: number of processes (default: none, one process)",
+    "process_id": "multi-host: this process's index in [0, --num-processes) (default: none, one process)",
     "distributed": "multi-host with jax.distributed.initialize's auto-detection (SLURM, Open MPI, TPU)",
     "distributed_timeout": "multi-host: seconds to wait for every process to join the coordinator"
                            " (default 300)",

@@ -31,10 +31,12 @@ delays, and users found even 100 s short for JAX's C++ heartbeats on hosts busy 
 pinned memory (jax#23599). A false alarm stops a healthy run; a late one idles the others for a
 minute more.
 
-Not covered: the sudden death of process 0 (SIGKILL, the kernel's out-of-memory killer, a lost
-host) takes the coordination service with it, and the other processes' JAX clients end at once
-(their long poll for errors fails: exit 134, a C++ message) before any Python runs. The
-checkpoints stay whole; ``--resume`` removes the unfinished save and takes over the lock.
+The sudden death of process 0 (SIGKILL, the kernel's out-of-memory killer, a lost host) takes
+the coordination service with it, and the other processes' JAX clients abort at once (their
+long poll for errors fails) before any Python runs: that end is caught from outside, by the
+agent each process runs under (``train/run/agent.py``), which prints the line (process 0
+stopped, the last whole checkpoint, the ``--resume`` command), removes unfinished saves and the
+dead process's lock, and exits 1.
 """
 from __future__ import annotations
 
@@ -43,7 +45,6 @@ import contextlib
 import json
 import os
 import re
-import shlex
 import sys
 import threading
 import time
@@ -55,8 +56,9 @@ import jax
 from jax._src import distributed
 
 from train import cli
+from train.run import agent
 from train.run.config import Config
-from train.store.rundir import existing_steps
+from train.store import rundir
 
 EXIT_FAILED = 1
 KEY = "dion_jax/"
@@ -98,11 +100,12 @@ def join(cfg: Config) -> None:
     timer.cancel()
 
 
-def watch(cfg: Config) -> None:
-  """Starts watching the run's processes, after :func:`join` (nothing with one process)."""
+def watch(cfg: Config, command: str = "train.gpt") -> None:
+  """Starts watching the run's processes, after :func:`join` (nothing with one process);
+  ``command`` (``python -m COMMAND``) is the one the lines' ``--resume`` command names."""
   global _peers
   if jax.process_count() > 1 and _peers is None:
-    _peers = Peers(distributed.global_state.client, cfg)
+    _peers = Peers(distributed.global_state.client, cfg, command)
     _peers.start()
 
 
@@ -126,8 +129,9 @@ def fail(message: str, code: int) -> int:
 def together(cleanup: Callable[[], None] | None = None, setting_up: bool = False) -> Iterator[None]:
   """A part of the run every process goes through: an error in one process ends them all.
 
-  With several processes, bad input (``cli.BAD_INPUT``) while ``setting_up`` ends every
-  process with its line and exit 2; any other error with exit 1 (:meth:`Peers.explain`).
+  With several processes, bad input (``cli.BAD_INPUT``) while ``setting_up``, or a
+  ``cli.UsageError`` later (a GRPO reward's bad output), ends every process with its line and
+  exit 2; any other error with exit 1 (:meth:`Peers.explain`).
   ``cleanup`` runs before a process ends that way. Leaving the block without an error after
   ``setting_up`` tells the others this process is done: its silence while JAX's shutdown
   waits for them is no loss. With one process, nothing."""
@@ -139,31 +143,17 @@ def together(cleanup: Callable[[], None] | None = None, setting_up: bool = False
   try:
     yield
   except Exception as e:  # noqa: BLE001  every error ends every process
-    if setting_up and isinstance(e, cli.BAD_INPUT):
+    if isinstance(e, cli.UsageError) or (setting_up and isinstance(e, cli.BAD_INPUT)):
       _peers.end(_peers.own(str(e)), cli.EXIT_USAGE)
     _peers.explain(e)
   if not setting_up:
     _peers.done()
 
 
-def resume_command(cfg: Config) -> str:
-  """The command that continues ``cfg``'s run on this process (the saved flags need not be repeated)."""
-  words = ["python", "-m", "train.gpt", "--run-dir", cfg.run_path, "--resume"]
-  if cfg.coordinator is None:
-    words.append("--distributed")
-  else:
-    words += ["--coordinator", cfg.coordinator, "--num-processes", str(cfg.num_processes),
-              "--process-id", str(cfg.process_id)]
-  for name in ("distributed_timeout", "heartbeat_timeout"):
-    if getattr(cfg, name) != getattr(Config, name):
-      words += [f"--{name.replace('_', '-')}", str(getattr(cfg, name))]
-  return shlex.join(words)
-
-
 class Peers:
   """The watch of one process (the module docstring): its threads, and how it ends the process."""
 
-  def __init__(self, client, cfg: Config):
+  def __init__(self, client, cfg: Config, command: str):
     self.me, self.count = jax.process_index(), jax.process_count()
     self.timeout = cfg.heartbeat_timeout
     self.interval = min(1.0, self.timeout / 10)
@@ -171,7 +161,7 @@ class Peers:
     self.step: int | None = None
     self._client = client
     self._ckpt_path = cfg.ckpt_path
-    self._resume = resume_command(cfg)
+    self._resume = agent.resume_command(cfg, command)
     self._answered = time.monotonic()  # when the store last answered
     self._closing = False  # Python is exiting: the store going away is no fault
     self._ending = threading.Lock()
@@ -214,7 +204,7 @@ class Peers:
     for cleanup in self.cleanups:
       with contextlib.suppress(Exception):
         cleanup()
-    resumable = code == EXIT_FAILED and existing_steps(self._ckpt_path)
+    resumable = code == EXIT_FAILED and rundir.existing_steps(self._ckpt_path)
     sys.stdout.flush()
     print(f"error: {line}" + (f"; continue with: {self._resume}" if resumable else ""), file=sys.stderr, flush=True)
     if store and self.me == 0:
@@ -226,11 +216,8 @@ class Peers:
 
   def _lost(self, who: str, quiet: float) -> str:
     after = "" if self.step is None else f" after step {self.step}"
-    steps = existing_steps(self._ckpt_path)
-    saved = (f"the last whole checkpoint is step {max(steps)} in {self._ckpt_path}" if steps
-             else f"no checkpoint is saved in {self._ckpt_path}")
     return (f"{who} stopped answering: nothing heard for {quiet:.1f} s"
-            f" (--heartbeat-timeout {self.timeout}){after}; {saved}")
+            f" (--heartbeat-timeout {self.timeout}){after}; {rundir.last_whole_checkpoint(self._ckpt_path)}")
 
   def _beat(self) -> None:
     beat, seen = 0, {}

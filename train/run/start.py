@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 
+from train.run import agent
 from train.run.config import Config
 
 # jaxlib's CPU LAPACK calls scipy's OpenBLAS, whose threads compete with XLA's pool:
@@ -58,6 +59,7 @@ def start_jax(cfg: Config) -> None:
   if cfg.coordinator is not None or cfg.distributed:
     from train.run import peers
 
+    agent.report_signals()  # under an agent (train/run/agent.py): it learns which signals came here
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     peers.join(cfg)
 

@@ -31,6 +31,7 @@ import os
 import shutil
 import socket
 import sys
+import time
 from collections.abc import Iterable, Sequence
 
 from train.cli import UsageError
@@ -58,7 +59,11 @@ def _alive(pid: int) -> bool:
     return False
   except PermissionError:  # someone else's process
     return True
-  return True
+  try:  # a killed process whose parent died too stays a zombie until it is reaped
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rpartition(")")[2].split()[0] != "Z"
+  except (OSError, IndexError):
+    return True
 
 
 class Lock:
@@ -106,6 +111,20 @@ class Lock:
       return
     self.check()
 
+  def remove_stale(self, gone: bool = False) -> None:
+    """Removes the lock of a process that is gone: one of this host that is not alive or,
+    when the caller saw the lock's writer vanish (``gone``: the run's process 0), one of another
+    host; a killed process of this host takes a moment to end, waited for up to 5 s."""
+    holder, deadline = self.holder(), time.monotonic() + 5
+    while gone and holder is not None and holder.get("host") == socket.gethostname() and time.monotonic() < deadline:
+      time.sleep(0.1)
+      holder = self.holder()
+    if holder is None or (gone and holder.get("host") != socket.gethostname()):
+      try:
+        os.remove(self.path)
+      except FileNotFoundError:
+        pass
+
   def release(self) -> None:
     if self.held:
       self.held = False
@@ -129,6 +148,13 @@ def existing_steps(ckpt_path: str) -> list[int]:
   if not os.path.isdir(ckpt_path):
     return []
   return [int(n) for n in os.listdir(ckpt_path) if n.isdigit()]
+
+
+def last_whole_checkpoint(ckpt_path: str) -> str:
+  """Where a run that stopped can continue from, in words."""
+  steps = existing_steps(ckpt_path)
+  return (f"the last whole checkpoint is step {max(steps)} in {ckpt_path}" if steps
+          else f"no checkpoint is saved in {ckpt_path}")
 
 
 def checkpoint_record(ckpt_path: str, step: int | None = None) -> dict | None:
