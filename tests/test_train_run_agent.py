@@ -139,3 +139,21 @@ def test_the_relay_holds_cpp_records_until_they_are_old(monkeypatch):
   relay.drop()
   relay.flush()
   assert out.getvalue().endswith(b"step 2\n")
+
+
+@pytest.mark.parametrize("orig_argv, argv_, argv, expected", [
+    # python -m train.gpt ARGS: the worker runs the same command line
+    (["python", "-m", "train.gpt", "--coordinator", "h:1"], ["train/gpt.py", "--coordinator", "h:1"], None,
+     ["-m", "train.gpt", "--coordinator", "h:1"]),
+    # a user's script passing its arguments on to main: the worker runs the script
+    (["python", "wrap.py", "x", "--coordinator", "h:1"], ["wrap.py", "x", "--coordinator", "h:1"],
+     ["--coordinator", "h:1"], ["wrap.py", "x", "--coordinator", "h:1"]),
+    # main called by another program with arguments of its own: python -m COMMAND ARGV
+    (["python", "-m", "pytest", "-q"], ["pytest", "-q"], ["--coordinator", "h:1"],
+     ["-m", "train.gpt", "--coordinator", "h:1"]),
+])
+def test_the_worker_runs_what_the_user_started(monkeypatch, orig_argv, argv_, argv, expected):
+  """``argv_`` is the process's ``sys.argv``, ``argv`` what ``main`` was called with."""
+  monkeypatch.setattr(sys, "orig_argv", orig_argv)
+  monkeypatch.setattr(sys, "argv", argv_)
+  assert agent.worker_command("train.gpt", argv) == [sys.executable, *expected]

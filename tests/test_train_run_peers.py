@@ -98,7 +98,28 @@ def ends(procs, which=(0, 1)) -> tuple[list[int], list[str], float]:
     for p in procs:
       p.kill()
       p.communicate()
+      _wait_until_gone(p.pid)
   return [procs[i].returncode for i in which], errs, time.monotonic() - start
+
+
+def _wait_until_gone(group: int, timeout: float = 30) -> None:
+  """Until no live process is left in process ``group`` (an agent's worker dies after it, by
+  PR_SET_PDEATHSIG, and holds the run's lock until then; a zombie counts as gone)."""
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    states = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+      try:
+        with open(f"/proc/{pid}/stat") as f:
+          fields = f.read().rpartition(")")[2].split()
+      except OSError:
+        continue
+      if int(fields[2]) == group:
+        states.append(fields[0])
+    if all(s == "Z" for s in states):
+      return
+    time.sleep(0.05)
+  raise AssertionError(f"process group {group} still alive after {timeout} s")
 
 
 def one_line(err: str) -> str:

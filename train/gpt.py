@@ -39,7 +39,7 @@ def _setup(argv: list[str] | None):
     print(config_file.to_yaml(cfg.to_json()), end="")
     return 0
   if agent.wanted(cfg):  # this process watches a worker that runs the command
-    return agent.supervise(cfg, "train.gpt", agent.module_command("train.gpt", argv))
+    return agent.supervise(cfg, "train.gpt", agent.worker_command("train.gpt", argv))
   start.start_jax(cfg)
   from train.run import peers, setup  # import jax, models, dion_jax, data
 

@@ -88,7 +88,7 @@ def _setup(argv: list[str] | None):
   if print_config:
     return 0
   if agent.wanted(cfg):  # this process watches a worker that runs the command
-    return agent.supervise(cfg, "train.grpo", agent.module_command("train.grpo", argv))
+    return agent.supervise(cfg, "train.grpo", agent.worker_command("train.grpo", argv))
   start.start_jax(cfg)  # host devices for the mesh and the multi-host runtime, before JAX starts
   from train.grpo import loop  # import jax, models, dion_jax, data
   from train.run import peers

@@ -91,14 +91,19 @@ def resume_command(cfg: Config, command: str) -> str:
   return shlex.join(words)
 
 
-def module_command(command: str, argv: list[str] | None) -> list[str]:
-  """The worker's command line: ``python -m command`` with ``argv`` (this process's
-  arguments when None), whoever called the command's ``main`` (a test, a script)."""
-  return [sys.executable, "-m", command, *(sys.argv[1:] if argv is None else argv)]
+def worker_command(command: str, argv: list[str] | None) -> list[str]:
+  """The worker's command line. This process's own when it was started to run ``argv`` (its
+  arguments end with them: ``python -m COMMAND ...``, or a script of the user's that passes
+  its arguments on to ``main``), so that the worker runs what the user started; else
+  ``python -m command argv`` (``main`` called by another program with arguments of its own)."""
+  args = sys.argv[1:] if argv is None else list(argv)
+  if sys.argv[len(sys.argv) - len(args):] == args:
+    return [sys.executable, *sys.orig_argv[1:]]
+  return [sys.executable, "-m", command, *args]
 
 
 def supervise(cfg: Config, command: str, worker_argv: list[str]) -> int:
-  """Runs ``worker_argv`` (:func:`module_command`'s, the command this process was asked
+  """Runs ``worker_argv`` (:func:`worker_command`'s, the command this process was asked
   to run) as the worker and watches it (module docstring); the exit code to end with.
   ``command`` names the command in the ``--resume`` line."""
   reports, report_end = os.pipe()
