@@ -20,3 +20,13 @@ os.environ["XLA_FLAGS"] = " ".join(
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # jaxlib's CPU LAPACK calls scipy's OpenBLAS, whose threads would compete with XLA's pool.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
+import pytest  # noqa: E402  after the flags, as jax below
+
+
+@pytest.fixture
+def h100(monkeypatch):
+  """Pallas' Triton kernels lower as for an H100 (tests that lower for CUDA on this CPU)."""
+  from tests import triton_ir
+  triton_ir.target_an_h100(monkeypatch)
