@@ -13,9 +13,10 @@ import dion_jax
 import models
 from models import hf as hf_map
 from train import hf as hf_io
+from tests import extras
 from train import sample
 
-torch = pytest.importorskip("torch", reason="the Hugging Face reference tests need the dev extra: pip install -e \".[dev]\"")
+torch = pytest.importorskip("torch", reason=extras.TORCH)
 transformers = pytest.importorskip("transformers", reason="the Hugging Face reference tests need the dev extra: pip install -e \".[dev]\"")
 
 SEQ = 12
