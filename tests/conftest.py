@@ -6,7 +6,9 @@ compile time, and at that level XLA's fusion emitters half of the rest; every ch
 programs built with the same flags (subprocesses keep them: ``tests/xla_env.py``), so they
 run unoptimized, with the elemental emitters.
 
-The flags must be set before jax is imported anywhere.
+The flags must be set before jax is imported anywhere (jax reads JAX_PLATFORMS when
+imported, XLA its flags when the first backend starts), the XLA flags that the project's
+nested shard_maps need (``dion_jax.parallel.NESTED_SHARD_MAP_XLA_FLAGS``) last.
 """
 import os
 
@@ -20,3 +22,17 @@ os.environ["XLA_FLAGS"] = " ".join(
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # jaxlib's CPU LAPACK calls scipy's OpenBLAS, whose threads would compete with XLA's pool.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+from dion_jax.parallel import NESTED_SHARD_MAP_XLA_FLAGS  # noqa: E402  imports jax
+
+os.environ["XLA_FLAGS"] += "".join(f" {name}={value}" for name, value in NESTED_SHARD_MAP_XLA_FLAGS.items())
+
+
+import pytest  # noqa: E402  after the flags, as jax below
+
+
+@pytest.fixture
+def h100(monkeypatch):
+  """Pallas' Triton kernels lower as for an H100 (tests that lower for CUDA on this CPU)."""
+  from tests import triton_ir
+  triton_ir.target_an_h100(monkeypatch)

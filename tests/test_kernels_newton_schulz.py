@@ -48,7 +48,7 @@ def test_upper_tiles_halve_the_flops():
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_kernels_lower_for_cuda(dtype):
+def test_kernels_lower_for_cuda(dtype, h100):
   X = jax.ShapeDtypeStruct((2, 256, 1024), dtype)
   f = lambda x: newton_schulz.symmetric_products(x, 3.4, -4.7, interpret=False)
   modules = parse_triton_modules(jax.jit(f).trace(X).lower(lowering_platforms=("cuda",)))

@@ -96,7 +96,7 @@ def test_vmap_stacked_matrices_and_seeds():
 
 
 @pytest.mark.parametrize("m,r,dtype", [(1000, 8, jnp.bfloat16), (65536, 1024, jnp.float32)])
-def test_kernels_lower_for_cuda(m, r, dtype):
+def test_kernels_lower_for_cuda(m, r, dtype, h100):
   P = jax.ShapeDtypeStruct((2, m, r), dtype)
   R = jax.ShapeDtypeStruct((2, r, r), jnp.float32)
   k = sketch.sketch_size(r, 1.25)
@@ -110,7 +110,7 @@ def test_kernels_lower_for_cuda(m, r, dtype):
     assert len(modules) >= 1, name
 
 
-def test_row_sharded_rcqr_under_shard_map():
+def test_row_sharded_rcqr_under_shard_map(h100):
   mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
   P = _matrix(200, 16, 1e5, jnp.float32, seed=4)
 

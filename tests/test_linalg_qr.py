@@ -156,7 +156,9 @@ def test_batched_cqr_selects_per_matrix_without_a_branch():
   mixed = batch(good + [bad])
   np.testing.assert_allclose(mixed[:3], one_pass, atol=1e-6)
   shifted_cqr = jax.jit(lambda P: qr.shifted_cholesky_qr(P, backend="xla"))
-  np.testing.assert_allclose(mixed[3], shifted_cqr(bad[None])[0], atol=1e-6)
+  # Condition 1e6: batched or alone, XLA's rounding moves Q by up to 4.5e-6 (jax 0.12); the
+  # one-pass Cholesky QR it must not take gives NaN.
+  np.testing.assert_allclose(mixed[3], shifted_cqr(bad[None])[0], atol=1e-5)
   shifted = shifted_cqr(jnp.stack(good))
   np.testing.assert_allclose(batch(good, use_cqr=False), shifted, atol=1e-6)
   jaxpr = str(jax.make_jaxpr(lambda P: qr.cholesky_qr_batch(P, backend="xla"))(jnp.stack(good)))

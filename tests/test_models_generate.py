@@ -10,11 +10,12 @@ from scipy import stats
 import dion_jax
 import models
 from models import generate
+from tests import extras
 from train import sample
 from train.store import hf as hf_io
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch", reason=extras.TORCH)
+transformers = pytest.importorskip("transformers", reason=extras.TORCH)
 from tests.test_models_hf import make_hf_model  # noqa: E402
 
 # left-padded to one bucket of 16: 13, 6 and 1 padding slots

@@ -12,10 +12,11 @@ import pytest
 import dion_jax
 import models
 from models import hf as hf_map
+from tests import extras
 from train import sample
 from train.store import hf as hf_io
 
-torch = pytest.importorskip("torch", reason="the Hugging Face reference tests need the dev extra: pip install -e \".[dev]\"")
+torch = pytest.importorskip("torch", reason=extras.TORCH)
 transformers = pytest.importorskip("transformers", reason="the Hugging Face reference tests need the dev extra: pip install -e \".[dev]\"")
 
 SEQ = 12

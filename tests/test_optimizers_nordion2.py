@@ -89,7 +89,9 @@ def test_inject_hyperparams_and_bad_options():
   want, _ = tx.update(grads, tx.init(params), params)
   inj = optax.inject_hyperparams(dion_jax.nordion2, static_args=dion_jax.NORDION2_STATIC_ARGS)(
       learning_rate=0.02, ortho_dtype=jnp.float32)
-  np.testing.assert_allclose(inj.update(grads, inj.init(params), params)[0]["w"], want["w"], rtol=1e-6)
+  # atol: an entry where the update nearly cancels the weight decay (3.8e-6 of updates up to
+  # 7.7e-3) differs by 10 float32 ulps on jax 0.12, whose CPU programs round otherwise.
+  np.testing.assert_allclose(inj.update(grads, inj.init(params), params)[0]["w"], want["w"], rtol=1e-6, atol=1e-9)
   for kwargs, option in [(dict(fraction=1.5), "fraction"), (dict(muon_beta2=-0.1), "muon_beta2"),
                          (dict(selection_scope="rows"), "selection_scope"), (dict(mu=float("nan")), "mu")]:
     with pytest.raises(ValueError, match=option):

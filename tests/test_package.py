@@ -7,6 +7,7 @@ import os
 import pathlib
 import re
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
@@ -120,7 +121,14 @@ def test_every_readme_command_runs_from_the_wheel(tmp_path):
   """The wheel built from this tree, installed into a venv (the dependencies from this
   environment, the package from the wheel alone), run from a directory that is not the
   checkout: every ``python -m train.*`` / ``data.*`` the README and docs/ name is the wheel's, and
-  the planner, GRPO and the GPU evidence start (``--help``; exit 2 with one line on CPU)."""
+  the planner, GRPO and the GPU evidence start (``--help``; exit 2 with one line on CPU).
+
+  The venv sees this environment's packages through a ``.pth`` file naming its
+  site-packages, whether it is a venv or not: ``--system-site-packages`` would give it the
+  base interpreter's instead, where a venv's dependencies are not. The file lists plain
+  paths, so the ``.pth`` files there (this checkout's own editable install) do not run, and
+  it is written after the wheel's install, so that pip there never sees this environment's
+  packages as its own to replace."""
   source = tmp_path / "source"  # a copy, so that setuptools' build/ lands outside the checkout
   source.mkdir()
   for name in ("pyproject.toml", "README.md", *WHEEL_PACKAGES):
@@ -133,13 +141,17 @@ def test_every_readme_command_runs_from_the_wheel(tmp_path):
     tops = {name.split("/")[0] for name in z.namelist()}
   assert {t for t in tops if not t.endswith(".dist-info")} == WHEEL_PACKAGES
   venv = tmp_path / "venv"
-  subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+  env = xla_env.subprocess_env(drop=("PYTHONPATH",))  # a checkout on it would pass for the package
+  subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
   python = str(venv / "bin" / "python")
-  subprocess.run([python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--force-reinstall", str(wheel)],
-                 check=True, capture_output=True)
+  subprocess.run([python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", str(wheel)],
+                 check=True, capture_output=True, env=env)
+  (venv_site,) = (venv / "lib").glob("python3.*/site-packages")
+  assert (venv_site / "train" / "gpt.py").is_file()
+  ours = site.getsitepackages() + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
+  (venv_site / "running_environment.pth").write_text("".join(f"{path}\n" for path in ours))
   user = tmp_path / "elsewhere"
   user.mkdir()
-  env = xla_env.subprocess_env(drop=("PYTHONPATH",))
   documented = "".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
   commands = sorted(set(re.findall(r"python -m ((?:train|data)\.\w+)", documented)))
   assert {"train.gpt", "train.grpo", "train.plan", "train.gpu", "train.eval", "train.export"} <= set(commands)

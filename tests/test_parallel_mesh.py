@@ -1,4 +1,6 @@
 """Tests for dion_jax.parallel.mesh: spec parsing, mesh construction, layouts and divisibility."""
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -127,3 +129,22 @@ def test_tree_check_divisible_names_the_leaf():
   bad = {"blocks": {"up": P(None, "fs", ("tp", "rp")), "down": P(None, "tp", "fs")}, "norm": P()}
   with pytest.raises(ValueError, match=r"^\['blocks'\]\['up'\]: dimension 2 of size 6"):
     mesh_lib.tree_check_divisible(params, bad, mesh)
+
+
+def test_a_shard_map_nested_over_earlier_axes_compiles_with_the_flags():
+  """The pipeline's shard_map over pp around one over fs (earlier in AXES), as the GPT nests
+  them: with NESTED_SHARD_MAP_XLA_FLAGS (conftest sets them) it compiles and computes; without
+  them, jaxlib 0.11 and newer abort the process while compiling it."""
+  assert "--xla_enable_hlo_sharding_v3=false" in os.environ["XLA_FLAGS"].split()
+  mesh = mesh_lib.make_mesh("fs=2,pp=2", devices=jax.devices()[:4])
+
+  def stage(x):
+    inner = jax.shard_map(lambda y: y * 2 + jax.lax.axis_index("fs"), mesh=jax.sharding.get_abstract_mesh(),
+                          in_specs=P("fs"), out_specs=P("fs"), axis_names={"fs"})
+    return inner(x) + jax.lax.axis_index("pp")
+
+  with jax.set_mesh(mesh):
+    f = jax.jit(jax.shard_map(stage, in_specs=P("pp"), out_specs=P("pp"), axis_names={"pp"}))
+    out = np.asarray(f(np.arange(8.0, dtype=np.float32)))
+  # x halves over pp, then quarters over fs within each half: + pp index, + fs index.
+  np.testing.assert_array_equal(out, np.arange(8.0) * 2 + [0, 0, 1, 1, 1, 1, 2, 2])

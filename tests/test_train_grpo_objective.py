@@ -18,11 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests import extras
 from train.grpo import objective as grpo_objective
 
-torch = pytest.importorskip("torch")
-trl = pytest.importorskip("trl")
-trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
+torch = pytest.importorskip("torch", reason=extras.TORCH)
+trl = pytest.importorskip("trl", reason=extras.TRL)
+trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer", reason=extras.TRL)
 if trl.__version__ != "1.16.0":
   pytest.skip(f"the objectives are TRL 1.16.0's; trl {trl.__version__} is installed", allow_module_level=True)
 

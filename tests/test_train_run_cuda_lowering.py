@@ -18,11 +18,12 @@ from train.run import loop, setup
 
 
 @pytest.fixture
-def as_on_a_gpu(monkeypatch):
+def as_on_a_gpu(monkeypatch, h100):
   """Choices made when tracing (dtype, attention, Pallas or XLA, batched QR) as on a GPU.
 
   cuDNN's version and compute-capability checks read the local CUDA runtime, which a
-  CPU machine lacks: they are taken as an H100's.
+  CPU machine lacks: they are taken as an H100's, and so is the GPU the Triton kernels
+  lower for (``h100``).
   """
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)

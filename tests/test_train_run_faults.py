@@ -25,6 +25,7 @@ from tests import xla_env
 from tests.test_train_gpt import compile_cache, snapshot, subprocess_env  # noqa: F401  fixture
 from train import cli, gpt
 from train.run import config as config_lib
+from train.run import interrupt as interrupt_lib
 from train.run import preflight
 from train.run import restore as restore_lib
 from train.store import rundir
@@ -127,8 +128,11 @@ def steps_saved(run_dir) -> list[str]:
 def test_a_signal_finishes_the_step_saves_and_exits(compile_cache, tmp_path, capsys, signum, code):  # noqa: F811
   """The signal comes once step 3 is logged (the loop is then a step or two further: it logs
   a step after dispatching the next): the run finishes the step it is on, logs it and saves
-  it, although --save-every 0 saves only at the end."""
+  it, although --save-every 0 saves only at the end. Then the handler it found is back:
+  Python's ``default_int_handler`` for SIGINT, or ``SIG_IGN`` where the suite started with
+  SIGINT ignored (``nohup``, or ``&`` in a script), which the run overrode meanwhile."""
   run_dir = tmp_path / "run"
+  found = signal.getsignal(signum)
   stop_at(run_dir, 3, signum)
   assert train(run_dir, "--steps", "1000", "--save-every", "0") == code
   err = one_error_line(capsys)
@@ -139,8 +143,7 @@ def test_a_signal_finishes_the_step_saves_and_exits(compile_cache, tmp_path, cap
   assert err.startswith(f"error: stopped by {signal.Signals(signum).name} after step {saved[0]};"
                         f" the checkpoint of step {saved[0]} is saved in")
   assert not (run_dir / rundir.LOCK_NAME).exists()
-  assert signal.getsignal(signum) is not None and signal.getsignal(signum) == {
-      signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}[signum]
+  assert found is not None and signal.getsignal(signum) == found
 
 
 @pytest.mark.slow
@@ -189,20 +192,42 @@ with Interrupt(on_second=lambda: rundir.remove_partial_saves(sys.argv[1])) as in
 """
 
 
-def test_a_second_signal_exits_at_once_without_partial_saves(tmp_path):
-  """The second SIGTERM, while the first one's save runs, exits at once with 143 and removes
-  the unfinished save."""
+def _ignore_sigint() -> None:
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_second_signal_exits_at_once_without_partial_saves(tmp_path, signum, code):
+  """The second signal, while the first one's save runs, exits at once with 128 + signum and
+  removes the unfinished save. The process starts with SIGINT ignored, as one started with
+  ``nohup`` or by ``&`` in a script inherits it: the run still takes SIGINT."""
   partial = tmp_path / f"7{rundir.PARTIAL_MARK}"
   partial.mkdir()
   (tmp_path / "6").mkdir()
   proc = subprocess.Popen([sys.executable, "-c", SECOND_SIGNAL, str(tmp_path)], stdout=subprocess.PIPE,
-                          text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+                          text=True, cwd=os.path.dirname(os.path.dirname(__file__)), preexec_fn=_ignore_sigint)
   assert proc.stdout.readline() == "ready\n"
-  proc.send_signal(signal.SIGTERM)
+  proc.send_signal(signum)
   assert proc.stdout.readline() == "saving\n"
-  proc.send_signal(signal.SIGTERM)
-  assert proc.wait(timeout=30) == 143
+  proc.send_signal(signum)
+  assert proc.wait(timeout=30) == code
   assert os.listdir(tmp_path) == ["6"]
+
+
+def test_the_run_takes_sigint_even_where_it_was_ignored_and_gives_it_back():
+  """Under ``nohup`` or ``&`` in a script SIGINT starts ignored: the run's handler takes it
+  all the same (``kill -INT`` stops the run at a step, saved), and the ignoring is back after."""
+  found = signal.signal(signal.SIGINT, signal.SIG_IGN)
+  try:
+    with interrupt_lib.Interrupt(on_second=lambda: None) as interrupt:
+      os.kill(os.getpid(), signal.SIGINT)
+      deadline = time.monotonic() + 10
+      while interrupt.signum is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+      assert interrupt.signum == signal.SIGINT
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+  finally:
+    signal.signal(signal.SIGINT, found)
 
 
 def test_a_failed_save_stops_the_run_at_the_next_step_and_keeps_the_previous_checkpoint(  # noqa: F811

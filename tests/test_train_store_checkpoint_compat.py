@@ -11,11 +11,15 @@ data position; the step-4 loss also depends on the restored optimizer state (mom
 Adam moments, the update count), which step 3's update reads: restarting from fresh
 optimizer state moves it by about 2.4%. So a redesign that renames, reorders or reshapes
 the optimizer-state fields must keep (or convert) what these checkpoints hold.
+
+The runs trained on the default corpus, the standard library of the Python that ran them
+(3.11): another Python's library is other text, so the comparisons of losses run on 3.11.
 """
 import json
 import math
 import pathlib
 import shutil
+import sys
 
 import pytest
 
@@ -23,6 +27,9 @@ from train import gpt
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "checkpoints"
 OPTIMIZERS = ("dion", "normuon", "muon", "dion2")
+same_corpus = pytest.mark.skipif(
+    sys.version_info[:2] != (3, 11),
+    reason="the fixtures trained on Python 3.11's standard library (the default corpus); this Python's is other text")
 
 
 def _resume(tmp_path, optimizer: str, *flags: str) -> dict[int, dict]:
@@ -40,6 +47,7 @@ def _expected(optimizer: str, step: int) -> dict:
     return json.load(f)
 
 
+@same_corpus
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_saved_optimizer_state_restores(tmp_path, optimizer):
   """A checkpoint saved before the redesign resumes on the same mesh (rp=2) and continues
@@ -53,6 +61,7 @@ def test_saved_optimizer_state_restores(tmp_path, optimizer):
       assert got[step][key] == pytest.approx(want[key], rel=1e-6), (step, key)
 
 
+@same_corpus
 def test_saved_dion_state_restores_onto_another_mesh(tmp_path):
   """The Dion checkpoint saved on rp=2 resumes on fs=2 (its per-replica momentum averaged
   into one replica, the rest resharded): guards the saved layout's mesh independence across
@@ -65,6 +74,7 @@ def test_saved_dion_state_restores_onto_another_mesh(tmp_path):
     assert got[step]["loss"] == pytest.approx(want["loss"], rel=1e-4), step
 
 
+@same_corpus
 def test_checkpoint_without_a_loss_scale_resumes_in_float16(tmp_path):
   """The fixtures predate the loss scale (issue 19): the Dion checkpoint resumes in float16
   with the fresh scale (--initial-loss-scale) and every other array as saved (measured:

@@ -1,10 +1,18 @@
 """The environment of the tests' subprocesses: conftest's XLA flags without its device count."""
 import os
+from importlib import metadata
+
+
+def _jaxlib_older_than(version: tuple[int, int]) -> bool:
+  """Read off the installed distribution: the flags must be set before jax is imported."""
+  return tuple(int(part) for part in metadata.version("jaxlib").split(".")[:2]) < version
+
 
 # Without LLVM's optimizations, and with XLA's elemental emitters, which compile in half the time
-# of its fusion emitters at this level.
+# of its fusion emitters at this level. jaxlib 0.11 dropped the emitters' flag (XLA:CPU keeps
+# only its fusion emitters) and aborts the process on a flag it does not know.
 FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-                " --xla_cpu_use_fusion_emitters=false")
+                + (" --xla_cpu_use_fusion_emitters=false" if _jaxlib_older_than((0, 11)) else ""))
 
 
 def subprocess_env(drop: tuple[str, ...] = ()) -> dict:

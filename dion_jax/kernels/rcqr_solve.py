@@ -142,15 +142,18 @@ def _fused_solve_and_gram(P_bxmxr, Rinv_bxrxr, interpret):
   chunks, steps = row_chunks(-(-m // BM), B, partial_cap(m, r_pad))
   inputs, mat = varying_alike(P_bxmxr, Rinv_bxrxr)
   kernel = functools.partial(_fused_kernel, m=m, r=r, steps=steps, precision=matmul_precision(interpret))
+  # P's and P₁'s blocks are r_pad wide, past the arrays' r columns (masked in the kernel), so
+  # that the kernel's (BM, r_pad) tiles lie inside its blocks: jax 0.12 rejects a slice that
+  # runs past its block from a static start.
   P1_bxmxr, gram_bxcxrxr = pl.pallas_call(
       kernel,
       grid=(B, chunks),
       in_specs=[
-          pl.BlockSpec((None, m, r), lambda b, c: (b, 0, 0)),
+          pl.BlockSpec((None, m, r_pad), lambda b, c: (b, 0, 0)),
           pl.BlockSpec((None, r_pad, r_pad), lambda b, c: (b, 0, 0)),
       ],
       out_specs=[
-          pl.BlockSpec((None, m, r), lambda b, c: (b, 0, 0)),
+          pl.BlockSpec((None, m, r_pad), lambda b, c: (b, 0, 0)),
           pl.BlockSpec((None, None, r_pad, r_pad), lambda b, c: (b, c, 0, 0)),
       ],
       out_shape=[

@@ -12,6 +12,7 @@
 from dion_jax.parallel.layout import Layout, Placement
 from dion_jax.parallel.mesh import (
     AXES,
+    NESTED_SHARD_MAP_XLA_FLAGS,
     REPLICA_AXIS,
     TENSOR_PARALLEL_AXIS,
     axis_names,
@@ -38,6 +39,7 @@ from dion_jax.parallel.replicas import (
 __all__ = [
     "AXES",
     "Layout",
+    "NESTED_SHARD_MAP_XLA_FLAGS",
     "Placement",
     "REPLICA_AXIS",
     "TENSOR_PARALLEL_AXIS",

@@ -36,6 +36,16 @@ AXES = ("rp", "fs", "ep", "cp", "tp", "pp")
 REPLICA_AXIS = "rp"
 TENSOR_PARALLEL_AXIS = "tp"
 
+# XLA flags for a program whose shard_maps nest with the inner one's axes before the outer
+# one's in AXES (the GPT's pipeline over pp, or its context parallelism over cp, around the
+# shard_maps of its layers over the other axes). From jaxlib 0.11, XLA
+# exports shardings in its named form ("HLO sharding V3"), whose check of a nested manual
+# computation's axes aborts the process ("Manual axes must be sorted by mesh axis index",
+# jaxlib 0.11.2 and 0.12.0.1, CPU). Off, as jaxlib 0.10 has it; every jaxlib from 0.10.2 to
+# 0.12 knows the flag. XLA reads XLA_FLAGS once, when JAX's first backend starts: the
+# trainer adds these before that, as the tests do.
+NESTED_SHARD_MAP_XLA_FLAGS = {"--xla_enable_hlo_sharding_v3": "false"}
+
 _SIZE_RE = re.compile(r"[0-9]+")
 
 

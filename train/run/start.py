@@ -43,14 +43,14 @@ def _add_xla_flags(flags: dict[str, str]) -> None:
 
 
 def start_jax(cfg: Config) -> None:
-  """XLA's flags (host devices for the mesh, GPU overlap) and the multi-host runtime,
-  before JAX's backends start."""
+  """XLA's flags (host devices for the mesh, GPU overlap, nested shard_maps) and the
+  multi-host runtime, before JAX's backends start."""
   import jax
 
   import dion_jax
 
   processes = cfg.num_processes or 1
-  _add_xla_flags(GPU_OVERLAP_FLAGS)
+  _add_xla_flags({**GPU_OVERLAP_FLAGS, **dion_jax.parallel.NESTED_SHARD_MAP_XLA_FLAGS})
   if cfg.mesh is not None:
     needed = math.prod(dion_jax.parse_mesh_spec(cfg.mesh).values())
     if needed > processes and needed % processes == 0:
