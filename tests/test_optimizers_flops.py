@@ -11,9 +11,11 @@ import dion_jax
 from dion_jax import accounting
 from dion_jax.optimizers import flops
 
-# Flax layout (fan_in, fan_out): a stack of two squares, a wide and a tall kernel.
-PARAMS = {"a": jnp.zeros((2, 96, 96)), "b": jnp.zeros((96, 384)), "c": jnp.zeros((384, 96))}
-SHAPES = [(96, 96), (96, 96), (96, 384), (384, 96)]
+# Flax layout (fan_in, fan_out): a stack of two squares, a wide and a tall kernel, and one whose
+# rank-1 P (320 x 160) takes the blocked inverse Cholesky's recursion (two blocks of 128).
+PARAMS = {"a": jnp.zeros((2, 96, 96)), "b": jnp.zeros((96, 384)), "c": jnp.zeros((384, 96)),
+          "d": jnp.zeros((160, 320))}
+SHAPES = [(96, 96), (96, 96), (96, 384), (384, 96), (160, 320)]
 
 
 def _traced_matmul_flops(tx) -> int:

@@ -17,7 +17,7 @@ with an identity block to a multiple of b). Every other op is a batched matmul a
 blocks) a call is 3 kernel launches and 8 matmuls for the whole batch, 6 and 20 for
 r = 768.
 
-What it replaces on a GPU (jax 0.11, jaxlib's ``jaxlib/gpu/solver_kernels_ffi.cc``; XLA's
+What it replaced on a GPU (jax 0.11, jaxlib's ``jaxlib/gpu/solver_kernels_ffi.cc``; XLA's
 ``xla/backends/gpu/runtime/triangular_solve_thunk.cc``), per call on a batch:
 
 - ``jnp.linalg.cholesky`` is the custom call ``cusolver_potrf_ffi``. For a batch > 1
@@ -32,9 +32,9 @@ What it replaces on a GPU (jax 0.11, jaxlib's ``jaxlib/gpu/solver_kernels_ffi.cc
   ``cublasStrsmBatched``, which launched ``batch_trsm_left_kernel<float, 64, ...>`` r/64
   times per call (12 at r = 768), at about 40 µs each.
 
-So today's Cholesky QR pass asks for about 2r/16 + r/64 + 4 launches (110 at r = 768,
-55 at r = 384), none of them per matrix but all of them small; this one for
-r/b kernel launches and 4(r/b − 1) matmuls (26 and 11), each over the whole batch.
+So a Cholesky QR pass asked for about 2r/16 + r/64 + 4 launches (110 at r = 768, 55 at
+r = 384), none per matrix but all small; with this one it asks for r/b kernel launches and
+4(r/b − 1) matmuls (6 + 20 and 3 + 8), each over the whole batch.
 """
 import jax
 import jax.numpy as jnp
@@ -98,7 +98,7 @@ def inverse_cholesky(G_bxrxr: jax.Array, *, backend: str = "auto") -> jax.Array:
   as ``jnp.linalg.cholesky`` does. ``backend`` picks the diagonal blocks' kernel
   (``dion_jax.kernels.backend.inverse_cholesky``).
   """
-  B, r, _ = G_bxrxr.shape
+  r = G_bxrxr.shape[-1]
   b = block_size(r)
   n = -(-r // b) * b
   pad_eye = jnp.diag(jnp.arange(n) >= r).astype(jnp.float32)  # an identity block decouples the padding
