@@ -63,7 +63,8 @@ X_STEP_TOLERANCE_DEFAULT = 3e-4
 M_TOLERANCE = 2e-6
 
 
-@pytest.mark.parametrize("backend, qr_method", [("xla", "reference's"), ("pallas", "reference's"), ("xla", "shifted_cqr")])
+@pytest.mark.parametrize("backend, qr_method", [("xla", "reference's"), ("pallas", "reference's"), ("xla", "shifted_cqr"),
+                                                ("pallas", "shifted_cqr")])  # the GPU default's kernel, interpreted
 @pytest.mark.parametrize("case", _golden_cases())
 def test_reproduces_reference_trajectories(case, backend, qr_method):
   """The case's own orthonormalization, and the default one (any QR's Q gives the same step)."""
