@@ -214,9 +214,14 @@ def polar_factor(
   if tall:  # Work on the wide side: A is (min x min), the sums over the sharded rows.
     X = jnp.swapaxes(X, 1, 2)
 
-  def gram_of(x):  # X Xᵀ summed over the sharded rows in float32, then rounded once, as on one device
-    A = jnp.einsum("bsl,btl->bst", x, x, precision=precision, preferred_element_type=jnp.float32)
-    return collectives.psum(A, axis_name).astype(x.dtype)
+  def gram_of(x):
+    if not sharded:
+      return jnp.einsum("bsl,btl->bst", x, x, precision=precision)
+    # Summed over the rows' shards in float32 and rounded once, as on one device. The entries
+    # go up to float32 first (their products are exact there): XLA's CPU runtime refuses a
+    # bfloat16 x bfloat16 = float32 dot inside shard_map.
+    x32 = x.astype(jnp.float32)
+    return collectives.psum(jnp.einsum("bsl,btl->bst", x32, x32, precision=precision), axis_name).astype(x.dtype)
 
   norm = jnp.sqrt(collectives.psum(jnp.sum(jnp.square(X.astype(jnp.float32)), axis=(1, 2), keepdims=True), axis_name))
   X = (X / (norm * spec.safety + epsilon).astype(dtype)).astype(dtype)
