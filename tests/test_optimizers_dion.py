@@ -1,5 +1,6 @@
 """Dion's matrix step against the PyTorch reference's trajectories and float64 NumPy."""
 
+import functools
 import json
 import pathlib
 
@@ -62,7 +63,8 @@ X_STEP_TOLERANCE_DEFAULT = 3e-4
 M_TOLERANCE = 2e-6
 
 
-@pytest.mark.parametrize("backend, qr_method", [("xla", "reference's"), ("pallas", "reference's"), ("xla", "shifted_cqr")])
+@pytest.mark.parametrize("backend, qr_method", [("xla", "reference's"), ("pallas", "reference's"), ("xla", "shifted_cqr"),
+                                                ("pallas", "shifted_cqr")])  # the GPU default's kernel, interpreted
 @pytest.mark.parametrize("case", _golden_cases())
 def test_reproduces_reference_trajectories(case, backend, qr_method):
   """The case's own orthonormalization, and the default one (any QR's Q gives the same step)."""
@@ -283,3 +285,53 @@ def test_step_on_ill_conditioned_momentum_matches_float64_householder(spectrum, 
   project = np.eye(rows) if spectrum == "cond10" else U_left[:, :k] @ U_left[:, :k].T
   tol = 5e-6 if spectrum == "cond10" else 1e-3
   assert np.linalg.norm(project @ (U[0] - U_ref)) <= tol * np.linalg.norm(project @ U_ref)
+
+
+def test_tf32_rounding_is_round_to_nearest_even_on_11_significant_bits():
+  rng = np.random.default_rng(0)
+  x = (rng.normal(size=100_000) * 10.0 ** rng.integers(-30, 30, 100_000)).astype(np.float32)
+  mantissa, exponent = np.frexp(x.astype(np.float64))
+  expected = np.ldexp(np.round(np.ldexp(mantissa, 11)), exponent - 11).astype(np.float32)  # numpy rounds half to even
+  np.testing.assert_array_equal(dion_math.round_to_tf32(jnp.asarray(x)), expected)
+
+
+@pytest.mark.parametrize("power_precision,low,high", [
+    (None, 0.0, 1e-6), ("float32", 0.0, 1e-6), ("tensorfloat32", 1e-4, 1.5e-3), ("bfloat16", 1e-3, 1e-2)])
+def test_power_precision_rounds_the_products_inputs(power_precision, low, high):
+  """One step against float64 NumPy with Householder QR: the update is off by what the
+  inputs of B Q and Bᵀ P lose (reached: 4.1e-7 in float32, 4.0e-4 with TF32's 11
+  significant bits, 3.0e-3 with bfloat16's 8), the state stays float32."""
+  rows, cols, r = 96, 48, 24
+  rng = np.random.default_rng(5)
+  B, Q0 = rng.normal(size=(rows, cols)), rng.normal(size=(cols, r))
+  P_ref = np.linalg.qr(B @ Q0)[0]
+  R_ref = B.T @ P_ref
+  U_ref = P_ref @ (R_ref / (np.linalg.norm(R_ref, axis=0) + 1e-8)).T
+  hp = dion_math.DionHyperParams(mu=0.9, qr_method="shifted_cqr", backend="xla", power_precision=power_precision)
+  M, Q, U = jax.jit(dion_math.dion_matrix_step, static_argnames=("scale", "hp"))(
+      jnp.zeros((1, rows, cols), jnp.float32), jnp.asarray(B[None], jnp.float32), jnp.asarray(Q0[None], jnp.float32),
+      jnp.uint32(1), jnp.asarray(False), scale=1.0, hp=hp)
+  assert M.dtype == Q.dtype == U.dtype == jnp.float32
+  assert low <= np.linalg.norm(U[0] - U_ref) / np.linalg.norm(U_ref) < high
+
+
+def test_unknown_power_precision():
+  with pytest.raises(ValueError, match="power_precision"):
+    dion_jax.scale_by_dion(power_precision="float16")
+
+
+@pytest.mark.parametrize("power_precision,marker", [("tensorfloat32", "lhs_precision_type = tf32"),
+                                                    ("bfloat16", "xbf16>) ->")])
+def test_power_precision_as_on_a_gpu(monkeypatch, power_precision, marker):
+  """Traced as on a GPU: B Q and Bᵀ P (and only they) run TF32's dot algorithm, or take
+  bfloat16 operands; no emulated rounding."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  hp = dion_math.DionHyperParams(qr_method="shifted_cqr", backend="xla", power_precision=power_precision)
+  f = functools.partial(dion_math.dion_matrix_step, scale=1.0, hp=hp)
+  args = (jnp.zeros((1, 96, 48)), jnp.zeros((1, 96, 48)), jnp.zeros((1, 48, 24)), jnp.uint32(1), jnp.asarray(False))
+  text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+  of_b = [line for line in dots if "1x96x48x" in line.split("->")[0]]  # B is an operand: B Q, Pᵀ B
+  assert len(of_b) == 2 and all(marker in line for line in of_b), dots
+  assert not any(marker in line for line in dots if line not in of_b), dots
+  assert "bitcast_convert" not in text  # the emulated rounding is for CPUs

@@ -29,7 +29,7 @@ ALLOWED = {
     "accounting": {"parallel"},
 }
 PALLAS_MODULES = {f"dion_jax.kernels.{m}"
-                  for m in ("pallas_common", "rcqr", "rcqr_sketch", "rcqr_solve", "newton_schulz")}
+                  for m in ("pallas_common", "rcqr", "rcqr_sketch", "rcqr_solve", "newton_schulz", "cholesky")}
 
 
 def _module_name(path: pathlib.Path) -> str:

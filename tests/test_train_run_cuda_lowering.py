@@ -1,8 +1,9 @@
 """The trainer's whole step (GPT + Dion + clipping), lowered for CUDA on this CPU machine
 with every GPU-time decision taken as on a GPU: it holds no CPU-only custom call, the
-Pallas kernels are Triton modules the GPU compiler accepts, Dion's factorizations are
-batched cuSOLVER Cholesky and triangular solves outside any loop or conditional, and
-attention goes to cuDNN's fused kernels."""
+Pallas kernels are Triton modules the GPU compiler accepts, Dion's factorizations are one
+Triton launch per diagonal block for a whole megabatch, with no cuSOLVER or cuBLAS
+factorization and outside any loop or conditional, and attention goes to cuDNN's fused
+kernels."""
 
 import re
 
@@ -10,7 +11,9 @@ import jax
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo  # cuDNN's checks query a local GPU
 
+from dion_jax import accounting
 from dion_jax.kernels import backend as backend_lib
+from dion_jax.linalg import cholesky
 from tests import stablehlo_calls
 from tests.triton_ir import parse_triton_modules
 from train.run import config as config_lib
@@ -34,8 +37,8 @@ def as_on_a_gpu(monkeypatch, h100):
   monkeypatch.setattr(setup.comm, "describe", lambda *args: {"bytes_per_device_and_step": {}, "dion_replica_sync": None})
 
 
-def _lowered_step(tmp_path, optimizer: str, dtype: str | None = None, preset: str = "tiny",
-                  **overrides) -> jax.stages.Lowered:
+def _traced_step(tmp_path, optimizer: str, dtype: str | None = None, preset: str = "tiny",
+                 **overrides) -> tuple[jax.stages.Traced, jax.sharding.Mesh]:
   cfg = config_lib.Config(preset=preset, optimizer=optimizer, steps=1, global_batch_size=4,
                           eval_tokens=0, save_every=0, mesh="fs=1", run_dir=str(tmp_path / optimizer),
                           dtype=dtype, **overrides)
@@ -44,7 +47,13 @@ def _lowered_step(tmp_path, optimizer: str, dtype: str | None = None, preset: st
   assert run.model_cfg.dtype == (dtype or "bfloat16") and run.model_cfg.attention == "cudnn"
   batch = loop.global_batch(run, next(run.data.loader))
   with jax.set_mesh(run.mesh):
-    return run.train_step.trace(run.state, batch).lower(lowering_platforms=("cuda",))
+    return run.train_step.trace(run.state, batch), run.mesh
+
+
+def _lowered_step(tmp_path, optimizer: str, **kwargs) -> jax.stages.Lowered:
+  traced, mesh = _traced_step(tmp_path, optimizer, **kwargs)
+  with jax.set_mesh(mesh):
+    return traced.lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.parametrize("optimizer,preset", [("dion", "tiny"), ("muon", "tiny"), ("dion", "tiny-moe")])
@@ -61,8 +70,8 @@ def test_train_step_lowers_for_cuda_without_cpu_custom_calls(tmp_path, as_on_a_g
   assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= targets, targets
   modules = parse_triton_modules(lowered)  # Dion's RCQR passes or Muon's Newton–Schulz products
   assert modules, targets
-  if optimizer == "dion":
-    assert "cusolver_potrf_ffi" in targets, targets  # Dion's Cholesky QR
+  if optimizer == "dion":  # Dion's Cholesky QR: Triton, not cuSOLVER
+    assert not {t for t in targets if t.startswith(("cusolver", "cublas"))}, targets
 
 
 def test_float16_step_lowers_with_cudnn_attention_in_float16(tmp_path, as_on_a_gpu):
@@ -73,21 +82,32 @@ def test_float16_step_lowers_with_cudnn_attention_in_float16(tmp_path, as_on_a_g
   assert len(calls) >= 2 and all("xf16>" in line for line in calls), calls
 
 
-@pytest.mark.parametrize("rank_fraction", [1.0, 0.25])
-def test_dion_step_factorizes_batched_without_loops_or_conditionals(tmp_path, as_on_a_gpu, rank_fraction):
-  """Dion's default orthonormalization in the whole step, at full rank (square P: once
-  Householder QR) and 1/4 (tall P: once RCQR's sketch QR): every factorization runs once
-  per shape group, batched, none of them Householder QR, and the step holds no
-  conditional (an XLA:GPU conditional copies its predicate to the host). The megabatches
-  {query, key, value}, {out} (row-parallel: its own frame), {up}, {down} take shifted
-  Cholesky QR's 4 Choleskys and 4 triangular solves each: 16, where stepping the 6
-  parameters one by one took 24."""
-  lowered = _lowered_step(tmp_path, "dion", preset="small", dion_rank_fraction=rank_fraction)
+@pytest.mark.parametrize("rank_fraction,blocks", [(1.0, 6), (0.5, 3), (0.25, 2)])
+def test_dion_step_factorizes_batched_without_loops_or_conditionals(tmp_path, as_on_a_gpu, rank_fraction, blocks):
+  """Dion's default orthonormalization in the whole ``small`` step at ranks 1, 1/2 and 1/4
+  (r = 768, 384, 192): no cuSOLVER or cuBLAS factorization (before issue 44: 16 batched
+  potrf and 16 batched trsm, about 2r/16 + r/64 + 4 launches each, 1,760 per step at
+  rank 1), no Householder QR, no loop, no conditional (an XLA:GPU conditional copies its
+  predicate to the host). The megabatches {query, key, value}, {out} (row-parallel: its
+  own frame), {up}, {down} take 4 shifted Cholesky QR passes each, and each pass one
+  Triton launch per diagonal block of 128 for the whole megabatch: 16·r/128."""
+  traced, mesh = _traced_step(tmp_path, "dion", preset="small", dion_rank_fraction=rank_fraction)
+  per_run, in_while = accounting.primitive_counts(traced.jaxpr)
+  assert cholesky.block_size(int(768 * rank_fraction)) == 128
+  assert per_run["pallas_call"] == 4 * 4 * blocks, per_run
+  assert not {"cholesky", "triangular_solve", "geqrf", "householder_product", "cond", "while"} & (
+      set(per_run) | set(in_while)), (per_run, in_while)
+  with jax.set_mesh(mesh):
+    lowered = traced.lower(lowering_platforms=("cuda",))
+  assert not stablehlo_calls.factorization_calls(lowered)
   reached = stablehlo_calls.reached_ops(lowered)
-  ops = {r.op for r in reached}
-  calls = stablehlo_calls.factorization_calls(lowered)
-  assert calls == {"cusolver_potrf_ffi": 4 * 4, "stablehlo.triangular_solve": 4 * 4}, calls
-  assert not stablehlo_calls.factorizations_in_loops(reached), reached
-  assert not {op for op in ops if "geqrf" in op or "orgqr" in op}, ops
-  assert not ops & {"stablehlo.case", "stablehlo.if"}, ops
-  assert not parse_triton_modules(lowered)  # backend="auto" is XLA's composition (kernels/backend.py)
+  assert not {r.op for r in reached} & {"stablehlo.case", "stablehlo.if"}, reached
+  assert all(not r.inside for r in reached if r.op == "__gpu$xla.gpu.triton"), reached  # the loops are the model's
+  assert len(parse_triton_modules(lowered)) == 4 * 4 * blocks  # each a module the GPU compiler accepts
+
+
+def test_dion_polar_step_asks_for_no_factorization(tmp_path, as_on_a_gpu):
+  """``--dion-qr-method polar``: Polar Express on P, matmuls only."""
+  traced, _ = _traced_step(tmp_path, "dion", preset="small", dion_rank_fraction=0.5, dion_qr_method="polar")
+  per_run, in_while = accounting.primitive_counts(traced.jaxpr)
+  assert not {"cholesky", "triangular_solve", "geqrf", "pallas_call", "while"} & (set(per_run) | set(in_while))

@@ -5,14 +5,18 @@ accuracy: today XLA on every platform), ``"xla"`` or ``"pallas"`` (on CPU the Pa
 kernels run in the interpreter). On the H100 (``benchmarks/results/gpu/``) the Pallas
 kernels ran at 0.28–0.81x of XLA's speed for RCQR and 0.63–0.97x for the Newton–Schulz
 products; XLA's passes now run their float32 matmuls at ``Precision.HIGHEST``, so the
-kernels' accuracy edge over XLA's default TF32 is gone too. The Pallas modules are
+kernels' accuracy edge over XLA's default TF32 is gone too. One family differs: the
+inverse-Cholesky leaf (``dion_jax.kernels.cholesky``), whose ``"auto"`` is Pallas on a GPU,
+chosen by structure before any GPU timing (:func:`inverse_cholesky`). The Pallas modules are
 imported here, when first asked for: ``import dion_jax`` loads no Pallas or Triton.
 """
 from __future__ import annotations
 
 from typing import Callable
 
-from dion_jax.kernels import newton_schulz_xla, rcqr_xla
+import jax
+
+from dion_jax.kernels import cholesky_xla, newton_schulz_xla, rcqr_xla
 
 BACKENDS = ("auto", "xla", "pallas")
 
@@ -38,3 +42,18 @@ def symmetric_products(backend: str) -> Callable:
   from dion_jax.kernels import newton_schulz
 
   return newton_schulz.symmetric_products
+
+
+def inverse_cholesky(backend: str) -> Callable:
+  """The inverse Cholesky factor of a batch of small blocks, ``A (B, n, n) -> chol(A)⁻¹``.
+
+  ``"auto"`` is the Pallas kernel on a GPU and XLA's loop elsewhere (decided when
+  traced). On a GPU XLA's loop would launch n kernels with a host round trip each, and
+  cuSOLVER's batched Cholesky about 2n/16 launches plus a triangular inverse; the kernel
+  is one launch for the batch. Chosen by that count: no GPU has timed it yet.
+  """
+  if backend == "xla" or (backend == "auto" and jax.default_backend() != "gpu"):
+    return cholesky_xla.xla_inverse_cholesky
+  from dion_jax.kernels import cholesky
+
+  return cholesky.inverse_cholesky

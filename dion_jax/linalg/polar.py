@@ -38,6 +38,12 @@ at least twice as long as it is short (l ≥ 2s: MLP matrices, fused qkv kernels
 it never takes more flops; the standard steps elsewhere. It runs XLA matmuls on every backend
 (the Pallas kernels fuse the standard step's products).
 
+Sharded (``axis_name``, inside ``shard_map``): the long side of G split over mesh axes, as
+the rows of Dion's tall P are over tp. Every s x s Gram and the Frobenius norm are then
+summed over those axes; everything else is local, so the result is each device's block of
+the one-device result (up to the order of the sums). The products are XLA's then, with the
+sum between A and A².
+
 Precision: with ``dtype=jnp.bfloat16`` (the default, as the reference) the input
 is rounded to bfloat16 and every product runs in bfloat16; ``jnp.float32`` keeps
 float32 throughout at the highest matmul precision. The result is float32.
@@ -47,6 +53,7 @@ halve the work (``dion_jax.kernels.newton_schulz``); ``backend`` chooses it or t
 composition (``dion_jax.kernels.newton_schulz_xla``).
 """
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -54,6 +61,8 @@ import jax.numpy as jnp
 
 from dion_jax import validation
 from dion_jax.kernels import backend as backend_lib
+from dion_jax.kernels import newton_schulz_xla
+from dion_jax.parallel import collectives
 
 # Polar Express, 5 iterations, safety factor 2e-2, cushion 2 (arXiv 2505.16932); the
 # same five triples as microsoft/dion's polar_express.py.
@@ -107,6 +116,23 @@ def uses_gram(s: int, l: int) -> bool:
   return l >= 2 * s
 
 
+def flops(s: int, l: int, *, method: str = "polar_express", gram: bool = False) -> int:
+  """Matmul flops of :func:`polar_factor` on one s x l matrix (s ≤ l), 2 per multiply-add,
+  as executed (module docstring): standard steps 4s²l + 2s³ each; Gram steps 2s²l for R,
+  2s³ for R² and for Q P, 4s³ for P R P, 4s²l per restart and 2s²l for Q X₀."""
+  spec = METHODS[method]
+  steps = len(spec.coefficients)
+  if not (gram and uses_gram(s, l)):
+    return steps * (4 * s * s * l + 2 * s**3)
+  total = 2 * s * s * l + 2 * s * s * l  # R = X₀X₀ᵀ, and Q X₀ at the end
+  for i in range(steps):
+    total += 4 * s * s * l if i in spec.gram_restarts else 0
+    total += 2 * s**3  # R²
+    total += 2 * s**3 if i and i not in spec.gram_restarts else 0  # Q ← Q P
+    total += 4 * s**3 if i + 1 < steps and i + 1 not in spec.gram_restarts else 0  # R ← P R P
+  return total
+
+
 def _aol(X, A):
   """``diag(d) X`` and ``diag(d) A diag(d)``, ``dᵢ = (Σⱼ |Aᵢⱼ|)^(-1/2)``: spectral norm ≤ 1.
   A zero row keeps d finite (the clamp) and stays zero."""
@@ -115,12 +141,12 @@ def _aol(X, A):
   return d * X, d * A * jnp.swapaxes(d, -1, -2)
 
 
-def _standard(X, method: Method, precision, products):
+def _standard(X, method: Method, precision, products, gram):
   """The steps on X itself: ``X ← a·X + (b·A + c·A²) X``."""
   mm = lambda x, y: jnp.einsum("bst,btl->bsl", x, y, precision=precision)
   for i, (a, b, c) in enumerate(method.coefficients):
     if i == 0 and method.rescaled:
-      A = mm(X, jnp.swapaxes(X, 1, 2))
+      A = gram(X)
       X, A = _aol(X, A)
       B = b * A + c * mm(A, A)
     else:
@@ -129,10 +155,9 @@ def _standard(X, method: Method, precision, products):
   return X
 
 
-def _gram(X, method: Method, precision):
+def _gram(X, method: Method, precision, gram):
   """The steps on the s x s matrices: ``Q ← Q P``, ``R ← P R P``; ``Q X₀`` at the end."""
   mm = lambda x, y: jnp.einsum("bst,btl->bsl", x, y, precision=precision)
-  gram = lambda x: mm(x, jnp.swapaxes(x, 1, 2))
   R = gram(X)
   if method.rescaled:
     X, R = _aol(X, R)
@@ -158,6 +183,7 @@ def polar_factor(
     epsilon: float = 1e-8,
     backend: str = "auto",
     gram: bool = False,
+    axis_name: collectives.Axes = None,
 ) -> jax.Array:
   """The approximate polar factor of every matrix of ``G`` (..., m, n); float32, same shape.
 
@@ -170,6 +196,8 @@ def polar_factor(
     backend: ``"auto"`` (Pallas on GPU, else XLA), ``"xla"`` or ``"pallas"``.
     gram: iterate on the s x s Gram matrix where the matrix is at least twice as long
       as it is short (module docstring).
+    axis_name: mesh axes over which G's rows are sharded, inside ``shard_map``, G then
+      at least as tall as wide in all (module docstring).
   """
   validation.check_choice("ortho_method", method, tuple(METHODS))
   check_dtype(dtype)
@@ -177,16 +205,33 @@ def polar_factor(
   spec = METHODS[method]
   precision = jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
   *batch, m, n = G.shape
+  sharded = bool(collectives.names(axis_name))
+  m_total = m * collectives.axis_size(axis_name)
+  if sharded and m_total < n:
+    raise ValueError(f"polar_factor with sharded rows takes a tall G, got {m_total} x {n} in all")
   X = G.reshape((-1, m, n)).astype(dtype)
-  tall = m > n
-  if tall:  # Work on the wide side: A is (min x min).
+  tall = m_total > n or sharded
+  if tall:  # Work on the wide side: A is (min x min), the sums over the sharded rows.
     X = jnp.swapaxes(X, 1, 2)
-  norm = jnp.sqrt(jnp.sum(jnp.square(X.astype(jnp.float32)), axis=(1, 2), keepdims=True))
+
+  def gram_of(x):
+    if not sharded:
+      return jnp.einsum("bsl,btl->bst", x, x, precision=precision)
+    # Summed over the rows' shards in float32 and rounded once, as on one device. The entries
+    # go up to float32 first (their products are exact there): XLA's CPU runtime refuses a
+    # bfloat16 x bfloat16 = float32 dot inside shard_map.
+    x32 = x.astype(jnp.float32)
+    return collectives.psum(jnp.einsum("bsl,btl->bst", x32, x32, precision=precision), axis_name).astype(x.dtype)
+
+  norm = jnp.sqrt(collectives.psum(jnp.sum(jnp.square(X.astype(jnp.float32)), axis=(1, 2), keepdims=True), axis_name))
   X = (X / (norm * spec.safety + epsilon).astype(dtype)).astype(dtype)
-  if gram and uses_gram(*X.shape[1:]):
-    X = _gram(X, spec, precision)
+  if gram and uses_gram(min(m_total, n), max(m_total, n)):
+    X = _gram(X, spec, precision, gram_of)
   else:
-    X = _standard(X, spec, precision, backend_lib.symmetric_products(backend))
+    products = backend_lib.symmetric_products(backend)
+    if sharded:
+      products = functools.partial(newton_schulz_xla.xla_symmetric_products, gram=gram_of)
+    X = _standard(X, spec, precision, products, gram_of)
   if tall:
     X = jnp.swapaxes(X, 1, 2)
   return X.astype(jnp.float32).reshape(G.shape)

@@ -1,12 +1,13 @@
 """Orthonormalization of the tall factor P (m x r, m >= r) in Dion's power iteration.
 
 ``"auto"`` (the default) picks ``"shifted_cqr"`` on a GPU and ``"rcqr"`` elsewhere
-(:func:`resolve_method`). Four methods, each returning a float32 matrix with orthonormal columns that spans
-the column space of ``P`` (up to the signs of the columns, the Q factor of P's QR):
+(:func:`resolve_method`). Four methods return a float32 matrix with orthonormal columns that spans
+the column space of ``P`` (up to the signs of the columns, the Q factor of P's QR), a
+fifth (``"polar"``) an approximately orthonormal one:
 
 - ``"shifted_cqr"`` (the default on a GPU): Cholesky QR in four passes, every one of them
-  batched over the matrices of a step (a Gram matmul, a Cholesky of r x r, a
-  multiplication by the triangular inverse), with no loop and no branch::
+  batched over the matrices of a step (a Gram matmul, the inverse Cholesky factor of the
+  r x r Gram, a matmul by it), with no loop and no branch::
 
       P₀ = P + ε·‖P‖_F/√r · Ω                               fill, ε = 2e-7
       Pᵢ₊₁ = Pᵢ Rᵢ⁻¹,  Rᵢ = chol(PᵢᵀPᵢ + sᵢ I)                i = 0, 1, 2, 3
@@ -24,7 +25,12 @@ the column space of ``P`` (up to the signs of the columns, the Q factor of P's Q
   512 x 128, cond 1..1e12, duplicated or zero columns: ‖QᵀQ − I‖₂ ≤ 8e-7 and
   ‖(I − QQᵀ)P‖/‖P‖ ≤ 1.1e-6 (Householder: 1.1e-6 and 3e-7). With one shifted pass
   instead of two, or three passes in all, square P of condition ≥ 1e9 gave NaN or
-  ‖QᵀQ − I‖ up to 1e-3.
+  ‖QᵀQ − I‖ up to 1e-3. Each pass's factor Rᵢ⁻¹ comes whole from
+  ``dion_jax.linalg.cholesky.inverse_cholesky``: one Triton launch per 128-column
+  diagonal block for the whole batch and a few batched matmuls, where cuSOLVER's batched
+  Cholesky and cuBLAS's batched triangular inverse took about 2r/16 + r/64 launches
+  (issue 44); pass by pass it is as orthonormal as the LAPACK factor
+  (``benchmarks/results/dion_gpu_path/qr_accuracy.md``).
 - ``"cqr"``: Cholesky QR in one pass, ``R = chol(PᵀP)``, ``P R⁻¹``, per matrix where
   its Cholesky succeeds and ``use_cqr`` is true (Dion enables it after
   ``cqr_warmup_steps``), ``"shifted_cqr"`` elsewhere. Both are computed and selected:
@@ -40,6 +46,14 @@ the column space of ``P`` (up to the signs of the columns, the Q factor of P's Q
   pass finishes the job. Square P goes to Householder QR. Its Householder QRs run one
   matrix at a time (``dion_jax.kernels.lapack``).
 - ``"qr"``: Householder QR (``jnp.linalg.qr``), one matrix at a time.
+- ``"polar"``: P's polar factor by Polar Express in bfloat16, as Muon's
+  (``dion_jax.linalg.polar``; the Gram steps on r x r where m ≥ 2r): matmuls only, no
+  factorization and no launch per block. It spans P's column space but for bfloat16's
+  rounding, and its columns are orthonormal only to the polynomials' band: singular
+  values 0.82 .. 1.33 at condition ≤ 10, and P's directions below ~1e-3 of its norm are
+  not lifted to 1 (‖QᵀQ − I‖₂ 0.28 at condition 1, up to 1 on ill-conditioned P). A
+  different basis of the span than QR's (Dion's column normalization of R sees the
+  basis), and it trains worse (docs/design.md §4).
 
 Every matmul of the Cholesky passes and of the sketch runs at ``Precision.HIGHEST``
 (float32, not the TF32 XLA uses by default on recent GPUs).
@@ -50,9 +64,11 @@ over those axes; everything else is local. The sketch entries and the fill Ω ar
 functions of the global row index (``dion_jax.kernels.sketch``), so the result does
 not depend on the number of shards.
 
-The passes over P (sketch, solve + Gram, solve) are the heavy part; they dispatch
-to Pallas GPU kernels (``dion_jax.kernels.rcqr``) or to their XLA composition
-(``dion_jax.kernels.rcqr_xla``), chosen by ``backend``.
+RCQR's passes over P (sketch, solve + Gram, solve) dispatch to Pallas GPU kernels
+(``dion_jax.kernels.rcqr``) or to their XLA composition (``dion_jax.kernels.rcqr_xla``),
+chosen by ``backend``; Cholesky QR's are XLA matmuls, and ``backend`` picks the kernel of
+its diagonal blocks (``dion_jax.kernels.backend.inverse_cholesky``: ``"auto"`` is Pallas on
+a GPU).
 """
 
 from typing import Literal
@@ -64,12 +80,13 @@ from jax import lax
 from dion_jax import validation
 from dion_jax.kernels import backend as backend_lib
 from dion_jax.kernels import lapack, sketch
+from dion_jax.linalg import cholesky, polar
 from dion_jax.parallel import collectives
 
-Method = Literal["auto", "shifted_cqr", "cqr", "rcqr", "qr"]
+Method = Literal["auto", "shifted_cqr", "cqr", "rcqr", "qr", "polar"]
 AxisName = collectives.Axes
 
-METHODS = ("auto", "shifted_cqr", "cqr", "rcqr", "qr")
+METHODS = ("auto", "shifted_cqr", "cqr", "rcqr", "qr", "polar")
 
 
 def resolve_method(method: str) -> str:
@@ -142,29 +159,39 @@ def _gram(P_bxmxr: jax.Array) -> jax.Array:
                     preferred_element_type=jnp.float32)
 
 
+def _times(P_bxmxr: jax.Array, W_bxrxr: jax.Array) -> jax.Array:
+  return jnp.einsum("bmr,brs->bms", P_bxmxr, W_bxrxr, precision=lax.Precision.HIGHEST,
+                    preferred_element_type=jnp.float32)
+
+
 def _frobenius_sq(G_bxrxr: jax.Array) -> jax.Array:
   return jnp.trace(G_bxrxr, axis1=1, axis2=2)[:, None, None]
+
+
+def shifted_cholesky_qr_passes(P_bxmxr: jax.Array, *, axis_name: AxisName = None,
+                               backend: str = "auto") -> list[jax.Array]:
+  """P after each pass of ``"shifted_cqr"`` (module docstring) on a batch of B matrices
+  (B, m, r), every pass batched; four float32 (B, m, r), the last orthonormal."""
+  _, m_local, r = P_bxmxr.shape
+  P_bxmxr = P_bxmxr.astype(jnp.float32)
+  rms_col_bx1x1 = jnp.sqrt(collectives.psum(jnp.sum(P_bxmxr**2, axis=(1, 2), keepdims=True), axis_name) / r)
+  P_bxmxr = P_bxmxr + (FILL * rms_col_bx1x1) * fill_columns(m_local, r, axis_name)
+  eye = jnp.eye(r, dtype=jnp.float32)
+  u = float(jnp.finfo(jnp.float32).eps)
+  passes = []
+  for shifted in _SHIFTED_PASSES:
+    G_bxrxr = collectives.psum(_gram(P_bxmxr), axis_name)
+    shift = u * _frobenius_sq(G_bxrxr) if shifted else 0.0
+    P_bxmxr = _times(P_bxmxr, cholesky.inverse_cholesky(G_bxrxr + shift * eye, backend=backend))
+    passes.append(P_bxmxr)
+  return passes
 
 
 def shifted_cholesky_qr(P_bxmxr: jax.Array, *, axis_name: AxisName = None, backend: str = "auto") -> jax.Array:
   """``"shifted_cqr"`` (module docstring) of a batch of B matrices (B, m, r), every
   pass batched; returns float32 (B, m, r). An all-zero P gives NaN (Dion's all-zero
   guard replaces it)."""
-  _, solve_and_gram, solve = backend_lib.rcqr_passes(backend)
-  _, m_local, r = P_bxmxr.shape
-  P_bxmxr = P_bxmxr.astype(jnp.float32)
-  rms_col_bx1x1 = jnp.sqrt(collectives.psum(jnp.sum(P_bxmxr**2, axis=(1, 2), keepdims=True), axis_name) / r)
-  P_bxmxr = P_bxmxr + (FILL * rms_col_bx1x1) * fill_columns(m_local, r, axis_name)
-  G_bxrxr = collectives.psum(_gram(P_bxmxr), axis_name)
-  eye = jnp.eye(r, dtype=jnp.float32)
-  u = float(jnp.finfo(jnp.float32).eps)
-  for i, shifted in enumerate(_SHIFTED_PASSES):
-    shift = u * _frobenius_sq(G_bxrxr) if shifted else 0.0
-    R_bxrxr = jax.vmap(lapack.cholesky_upper)(G_bxrxr + shift * eye)
-    if i == len(_SHIFTED_PASSES) - 1:
-      return jax.vmap(solve)(P_bxmxr, R_bxrxr)
-    P_bxmxr, G_bxrxr = jax.vmap(solve_and_gram)(P_bxmxr, R_bxrxr)
-    G_bxrxr = collectives.psum(G_bxrxr, axis_name)
+  return shifted_cholesky_qr_passes(P_bxmxr, axis_name=axis_name, backend=backend)[-1]
 
 
 def cholesky_qr_batch(
@@ -179,10 +206,9 @@ def cholesky_qr_batch(
   select. Both return P's Q factor up to column signs, which Dion's update does not
   see (P Rᵀ and P Qᵀ with R = Bᵀ P are unchanged when a column of P flips)."""
   P32_bxmxr = P_bxmxr.astype(jnp.float32)
-  R_bxrxr = jax.vmap(lapack.cholesky_upper)(collectives.psum(_gram(P32_bxmxr), axis_name))
-  ok_bx1x1 = jnp.logical_and(jnp.all(jnp.isfinite(R_bxrxr), axis=(1, 2), keepdims=True), use_cqr)
-  safe_R_bxrxr = jnp.where(ok_bx1x1, R_bxrxr, jnp.eye(R_bxrxr.shape[-1], dtype=jnp.float32))
-  one_pass = jax.vmap(backend_lib.rcqr_passes(backend)[2])(P32_bxmxr, safe_R_bxrxr)
+  W_bxrxr = cholesky.inverse_cholesky(collectives.psum(_gram(P32_bxmxr), axis_name), backend=backend)
+  ok_bx1x1 = jnp.logical_and(jnp.all(jnp.isfinite(W_bxrxr), axis=(1, 2), keepdims=True), use_cqr)
+  one_pass = _times(P32_bxmxr, jnp.where(ok_bx1x1, W_bxrxr, jnp.eye(W_bxrxr.shape[-1], dtype=jnp.float32)))
   return jnp.where(ok_bx1x1, one_pass, shifted_cholesky_qr(P32_bxmxr, axis_name=axis_name, backend=backend))
 
 
@@ -206,6 +232,8 @@ def orthonormalize_batch(
     return cholesky_qr_batch(P_bxmxr, use_cqr=use_cqr, axis_name=axis_name, backend=backend)
   if method == "qr":
     return jax.vmap(lambda P: householder(P, axis_name))(P_bxmxr)
+  if method == "polar":
+    return polar.polar_factor(P_bxmxr, dtype=jnp.bfloat16, gram=True, axis_name=axis_name, backend=backend)
   rcqr_one = lambda P: rcqr(P, seed, oversample=oversample, axis_name=axis_name, backend=backend)
   return jax.vmap(rcqr_one)(P_bxmxr)
 

@@ -144,6 +144,7 @@ def scale_by_dion(
     momentum_dtype: Any = None,
     q_dtype: Any = None,
     mixed_precision: bool = False,
+    power_precision: str | None = None,
     seed: int = 0,
     dimension_numbers=None,
     partition_specs=None,
@@ -167,7 +168,9 @@ def scale_by_dion(
       over the matrices with no loop or branch: fit for a GPU), ``"cqr"`` (one-pass
       Cholesky QR after ``cqr_warmup_steps`` steps where its Cholesky succeeds,
       ``"shifted_cqr"`` elsewhere), ``"rcqr"`` (randomized Cholesky QR, the
-      reference's) or ``"qr"`` (Householder); see ``dion_jax.linalg.qr``.
+      reference's), ``"qr"`` (Householder) or ``"polar"`` (P's polar factor by Polar
+      Express in bfloat16, Muon's arithmetic: no factorization, columns orthonormal to
+      about 0.1); see ``dion_jax.linalg.qr``.
     cqr_warmup_steps: see ``qr_method``.
     oversample: RCQR sketch rows per rank, before rounding up to a multiple of 128
       (None: 1.25).
@@ -181,6 +184,10 @@ def scale_by_dion(
       unless ``momentum_dtype``/``q_dtype`` say otherwise. The step's products then
       run in bfloat16 (float32 accumulation), the orthonormalization and Q's column
       norms in float32; the update keeps the parameter's dtype.
+    power_precision: the inputs of the power iteration's products B Q and Bᵀ P, always
+      accumulated in float32: None (XLA's default precision: TF32 on NVIDIA GPUs since
+      Ampere, float32 on CPUs), ``"float32"``, ``"tensorfloat32"`` (TF32 inputs; on a CPU
+      their rounding is emulated) or ``"bfloat16"``. The state keeps its dtype.
     seed: seeds Q's initialization and the RCQR sketches.
     dimension_numbers: fan_in/fan_out axes (see :func:`leaf_frames`).
     partition_specs: PartitionSpecs of the parameters: decide each matrix's frame
@@ -204,7 +211,8 @@ def scale_by_dion(
   )  # fmt: skip
   validation.check_choice("qr_method", qr_method, qr.METHODS)
   validation.check_choice("backend", backend, backend_lib.BACKENDS)
-  hp = dion_math.DionHyperParams(mu, epsilon, qr_method, oversample, power_iters, backend)
+  validation.check_choice("power_precision", power_precision, dion_math.POWER_PRECISIONS)
+  hp = dion_math.DionHyperParams(mu, epsilon, qr_method, oversample, power_iters, backend, power_precision)
   key = jax.random.key(seed)
   if mixed_precision:
     momentum_dtype, q_dtype = momentum_dtype or jnp.bfloat16, q_dtype or jnp.bfloat16
@@ -253,6 +261,7 @@ def dion(
     momentum_dtype: Any = None,
     q_dtype: Any = None,
     mixed_precision: bool = False,
+    power_precision: str | None = None,
     seed: int = 0,
     scalar_optimizer: str = "adamw",
     scalar_learning_rate: optax.ScalarOrSchedule | None = None,
@@ -273,8 +282,8 @@ def dion(
     learning_rate: base learning rate, a float or an optax schedule; Dion's update is
       further multiplied by its shape scale (``scale_rule``).
     rank_fraction, rank_multiple_of, mu, epsilon, qr_method, cqr_warmup_steps,
-      oversample, power_iters, scale_rule, momentum_dtype, q_dtype, mixed_precision, seed,
-      dimension_numbers, partition_specs, mesh, replicate_sync, backend: see
+      oversample, power_iters, scale_rule, momentum_dtype, q_dtype, mixed_precision,
+      power_precision, seed, dimension_numbers, partition_specs, mesh, replicate_sync, backend: see
       :func:`scale_by_dion`.
     weight_decay: decoupled weight decay, multiplied by the base learning rate, for
       Dion and (unless ``scalar_weight_decay`` is given) the scalar optimizer.
@@ -299,7 +308,8 @@ def dion(
       rank_fraction=rank_fraction, rank_multiple_of=rank_multiple_of, mu=mu,
       epsilon=epsilon, qr_method=qr_method, cqr_warmup_steps=cqr_warmup_steps,
       oversample=oversample, power_iters=power_iters, scale_rule=scale_rule,
-      momentum_dtype=momentum_dtype, q_dtype=q_dtype, mixed_precision=mixed_precision, seed=seed,
+      momentum_dtype=momentum_dtype, q_dtype=q_dtype, mixed_precision=mixed_precision,
+      power_precision=power_precision, seed=seed,
       dimension_numbers=dimension_numbers, partition_specs=partition_specs,
       mesh=mesh, replicate_sync=replicate_sync, backend=backend,
   )  # fmt: skip

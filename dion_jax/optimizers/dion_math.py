@@ -57,6 +57,7 @@ class DionHyperParams(NamedTuple):
   oversample: float = 1.25
   power_iters: int = 1
   backend: str = "auto"
+  power_precision: str | None = None
 
 
 def _orthonormalize_batch(P_bxrxr, seed, use_cqr, hp: DionHyperParams, axes: Collectives):
@@ -84,7 +85,34 @@ def _power_left(MR_partial_bxrxr, seed, use_cqr, hp: DionHyperParams, axes: Coll
   return collectives.gather_back(P_local, axes.cols, axes.replica)
 
 
-def _contract(M: jax.Array, X: jax.Array, over_last: bool) -> jax.Array:
+POWER_PRECISIONS = (None, "float32", "tensorfloat32", "bfloat16")
+
+
+def round_to_tf32(x: jax.Array) -> jax.Array:
+  """float32 rounded to TF32's 10 mantissa bits (to nearest, ties to even), still float32:
+  a product of two such numbers is exact in float32, so a float32 matmul of them
+  accumulates what a TF32 tensor core would."""
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  bits = (bits + jnp.uint32(0xFFF) + ((bits >> 13) & 1)) & jnp.uint32(0xFFFFE000)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _operands(precision: str | None):
+  """``(cast, dot_precision)`` of B Q and Bᵀ P for ``power_precision`` (see ``scale_by_dion``):
+  what each operand becomes and the matmul's precision. TF32 is the GPU's own dot
+  algorithm; elsewhere (XLA's CPU has none) its rounding, emulated, before a float32 matmul."""
+  if precision == "bfloat16":
+    return (lambda x: x.astype(jnp.bfloat16)), None
+  if precision == "tensorfloat32":
+    if jax.default_backend() == "gpu":
+      return (lambda x: x.astype(jnp.float32)), jax.lax.DotAlgorithmPreset.TF32_TF32_F32
+    return round_to_tf32, jax.lax.Precision.HIGHEST
+  if precision == "float32":
+    return (lambda x: x.astype(jnp.float32)), jax.lax.Precision.HIGHEST
+  return (lambda x: x), None
+
+
+def _contract(M: jax.Array, X: jax.Array, over_last: bool, precision=None) -> jax.Array:
   """``M`` (B, a, c) times ``X`` over one matrix axis of M, float32 accumulation.
 
   ``over_last``: Σ_c M[a, c] X[c, r] -> (B, a, r); else Σ_a M[a, c] X[a, r] -> (B, c, r).
@@ -92,11 +120,12 @@ def _contract(M: jax.Array, X: jax.Array, over_last: bool) -> jax.Array:
   the dot by optimization barriers: XLA would fold them back into a transposed-LHS
   GEMM, which runs at about half the plain one's speed on CPU.
   """
+  mm = lambda spec, a, b: jnp.einsum(spec, a, b, precision=precision, preferred_element_type=jnp.float32)
   if over_last:
-    return jnp.einsum("bac,bcr->bar", M, X, preferred_element_type=jnp.float32)
+    return mm("bac,bcr->bar", M, X)
   barrier = jax.lax.optimization_barrier if jax.default_backend() == "cpu" else (lambda x: x)
   Xt_bxrxa = barrier(jnp.swapaxes(X, 1, 2))
-  out_bxrxc = barrier(jnp.einsum("bra,bac->brc", Xt_bxrxa, M, preferred_element_type=jnp.float32))
+  out_bxrxc = barrier(mm("bra,bac->brc", Xt_bxrxa, M))
   return jnp.swapaxes(out_bxrxc, 1, 2)
 
 
@@ -105,8 +134,10 @@ def _factors(B, Q_bxcxr, seed, use_cqr, hp: DionHyperParams, axes: Collectives, 
   (B x rows x cols, or B x cols x rows when ``rows_last``) warm-started from Q, with
   the all-zero guard applied. Both are returned in B's dtype."""
   dtype = B.dtype
-  B_times = lambda X: _contract(B, X, over_last=not rows_last)  # B X
-  Bt_times = lambda X: _contract(B, X, over_last=rows_last)  # Bᵀ X
+  cast, precision = _operands(hp.power_precision)
+  B_op = cast(B)  # once for both products
+  B_times = lambda X: _contract(B_op, cast(X), not rows_last, precision)  # B X
+  Bt_times = lambda X: _contract(B_op, cast(X), rows_last, precision)  # Bᵀ X
   Q0_bxcxr = Q_bxcxr.astype(dtype)
   R_bxcxr = Q0_bxcxr
   for i in range(hp.power_iters):

@@ -147,7 +147,9 @@ def scale_by_matrix_rule(
       stacked = [jnp.stack([field[i] for i in group], a) for field, a in zip(old, state_axes)]
       update, *stacked_new = step(view, g, stacked)
       for k, i in enumerate(group):
-        per_leaf[i] = (update[k], *(jnp.take(x, k, a) for x, a in zip(stacked_new, state_axes)))
+        # Static slices, not jnp.take's gathers: XLA fuses a slice into its consumer.
+        per_leaf[i] = (update[k], *(jax.lax.index_in_dim(x, k, a, keepdims=False)
+                                    for x, a in zip(stacked_new, state_axes)))
     out, new = [], [[] for _ in rule.state_fields]
     for g, (update, *leaf_new), *leaf_state in zip(leaves, per_leaf, *old):
       out.append(update.astype(g.dtype))

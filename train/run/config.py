@@ -25,7 +25,7 @@ from train.store import hub, rundir, tracking
 # The optimizer flags each --optimizer reads (train/run/optim.py); the others do nothing there.
 _ORTHOGONAL_FLAGS = ("dion_scale_rule", "dion_scalar_optimizer", "ortho_dtype")
 OPTIMIZER_FLAGS = {
-    "dion": ("dion_rank_fraction", "dion_momentum", "dion_qr_method", "dion_scale_rule",
+    "dion": ("dion_rank_fraction", "dion_momentum", "dion_qr_method", "dion_power_precision", "dion_scale_rule",
              "dion_scalar_optimizer", "dion_replicate_sync", "grad_norm"),
     **dict.fromkeys(("dion2", "nordion2", "normuon", "muon"), _ORTHOGONAL_FLAGS),
     "adamw": (), "lion": (),
@@ -84,6 +84,7 @@ class Config:
   dion_rank_fraction: float | None = None
   dion_momentum: float = 0.95
   dion_qr_method: str = "auto"
+  dion_power_precision: str = "default"
   dion_scale_rule: str = "fan_ratio"
   dion_scalar_optimizer: str = "adamw"
   dion_replicate_sync: bool = True

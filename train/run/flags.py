@@ -17,7 +17,8 @@ DECAY_STYLES = ("constant", "linear", "cosine", "wsd")
 CHOICES = {"preset": PRESET_NAMES, "dtype": ("float32", "bfloat16", "float16"),
            "attention": ("auto", "xla", "cudnn"), "optimizer": OPTIMIZERS,
            "qk_norm": ("none", "rms", "rms_scale"),
-           "lr_decay_style": DECAY_STYLES, "dion_qr_method": ("auto", "shifted_cqr", "cqr", "rcqr", "qr"),
+           "lr_decay_style": DECAY_STYLES, "dion_qr_method": ("auto", "shifted_cqr", "cqr", "rcqr", "qr", "polar"),
+           "dion_power_precision": ("default", "float32", "tensorfloat32", "bfloat16"),
            "dion_scale_rule": ("fan_ratio", "spectral", "max_one", "none"),
            "dion_scalar_optimizer": ("adamw", "lion"), "ortho_dtype": ("bfloat16", "float32"),
            "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"),
@@ -127,9 +128,12 @@ HELP = {
                           " ranks cut Dion's compute and what its replicas exchange, (m + n)·r per"
                           " matrix instead of m·n)",
     "dion_momentum": "Dion's error-feedback momentum mu (default 0.95)",
-    "dion_qr_method": "auto|shifted_cqr|cqr|rcqr|qr orthonormalization of Dion's power iteration"
+    "dion_qr_method": "auto|shifted_cqr|cqr|rcqr|qr|polar orthonormalization of Dion's power iteration"
                       " (default auto: shifted_cqr, batched Cholesky QR with no loop over"
                       " matrices, on a GPU; rcqr on a CPU)",
+    "dion_power_precision": "default|float32|tensorfloat32|bfloat16 inputs of Dion's power-iteration"
+                            " products B Q and B^T P, accumulated in float32 (default: XLA's, TF32 on"
+                            " an NVIDIA GPU, float32 on a CPU; tensorfloat32 is emulated on a CPU)",
     "dion_scale_rule": "fan_ratio|spectral|max_one|none shape scale of Dion's update"
                        " (default fan_ratio, the reference's sqrt(fan_out/fan_in))",
     "dion_scalar_optimizer": "adamw|lion for embeddings, LM head and norms (default adamw)",
