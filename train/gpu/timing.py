@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -44,20 +45,22 @@ def interleaved_times(cases: dict, rounds: int, repeats: int) -> dict[str, float
   return {name: statistics.median(ts) for name, ts in per_round.items()}
 
 
-def throughput_time(fn, args, steps: int) -> float:
+def throughput_time(fn, args, steps: int, warmup: int = 1, wait=jax.block_until_ready) -> float:
   """Mean seconds per call over ``steps`` chained calls ``args = fn(*args)``, one wait at the end.
 
   This is how a trainer runs its steps: the host queues the next step while the
   device works, so host overhead that overlaps with device time costs nothing. ``fn``
   returns its next arguments (a step that donates its state hands on the new one).
-  One call first compiles and warms up.
+  ``warmup`` calls first compile and warm up. ``wait(args)`` returns when the device is
+  done (PyTorch: ``torch.cuda.synchronize``).
   """
-  args = fn(*args)
-  jax.block_until_ready(args)
+  for _ in range(warmup):
+    args = fn(*args)
+  wait(args)
   start = time.perf_counter()
   for _ in range(steps):
     args = fn(*args)
-  jax.block_until_ready(args)
+  wait(args)
   return (time.perf_counter() - start) / steps
 
 
@@ -74,3 +77,16 @@ def jitted_step(tx, params):
   state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
   return step, (params, state, grads), state_bytes
 
+
+
+def donated_update(tx, grads):
+  """``(params, state) -> (params, state)``: ``tx``'s update and apply with ``grads`` fixed,
+  jitted with the parameters and state donated, as a trainer's step hands both on (for
+  :func:`throughput_time`)."""
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def update(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return lambda params, state: update(params, state, grads)
