@@ -1,6 +1,6 @@
-"""``python -m train.gpu`` without a GPU, its profile summary on a synthetic trace, its MoE,
-train and profile stages at a small size on CPU (so that a lent GPU's minutes do not find
-their bugs)."""
+"""``python -m train.gpu`` without a GPU, its wiring with the GPU faked, its profile summary
+on a synthetic trace, its MoE, train and profile stages at a small size on CPU (so that a
+lent GPU's minutes do not find their bugs)."""
 
 import argparse
 import gzip
@@ -12,6 +12,8 @@ from tests.test_train_store_profiling import annotated_steps
 from train.gpu import __main__ as gpu_cmd
 from train.gpu import evidence as gpu
 from train.gpu import moe as gpu_moe
+from train.gpu import optimizers as gpu_optimizers
+from train.gpu import sampler as gpu_sampler
 
 
 def test_without_a_gpu_one_line_and_exit_2(capsys):
@@ -68,3 +70,23 @@ def test_profile_stage_summarizes_the_trainers_own_trace(monkeypatch):
   monkeypatch.setattr(gpu, "summarize_trace", lambda path: seen.append(annotated_steps(path)) or [])
   out = gpu.stage_profile(argparse.Namespace(), preset="tiny", batch=8, attention="xla")
   assert out["steps"] == "2:6" and seen == [[2, 3, 4, 5, 6]]
+
+
+def test_each_stage_with_a_table_writes_it_beside_the_json(monkeypatch, tmp_path):
+  """The command's wiring, the GPU faked and the stages stubbed: gpu.json, each stage's
+  markdown table and the figure (its small's-set panel included)."""
+  rows = gpu_optimizers.add_muon_ratio([gpu_optimizers.rate_row("muon", "dion_jax", 0.005, 10**12),
+                                        gpu_optimizers.rate_row("muon", "microsoft/dion", 0.007, 10**12)])
+  records = {"optimizers": {"set": {"preset": "small", "matrices": 72, "shapes": {"768x768": 48}, "rows": rows,
+                                    "reference": "stub", "timing": "mean"}, "rows": []},
+             "sampler": {"preset": "small", "batch": 64, "prompt": 128, "new_tokens": 256, "rows": [
+                 {"case": "models.generate", "first_call_s": 9.0, "seconds": 1.0, "tokens_per_s": 16384.0}]}}
+  monkeypatch.setattr(gpu_cmd.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(gpu_optimizers, "stage_optimizers", lambda args: dict(records["optimizers"]))
+  monkeypatch.setattr(gpu_sampler, "stage_sampler", lambda args: dict(records["sampler"]))
+  assert gpu_cmd.main(["--stages", "optimizers,sampler", "--out", str(tmp_path)]) == 0
+  saved = json.loads((tmp_path / "gpu.json").read_text())
+  assert saved["optimizers"]["set"]["rows"] == rows and saved["sampler"]["rows"][0]["tokens_per_s"] == 16384.0
+  assert (tmp_path / "optimizers.md").read_text() == gpu_optimizers.markdown(records["optimizers"]) + "\n"
+  assert (tmp_path / "sampler.md").read_text() == gpu_sampler.markdown(records["sampler"]) + "\n"
+  assert (tmp_path / "gpu.png").stat().st_size > 0

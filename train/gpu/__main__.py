@@ -1,7 +1,9 @@
 """GPU evidence in one command: kernels, optimizer steps and training, as JSON and a PNG.
 
-    python -m train.gpu                     # every stage, about 7 minutes on one H100
+    python -m train.gpu                     # every stage
     python -m train.gpu --stages check,kernels --out /tmp/gpu
+    python -m train.gpu --stages optimizers,train,sampler --stage-seconds 120 \
+        --out benchmarks/results/gpu/<device>   # issue 44's evidence
 
 Stages (``--stages``); each reports, and the next runs even when one fails:
 
@@ -10,10 +12,17 @@ Stages (``--stages``); each reports, and the next runs even when one fails:
   float64 NumPy on the same inputs (the sketch's S from ``dion_jax.kernels.sketch``).
 - ``kernels``: time of the Pallas path against XLA's composition of the same math
   (and Householder QR for RCQR), interleaved rounds. Both in ``train/gpu/kernels.py``.
-- ``optimizers``: one jitted step (update + apply) on one square n x n float32 matrix,
-  n = 2048, 4096, ... while the stage's time lasts: Dion at rank 1, 1/4 and 1/16, Dion2
-  (fraction 1/4), NorMuon and Muon (bf16 Polar Express), optax's Muon and AdamW; the
-  Dion paper's step-time-versus-size figure. A size that runs out of memory is recorded.
+- ``optimizers`` (``train/gpu/optimizers.py``): first, one step alone (update + apply,
+  jitted, donated; the mean of 10 chained steps after 3 warm-up) on ``small``'s 72 matrices
+  as the model stacks them: Dion at rank 1, 1/2 and 1/4 (``qr_method="auto"``), Muon, Dion2
+  (fraction 1/4), optax's AdamW, and Dion at rank 1/2 with ``qr_method="polar"`` and with
+  ``power_precision="bfloat16"``: ms, the step's flops (``step_flops``), TFLOP/s and the
+  time over Muon's; beside them microsoft/dion's PyTorch Dion (rank 1, 1/2, 1/4) and Muon on
+  the same shapes and GPU when ``torch`` and its ``dion`` import (``train/gpu/reference.py``;
+  else one line). Then, while the stage's time lasts, one step on one square n x n float32
+  matrix, n = 2048, 4096, ...: Dion at rank 1, 1/4 and 1/16, Dion2 (fraction 1/4), NorMuon
+  and Muon (bf16 Polar Express), optax's Muon and AdamW; the Dion paper's
+  step-time-versus-size figure. A size that runs out of memory is recorded.
 - ``moe``: ``jax.lax.ragged_dot`` (the experts' grouped matmul) checked against a loop over
   experts, then timed forward and backward in bf16 against one dense matmul of the same
   rows, 8 and 64 experts, even and skewed groups (``train/gpu/moe.py``).
@@ -26,10 +35,16 @@ Stages (``--stages``); each reports, and the next runs even when one fails:
 - ``profile``: a trace of Dion's steps 2 to 6 of ``small``, taken by the trainer's own
   ``--profile-steps`` (``train/store/profiling.py``), summarized as the device's kernels by
   total time: where a step's time goes.
+- ``sampler`` (``train/gpu/sampler.py``): GRPO's rollout, ``models.generate`` on ``small``
+  with random weights, 64 prompts of 128 tokens, 256 new tokens each at temperature 1:
+  tokens/s of the second call, beside transformers' ``generate`` of a GPT-2 of the same
+  shape in bf16 on the same GPU (one line without transformers, torch or CUDA).
 
-Writes ``gpu.json`` after every stage and ``gpu.png`` at the end, under ``--out``
-(default ``gpu-evidence/<device>/`` in the working directory; the repository keeps its runs in
-``--out benchmarks/results/gpu/<device>``). Without a GPU it says so and exits 2.
+Each stage starts no new case after ``--stage-seconds``. Writes ``gpu.json`` after every
+stage (and ``optimizers.md`` and ``sampler.md``, those stages' tables) and ``gpu.png`` at
+the end, under ``--out`` (default ``gpu-evidence/<device>/`` in the working directory; the
+repository keeps its runs in ``--out benchmarks/results/gpu/<device>``). Without a GPU it
+says so and exits 2.
 """
 from __future__ import annotations
 
@@ -43,10 +58,11 @@ import traceback
 
 import jax
 
-from train.gpu import evidence, kernels, moe
+from train.gpu import evidence, kernels, moe, optimizers, sampler
 
 EXIT_NO_GPU = 2
-STAGES = ("check", "kernels", "optimizers", "moe", "train", "profile")
+STAGES = ("check", "kernels", "optimizers", "moe", "train", "profile", "sampler")
+TABLES = {"optimizers": optimizers.markdown, "sampler": sampler.markdown}  # stage: its markdown
 
 
 def device_slug(kind: str) -> str:
@@ -77,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
   results = {"device": device, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
              "command": "python -m train.gpu " + " ".join(argv if argv is not None else sys.argv[1:])}
   functions = {"check": kernels.stage_check, "kernels": kernels.stage_kernels,
-               "optimizers": evidence.stage_optimizers, "moe": moe.stage_moe, "train": evidence.stage_train,
-               "profile": evidence.stage_profile}
+               "optimizers": optimizers.stage_optimizers, "moe": moe.stage_moe, "train": evidence.stage_train,
+               "profile": evidence.stage_profile, "sampler": sampler.stage_sampler}
   for name in stages:
     print(f"== {name}", flush=True)
     t0 = time.monotonic()
@@ -88,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
       traceback.print_exc()
       results[name] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
     results[name]["seconds"] = round(time.monotonic() - t0, 1)
+    if name in TABLES and "error" not in results[name]:
+      with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(TABLES[name](results[name]) + "\n")
     with open(os.path.join(out, "gpu.json"), "w") as f:
       json.dump(results, f, indent=1)
   evidence.plot(results, os.path.join(out, "gpu.png"))

@@ -1,75 +1,19 @@
-"""The GPU evidence's stages that run dion_jax's optimizers and the trainer: ``optimizers``,
-``train`` and ``profile`` (``python -m train.gpu``'s docstring says what each measures), and
-the figure of their results."""
+"""The GPU evidence's stages that run the trainer: ``train`` and ``profile`` (``python -m
+train.gpu``'s docstring says what each measures), and the figure of every stage's results."""
 from __future__ import annotations
 
 import collections
-import functools
 import gzip
 import json
 import os
 import tempfile
 import time
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 
-import dion_jax
-from train.gpu.timing import jitted_step, throughput_time, time_fn
-
-# --- optimizers --------------------------------------------------------------------
-
-
-def optimizers() -> dict[str, Callable[[], optax.GradientTransformation]]:
-  """Each optimizer of the figure, applied to every leaf (one square matrix)."""
-  matrix = {"labels": lambda params: jax.tree.map(lambda _: "dion", params)}
-  muon_dims = optax.contrib.MuonDimensionNumbers(reduction_axis=0, output_axis=1)
-  return {
-      "dion r=1": lambda: dion_jax.dion(0.01, rank_fraction=1.0, **matrix),
-      "dion r=1/4": lambda: dion_jax.dion(0.01, rank_fraction=0.25, **matrix),
-      "dion r=1/16": lambda: dion_jax.dion(0.01, rank_fraction=1 / 16, **matrix),
-      "dion2 1/4": lambda: dion_jax.dion2(0.01, fraction=0.25, **matrix),
-      "nordion2 1/4": lambda: dion_jax.nordion2(0.01, fraction=0.25, **matrix),
-      "normuon": lambda: dion_jax.normuon(0.01, **matrix),
-      "muon": lambda: dion_jax.muon(0.01, **matrix),
-      "optax muon": lambda: optax.contrib.muon(0.01, muon_weight_dimension_numbers=lambda p: jax.tree.map(
-          lambda _: muon_dims, p)),
-      "optax adamw": lambda: optax.adamw(1e-3),
-  }
-
-
-def _out_of_memory(error: Exception) -> bool:
-  return "RESOURCE_EXHAUSTED" in str(error) or "out of memory" in str(error).lower()
-
-
-def stage_optimizers(args) -> dict:
-  rows, deadline = [], time.monotonic() + args.stage_seconds
-  gone = set()  # optimizers that ran out of memory at a smaller size
-  n = 2048
-  while n <= args.max_size and time.monotonic() < deadline:
-    params = {"w": jax.random.normal(jax.random.key(0), (n, n), jnp.float32) / np.sqrt(n)}
-    row = {"n": n}
-    for name, make in optimizers().items():
-      if name in gone or time.monotonic() > deadline:
-        continue
-      try:
-        step, step_args, _ = jitted_step(make(), params)
-        row[name] = time_fn(step, step_args, repeats=9, warmup=2) * 1e3
-        del step_args
-      except Exception as e:  # noqa: BLE001 (a size that does not fit ends that optimizer's curve)
-        if not _out_of_memory(e):
-          raise
-        gone.add(name)
-        row[name] = "out of memory"
-    rows.append(row)
-    print(f"  n={n:6d} " + " | ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
-                                      for k, v in row.items() if k != "n") + " (ms)", flush=True)
-    n *= 2
-  return {"rows": rows, "unit": "ms per step", "complete": n > args.max_size}
-
+from train.gpu import optimizers
+from train.gpu.timing import donated_update, throughput_time
 
 # --- train -------------------------------------------------------------------------
 
@@ -86,13 +30,7 @@ def optimizer_seconds(run, steps: int) -> float:
     tx = optim.optimizer(run.cfg, params, run.mesh, models.param_specs(params))
     grads = jax.tree.map(lambda p: jax.device_put(
         jax.random.normal(jax.random.key(1), p.shape, p.dtype) * 1e-2, p.sharding), params)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def update(params, opt_state, grads):
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state
-
-    return throughput_time(lambda p, s: update(p, s, grads), (params, tx.init(params)), steps)
+    return throughput_time(donated_update(tx, grads), (params, tx.init(params)), steps)
 
 
 def train_run(preset: str, optimizer: str, steps: int, batch: int, attention: str, optimizer_steps: int = 0,
@@ -195,9 +133,9 @@ def plot(results: dict, path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, (left, right, train) = plt.subplots(1, 3, figsize=(19, 5))
+  fig, ((left, small), (right, train)) = plt.subplots(2, 2, figsize=(16, 10))
   steps = results.get("optimizers", {}).get("rows", [])
-  for name in optimizers():
+  for name in optimizers.sweep_optimizers():
     points = [(r["n"], r[name]) for r in steps if isinstance(r.get(name), float)]
     if points:
       left.plot(*zip(*points), marker="o", label=name)
@@ -205,6 +143,17 @@ def plot(results: dict, path: str) -> None:
            title="optimizer step time vs matrix size")
   if steps:
     left.legend(fontsize=8)
+  matrix_set = results.get("optimizers", {}).get("set", {})
+  timed = [r for r in matrix_set.get("rows", []) if "ms" in r]
+  small.barh(range(len(timed)), [r["ms"] for r in timed],
+             color=["tab:blue" if r["implementation"] == "dion_jax" else "tab:red" for r in timed])
+  small.set_yticks(range(len(timed)), [f"{r['implementation']} {r['optimizer']}" for r in timed], fontsize=8)
+  for i, r in enumerate(timed):
+    small.annotate(f" {r['ms']:.2f} ms, {r['tflops']:.0f} TFLOP/s", (r["ms"], i), va="center", fontsize=7)
+  small.set(xscale="log", xlabel="ms per step (update + apply)",
+            title=f"{matrix_set.get('preset')}'s {matrix_set.get('matrices')} matrices: dion_jax (blue), microsoft/dion")
+  if timed:
+    small.set_xlim(right=4 * max(r["ms"] for r in timed))  # room for the labels
   kernels = [r for r in results.get("kernels", {}).get("rows", []) if "pallas" in r]
   labels = [f"{r['kernel'].split()[0]} {'x'.join(map(str, r['shape']))} {r['dtype'][:4]}" for r in kernels]
   right.barh(range(len(kernels)), [r["xla"] / r["pallas"] for r in kernels])
