@@ -45,9 +45,10 @@ def test_rate_row_and_muon_ratio():
   row = optimizers.rate_row("dion r=1/2", "dion_jax", seconds=0.004, flops=3 * 10**11)
   assert row == {"optimizer": "dion r=1/2", "implementation": "dion_jax", "ms": 4.0, "gflop": 300.0, "tflops": 75.0}
   rows = optimizers.add_muon_ratio([
-      row, optimizers.rate_row("muon", "dion_jax", 0.002, 10**12), optimizers.rate_row("muon", "microsoft/dion", 0.008, 10**12),
-      optimizers.rate_row("dion r=1/2", "microsoft/dion", 0.016, 10**11), {"optimizer": "dion r=1", "error": "boom",
-                                                                           "implementation": "dion_jax"}])
+      row, optimizers.rate_row("muon", "dion_jax", 0.002, 10**12),
+      optimizers.rate_row("muon", "microsoft/dion", 0.008, 10**12),
+      optimizers.rate_row("dion r=1/2", "microsoft/dion", 0.016, 10**11),
+      {"optimizer": "dion r=1", "implementation": "dion_jax", "error": "boom"}])
   assert [r.get("vs_muon") for r in rows] == [2.0, 1.0, 1.0, 2.0, None]
 
 

@@ -150,8 +150,8 @@ def plot(results: dict, path: str) -> None:
   small.set_yticks(range(len(timed)), [f"{r['implementation']} {r['optimizer']}" for r in timed], fontsize=8)
   for i, r in enumerate(timed):
     small.annotate(f" {r['ms']:.2f} ms, {r['tflops']:.0f} TFLOP/s", (r["ms"], i), va="center", fontsize=7)
-  small.set(xscale="log", xlabel="ms per step (update + apply)",
-            title=f"{matrix_set.get('preset')}'s {matrix_set.get('matrices')} matrices: dion_jax (blue), microsoft/dion")
+  title = f"{matrix_set.get('preset')}'s {matrix_set.get('matrices')} matrices: dion_jax (blue), microsoft/dion (red)"
+  small.set(xscale="log", xlabel="ms per step (update + apply)", title=title)
   if timed:
     small.set_xlim(right=4 * max(r["ms"] for r in timed))  # room for the labels
   kernels = [r for r in results.get("kernels", {}).get("rows", []) if "pallas" in r]

@@ -126,7 +126,8 @@ def time_set(abstract: dict[str, jax.ShapeDtypeStruct], cases=CASES, deadline: f
       rows.append(rate_row(case.name, "dion_jax", seconds, case.flops(shapes)))
     except Exception as e:  # noqa: BLE001 (one optimizer's failure is a row; the others still run)
       traceback.print_exc()
-      rows.append({"optimizer": case.name, "implementation": "dion_jax", "error": f"{type(e).__name__}: {str(e)[:500]}"})
+      rows.append({"optimizer": case.name, "implementation": "dion_jax",
+                   "error": f"{type(e).__name__}: {str(e)[:500]}"})
     print("  " + row_line(rows[-1]), flush=True)
   return rows
 
@@ -226,8 +227,8 @@ def markdown(record: dict) -> str:
     ratio = "" if row.get("vs_muon") is None else f"{row['vs_muon']:.2f}x"
     return [f"{row['ms']:.2f}", f"{row['gflop']:,.1f}", f"{row['tflops']:.1f}", ratio]
 
-  lines = [f"{small['preset']}'s {small['matrices']} matrices ({', '.join(f'{n} x {s}' for s, n in small['shapes'].items())}),"
-           f" float32, update + apply; {small['timing']}",
+  counts = ", ".join(f"{n} x {shape}" for shape, n in small["shapes"].items())
+  lines = [f"{small['preset']}'s {small['matrices']} matrices ({counts}), float32, update + apply; {small['timing']}",
            "",
            "| optimizer | ms | GFLOP | TFLOP/s | / Muon | microsoft/dion ms | GFLOP | TFLOP/s | / its Muon |",
            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]

@@ -91,7 +91,7 @@ def transformers_generate(cfg: models.GPTConfig, prompts_BxP: np.ndarray, new_to
 
   row = _row(f"transformers {transformers.__version__} generate (torch {torch.__version__}, bfloat16, {device})",
              len(prompts_BxP), new_tokens, *_seconds(call))
-  del model
+  model = None
   if device == "cuda":
     torch.cuda.empty_cache()  # back to the pool JAX's later stages share
   return row
