@@ -48,17 +48,17 @@ def test_each_case_is_timed_over_chained_steps_on_torch_s_layout(monkeypatch):
   dion.Muon = type("Muon", (Stand,), {})
   monkeypatch.setitem(sys.modules, "dion", dion)
   out = reference.time_reference(SHAPES, math.inf, steps=4, warmup=3, device="cpu")
-  assert [r["optimizer"] for r in out["rows"]] == ["dion r=1", "dion r=1/2", "dion r=1/4", "muon"]
+  assert [r["optimizer"] for r in out["rows"]] == ["dion r=1/2", "muon", "dion r=1/4", "dion r=1"]
   assert out["what"].startswith("microsoft/dion (stand-in) on torch")
-  assert [type(o).__name__ for o in made] == ["Dion"] * 3 + ["Muon"]
-  assert [o.options.get("rank_fraction") for o in made] == [1.0, 0.5, 0.25, None]
+  assert [type(o).__name__ for o in made] == ["Dion", "Muon", "Dion", "Dion"]
+  assert [o.options.get("rank_fraction") for o in made] == [0.5, None, 0.25, 1.0]
   for optimizer, row in zip(made, out["rows"]):
     assert optimizer.steps == 3 + 4 and row["seconds"] > 0
     params = optimizer.param_groups[0]["params"]
     assert [tuple(p.shape) for p in params] == [(n, m) for m, n in SHAPES]  # (out, in)
     assert all(p.grad is not None for p in params)
-  assert out["rows"][1]["flops"] == step_flops("dion", SHAPES, rank_fraction=0.5, qr_method="rcqr")["total"]
-  assert out["rows"][3]["flops"] == step_flops("muon", SHAPES)["total"]
+  assert out["rows"][0]["flops"] == step_flops("dion", SHAPES, rank_fraction=0.5, qr_method="rcqr")["total"]
+  assert out["rows"][1]["flops"] == step_flops("muon", SHAPES)["total"]
 
 
 def test_no_case_starts_after_the_deadline(monkeypatch):

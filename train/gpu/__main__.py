@@ -2,7 +2,7 @@
 
     python -m train.gpu                     # every stage
     python -m train.gpu --stages check,kernels --out /tmp/gpu
-    python -m train.gpu --stages optimizers,train,sampler --stage-seconds 120 \
+    python -m train.gpu --stages optimizers,train,sampler --stage-seconds 150 \
         --out benchmarks/results/gpu/<device>   # issue 44's evidence
 
 Stages (``--stages``); each reports, and the next runs even when one fails:
@@ -14,15 +14,17 @@ Stages (``--stages``); each reports, and the next runs even when one fails:
   (and Householder QR for RCQR), interleaved rounds. Both in ``train/gpu/kernels.py``.
 - ``optimizers`` (``train/gpu/optimizers.py``): first, one step alone (update + apply,
   jitted, donated; the mean of 10 chained steps after 3 warm-up) on ``small``'s 72 matrices
-  as the model stacks them: Dion at rank 1, 1/2 and 1/4 (``qr_method="auto"``), Muon, Dion2
-  (fraction 1/4), optax's AdamW, and Dion at rank 1/2 with ``qr_method="polar"`` and with
+  as the model stacks them, most wanted first (the stage's time may cut the list): Dion at
+  rank 1/2, Muon, Dion at rank 1/4, optax's AdamW, Dion2 (fraction 1/4), Dion at rank 1
+  (Dion's ``qr_method="auto"``), and Dion at rank 1/2 with ``qr_method="polar"`` and with
   ``power_precision="bfloat16"``: ms, the step's flops (``step_flops``), TFLOP/s and the
-  time over Muon's; beside them microsoft/dion's PyTorch Dion (rank 1, 1/2, 1/4) and Muon on
-  the same shapes and GPU when ``torch`` and its ``dion`` import (``train/gpu/reference.py``;
-  else one line). Then, while the stage's time lasts, one step on one square n x n float32
-  matrix, n = 2048, 4096, ...: Dion at rank 1, 1/4 and 1/16, Dion2 (fraction 1/4), NorMuon
-  and Muon (bf16 Polar Express), optax's Muon and AdamW; the Dion paper's
-  step-time-versus-size figure. A size that runs out of memory is recorded.
+  time over Muon's; then microsoft/dion's PyTorch Dion (rank 1/2, 1/4, 1) and Muon on the
+  same shapes and GPU when ``torch`` and its ``dion`` import (``train/gpu/reference.py``;
+  else one line), side by side in ``optimizers.md``. Then, while the stage's time lasts,
+  one step on one square n x n float32 matrix, n = 2048, 4096, ...: Dion at rank 1, 1/4
+  and 1/16, Dion2 (fraction 1/4), NorMuon and Muon (bf16 Polar Express), optax's Muon and
+  AdamW; the Dion paper's step-time-versus-size figure. A size that runs out of memory is
+  recorded.
 - ``moe``: ``jax.lax.ragged_dot`` (the experts' grouped matmul) checked against a loop over
   experts, then timed forward and backward in bf16 against one dense matmul of the same
   rows, 8 and 64 experts, even and skewed groups (``train/gpu/moe.py``).

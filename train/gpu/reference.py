@@ -29,8 +29,9 @@ from train.gpu.timing import throughput_time
 
 SKIP = "skipped: torch/dion not importable"
 NO_CUDA = "skipped: torch sees no CUDA device"
-# (row name, class, rank fraction): the names of dion_jax's rows they stand beside.
-CASES = (("dion r=1", "Dion", 1.0), ("dion r=1/2", "Dion", 0.5), ("dion r=1/4", "Dion", 0.25), ("muon", "Muon", None))
+# (row name, class, rank fraction): the names of dion_jax's rows they stand beside, in
+# optimizers.CASES's order.
+CASES = (("dion r=1/2", "Dion", 0.5), ("muon", "Muon", None), ("dion r=1/4", "Dion", 0.25), ("dion r=1", "Dion", 1.0))
 
 
 def _modules():
