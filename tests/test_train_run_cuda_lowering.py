@@ -90,8 +90,9 @@ def test_dion_step_factorizes_batched_without_loops_or_conditionals(tmp_path, as
   rank 1), no Householder QR, no loop, no conditional (an XLA:GPU conditional copies its
   predicate to the host). The megabatches {query, key, value}, {out} (row-parallel: its
   own frame), {up}, {down} take 4 shifted Cholesky QR passes each, and each pass one
-  Triton launch per diagonal block of 128 for the whole megabatch: 16·r/128."""
-  traced, mesh = _traced_step(tmp_path, "dion", preset="small", dion_rank_fraction=rank_fraction)
+  Triton launch per diagonal block of 128 for the whole megabatch: 16·r/128. Two of the
+  preset's 12 layers: a megabatch stacks every layer, so its launches do not depend on depth."""
+  traced, mesh = _traced_step(tmp_path, "dion", preset="small", dion_rank_fraction=rank_fraction, num_layers=2)
   per_run, in_while = accounting.primitive_counts(traced.jaxpr)
   assert cholesky.block_size(int(768 * rank_fraction)) == 128
   assert per_run["pallas_call"] == 4 * 4 * blocks, per_run
@@ -108,6 +109,7 @@ def test_dion_step_factorizes_batched_without_loops_or_conditionals(tmp_path, as
 
 def test_dion_polar_step_asks_for_no_factorization(tmp_path, as_on_a_gpu):
   """``--dion-qr-method polar``: Polar Express on P, matmuls only."""
-  traced, _ = _traced_step(tmp_path, "dion", preset="small", dion_rank_fraction=0.5, dion_qr_method="polar")
+  traced, _ = _traced_step(tmp_path, "dion", preset="small", dion_rank_fraction=0.5, dion_qr_method="polar",
+                             num_layers=2)
   per_run, in_while = accounting.primitive_counts(traced.jaxpr)
   assert not {"cholesky", "triangular_solve", "geqrf", "pallas_call", "while"} & (set(per_run) | set(in_while))
