@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 128 + 2  # SIGINT's number, as a shell reports a Ctrl-C
 T = TypeVar("T")
 # What a bad flag, file or setting raises while a command starts.
 BAD_INPUT = (ValueError, FileNotFoundError)  # UsageError is a ValueError
@@ -28,15 +29,21 @@ class Parser(argparse.ArgumentParser):
     raise UsageError(f"{message} (see {self.prog} --help)")
 
 
-def run(start: Callable[[], T], then: Callable[[T], int] = lambda _: 0) -> int:
+def run(start: Callable[[], T], then: Callable[[T], int] = lambda _: 0, *, interrupted: str | None = None) -> int:
   """``then(start())``; bad input raised by ``start`` prints ``error: ...`` and returns EXIT_USAGE.
 
   Only ``start`` (flags, input checks, set-up) is guarded: a ValueError while ``then``
-  works is no usage error.
+  works is no usage error. With ``interrupted`` (what a Ctrl-C during ``start`` left
+  behind), a Ctrl-C there prints ``error: INTERRUPTED`` and returns EXIT_INTERRUPTED.
   """
   try:
     value = start()
   except BAD_INPUT as e:
     print(f"error: {e}", file=sys.stderr)
     return EXIT_USAGE
+  except KeyboardInterrupt:
+    if interrupted is None:
+      raise
+    print(f"error: {interrupted}", file=sys.stderr)
+    return EXIT_INTERRUPTED
   return then(value)

@@ -57,11 +57,8 @@ def _train(run) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-  try:
-    return cli.run(lambda: _setup(argv), _train)
-  except KeyboardInterrupt:  # before training: the set-up writes nothing until its end
-    print("error: interrupted before training started; nothing was saved", file=sys.stderr)
-    return 128 + 2
+  # The set-up writes nothing until its end: a Ctrl-C there leaves nothing behind.
+  return cli.run(lambda: _setup(argv), _train, interrupted="interrupted before training started; nothing was saved")
 
 
 if __name__ == "__main__":
