@@ -25,8 +25,8 @@ import sys
 import numpy  # noqa: F401  numpy's own OpenBLAS loads first, keeping its threads
 
 from train import cli
-from train.run import config as config_lib
 from train.run import agent, config_file, start
+from train.run import config as config_lib
 
 
 def _setup(argv: list[str] | None):

@@ -64,8 +64,8 @@ import numpy  # noqa: F401  numpy's own OpenBLAS loads first, keeping its thread
 from train import cli
 from train.grpo import config as grpo_config
 from train.grpo.config import GRPOConfig
-from train.run import config as config_lib
 from train.run import agent, config_file, start
+from train.run import config as config_lib
 
 
 def configure(argv: list[str] | None) -> tuple[GRPOConfig, config_lib.Config, bool]:
