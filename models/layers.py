@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from dion_jax import parallel
 from models.config import GPTConfig
-from models.sharding import Parallelism
+from models.sharding import Parallelism, in_auto_axes, without_manual
 
 
 def init_std(fan_in: int, fan_out: int) -> float:
@@ -69,8 +69,9 @@ def embedding_lookup(table_VxD: jax.Array, tokens_BxT: jax.Array, par: Paralleli
   :meth:`Parallelism.weight`'s transpose, like every weight's). Left to the partitioner,
   inside a ``shard_map`` manual over other axes (the replicas' gradient, manual over rp)
   XLA all-gathers the cotangents and token ids over fs instead: B·T·D floats per
-  micro-batch in place of V/tp·D. For a batch that does not split over the batch axes the
-  lookup is left to the partitioner.
+  micro-batch in place of V/tp·D. The lookup itself is written out over tp (:func:`_rows`),
+  which XLA from jaxlib 0.11 fails to partition inside a shard_map manual over cp or pp.
+  For a batch that does not split over the batch axes the lookup is left to the partitioner.
   """
   batch_axes = tuple(a for a in parallel.axis_names(*par.spec("batch")) if par.size(a) > 1)
   if not batch_axes or tokens_BxT.shape[0] % math.prod(par.size(a) for a in batch_axes):
@@ -78,14 +79,47 @@ def embedding_lookup(table_VxD: jax.Array, tokens_BxT: jax.Array, par: Paralleli
   return _lookup(table_VxD, tokens_BxT, batch_axes)
 
 
+def _rows(table_VxD: jax.Array, tokens_BxT: jax.Array, batch_axes: tuple[str, ...]) -> jax.Array:
+  """``jnp.take(table_VxD, tokens_BxT, axis=0)``, the table vocab-parallel over tp and the
+  tokens split over ``batch_axes``, written out: each rank looks up the tokens among its
+  own V/tp rows (zeros for the others'), and the ranks' rows are summed over tp, an
+  all-reduce of [B, T, D] (exact: one rank holds each row).
+
+  Left to the partitioner inside a ``shard_map`` manual over another axis, XLA from jaxlib
+  0.11 (0.11.2 and 0.12.0.1, GSPMD and Shardy) aborts the process in that all-reduce's
+  device groups (``Check failed`` in ``spmd_partitioner_util.cc``): the model on
+  fs=2,cp=2,tp=2 (manual over cp), the trainer's step on fs=2,tp=2,pp=2 (over pp).
+  Written out, on jax 0.10.2 the trainer's step sends what XLA's own partitioning sent,
+  collective for collective, but with sequence parallelism, where XLA chose by size:
+  ``tiny``'s 384-row table all-gathered over tp in place of the 256 KB all-reduce (64 KB
+  less on fs=2,tp=2), at 4096 rows the same all-reduce and token ids and rows moved over
+  fs·tp besides (132 KB more). Manual over every axis, the gather is local.
+  """
+  table_spec = P(*without_manual(P(parallel.TENSOR_PARALLEL_AXIS)), None)
+  if table_spec[0] is None or jax.sharding.get_abstract_mesh().shape[table_spec[0]] == 1:
+    return jnp.take(table_VxD, tokens_BxT, axis=0)
+  tp = table_spec[0]
+
+  def held_rows(table_vxD, tokens_bxT):
+    V_local = table_vxD.shape[0]
+    # Negative ids count from the end of the whole table, as jnp.take has them.
+    ids_bxT = jnp.where(tokens_bxT < 0, tokens_bxT + V_local * jax.lax.axis_size(tp), tokens_bxT)
+    local_bxT = ids_bxT - jax.lax.axis_index(tp) * V_local
+    held_bxT = (local_bxT >= 0) & (local_bxT < V_local)
+    rows_bxTxD = jnp.take(table_vxD, jnp.where(held_bxT, local_bxT, 0), axis=0)
+    return jax.lax.psum(jnp.where(held_bxT[..., None], rows_bxTxD, 0), tp)
+
+  return in_auto_axes(held_rows, (table_spec, P(batch_axes)), P(batch_axes))(table_VxD, tokens_BxT)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _lookup(table_VxD, tokens_BxT, batch_axes):
-  return jnp.take(table_VxD, tokens_BxT, axis=0)
+  return _rows(table_VxD, tokens_BxT, batch_axes)
 
 
 def _lookup_fwd(table_VxD, tokens_BxT, batch_axes):
   # A [V, 0] slice carries the table's shape and dtype to the backward pass, not its values.
-  return jnp.take(table_VxD, tokens_BxT, axis=0), (tokens_BxT, table_VxD[:, :0])
+  return _rows(table_VxD, tokens_BxT, batch_axes), (tokens_BxT, table_VxD[:, :0])
 
 
 def _lookup_bwd(batch_axes, residuals, cotangent_BxTxD):

@@ -60,7 +60,7 @@ def test_sizes_the_kernel_does_not_take():
 
 
 @pytest.mark.parametrize("n", [16, 128])
-def test_lowers_for_cuda_as_one_launch_for_the_batch(n):
+def test_lowers_for_cuda_as_one_launch_for_the_batch(n, h100):
   """One Triton module for the whole batch; a vmap adds a grid axis, not a launch."""
   f = jax.vmap(lambda A: cholesky.inverse_cholesky(A, interpret=False))
   lowered = jax.jit(f).trace(jax.ShapeDtypeStruct((2, 36, n, n), jnp.float32)).lower(lowering_platforms=("cuda",))

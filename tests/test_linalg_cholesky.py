@@ -58,7 +58,7 @@ def test_inside_shard_map_on_mesh_varying_grams():
 
 
 @pytest.mark.parametrize("r,blocks", [(40, 1), (384, 3), (768, 6)])
-def test_lowered_for_cuda_as_batched_launches(monkeypatch, r, blocks):
+def test_lowered_for_cuda_as_batched_launches(monkeypatch, r, blocks, h100):
   """As on a GPU (``"auto"``: the Pallas leaf): one Triton launch per diagonal block for
   the whole batch, 4 matmuls per further block, no cuSOLVER, no triangular solve, no loop."""
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")

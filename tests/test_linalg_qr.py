@@ -178,7 +178,7 @@ def test_cqr_during_warmup_is_shifted_cqr():
 
 
 @pytest.mark.parametrize("method", ["auto", "shifted_cqr", "cqr", "polar", "rcqr"])
-def test_lowered_for_cuda_shifted_and_one_pass_cqr_loop_over_no_matrix(monkeypatch, method):
+def test_lowered_for_cuda_shifted_and_one_pass_cqr_loop_over_no_matrix(monkeypatch, method, h100):
   """Lowered for CUDA as on a GPU: shifted (``"auto"`` there) and one-pass Cholesky QR
   factor each pass's Grams by one Triton launch for the whole batch (r = 16: one diagonal
   block), with no cuSOLVER or cuBLAS factorization, no loop and no conditional, and every

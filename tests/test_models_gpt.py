@@ -1,5 +1,8 @@
 """The GPT against a float64 NumPy reference, and every mesh against one device."""
+import pathlib
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +14,7 @@ import dion_jax
 import models
 from dion_jax.accounting import hlo as comms
 from models import gpt
-from tests import model_meshes
+from tests import model_meshes, xla_env
 
 CFG = models.preset("tiny", num_layers=4, d_model=64, num_heads=4, seq_len=16)
 BATCH = 8
@@ -124,6 +127,30 @@ MESHES = [
 @pytest.mark.parametrize("spec,options", MESHES, ids=[f"{s}{o}" for s, o in MESHES])
 def test_mesh_matches_one_device(reference, spec, options):
   model_meshes.assert_mesh_matches(reference, CFG, _batch(), spec, options)
+
+
+# A table no larger than each rank's tokens: vocab 16 (padded to 128) over tp=2 is 64 rows,
+# against 64 tokens on fs=2,cp=2,tp=2 (4 sequences of 32 over cp=2) and 128 on fs=2,tp=2,pp=2.
+# There XLA from jaxlib 0.11 aborted the process partitioning jnp.take of the table inside the
+# shard_map over cp or pp (models.layers._rows); CFG's, 192 rows against 32 tokens, compiled.
+LOOKUP_CFG = models.preset("tiny", num_layers=2, d_model=32, num_heads=2, vocab_size=16, seq_len=32)
+
+
+@pytest.mark.parametrize("spec,options", [("fs=2,cp=2,tp=2", {}), ("fs=2,tp=2,pp=2", {"microbatches": 2})])
+def test_vocab_parallel_lookup_inside_a_shard_map_matches_one_device(spec, options):
+  """Compiled in a subprocess: where XLA fails to partition a program it aborts the process,
+  which fails this test rather than ending pytest's worker (or, with -n 0, the run)."""
+  check = ("from tests import model_meshes, test_models_gpt as t\n"
+           "cfg, batch = t.LOOKUP_CFG, t._batch(cfg=t.LOOKUP_CFG)\n"
+           f"model_meshes.assert_mesh_matches(model_meshes.one_device(cfg, batch), cfg, batch, {spec!r}, {options!r})")
+  env = {**xla_env.subprocess_env(), "JAX_PLATFORMS": "cpu"}
+  env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+  proc = subprocess.run([sys.executable, "-c", check], cwd=pathlib.Path(__file__).parents[1], env=env,
+                        capture_output=True, text=True, timeout=600)
+  # XLA's own message and the Python traceback, without the native stack's frames.
+  message = "\n".join(line for line in proc.stderr.splitlines() if not line.lstrip().startswith("@"))
+  if proc.returncode:
+    pytest.fail(f"exit status {proc.returncode}:\n{message[-3000:]}")
 
 
 def test_remat_and_bfloat16():

@@ -212,8 +212,10 @@ def test_two_processes_match_one(compile_cache, tmp_path):
   multi_losses, single_losses = train_losses(multi), train_losses(tmp_path / "single")
   assert sorted(multi_losses) == [1, 2, 3, 4]
   np.testing.assert_allclose(list(multi_losses.values()), list(single_losses.values()), atol=1e-5)
+  # gloo's reductions round apart from one process's, through 4 Dion steps: at most 1.06e-5
+  # (jax 0.12 on Python 3.12's corpus; under 1e-5 on 0.10.2, and on 0.12 with 3.11's corpus).
   for a, b in zip(jax.tree.leaves(saved_state(multi)), jax.tree.leaves(saved_state(tmp_path / "single"))):
-    np.testing.assert_allclose(a, b, atol=1e-5)
+    np.testing.assert_allclose(a, b, atol=2e-5)
   # Onto one process (4 of conftest's 8 devices): the next steps continue the data and state.
   for run_dir in (multi, tmp_path / "single"):
     assert gpt.main(["--run-dir", str(run_dir), "--resume", "--steps", "6"]) == 0
@@ -302,15 +304,19 @@ def test_non_finite_steps_change_nothing_and_stop_the_run(compile_cache, tmp_pat
 
 
 def test_qk_clip_on_a_mesh_matches_one_device(compile_cache, tmp_path, capsys):
-  """QK-clip at a threshold that every step crosses: the same losses, largest logits and
-  clipped heads on fs=2,tp=2 as on one device, and logged; refused with QK-norm."""
+  """QK-clip at a threshold that the first step crosses: the same losses, largest logits and
+  clipped heads on fs=2,tp=2 as on one device, heads clipped at exactly the steps whose
+  largest logit crosses it, and logged; refused with QK-norm.
+
+  Later steps cross it or not as their data goes: the corpus is the running Python's
+  standard library (with 3.11's every step crossed; with 3.12's the second's 1.93 did not)."""
   args = ("--qk-norm", "none", "--qk-clip-threshold", "2", "--steps", "3", "--optimizer", "nordion2",
           "--ortho-dtype", "float32")
   assert train(tmp_path / "one", *args, "--mesh", "fs=1") == 0
   assert train(tmp_path / "mesh", *args, "--mesh", "fs=2,tp=2") == 0
   one, mesh = ([r for r in records(tmp_path / d) if "loss" in r] for d in ("one", "mesh"))
   assert [r["clipped_heads"] for r in one] == [r["clipped_heads"] for r in mesh]
-  assert all(r["clipped_heads"] > 0 and r["max_logit"] > 2 for r in one)
+  assert one[0]["max_logit"] > 2 and all((r["clipped_heads"] > 0) == (r["max_logit"] > 2) for r in one)
   for key in ("loss", "max_logit"):
     np.testing.assert_allclose([r[key] for r in mesh], [r[key] for r in one], rtol=1e-5)
   capsys.readouterr()
