@@ -6,7 +6,7 @@ vendor-library factorizations. Importing this package imports none of them.
   randomized Cholesky QR over P (``dion_jax.linalg.qr``).
 - ``newton_schulz`` and ``newton_schulz_xla``: the symmetric products of the polar
   iterations (``dion_jax.linalg.polar``).
-- ``cholesky`` and ``cholesky_xla``: the inverse Cholesky factor of a batch of small
+- ``cholesky`` and ``cholesky_xla``: the Cholesky factor and its inverse of a batch of small
   blocks, one launch for the whole batch (``dion_jax.linalg.cholesky``'s diagonal blocks).
 - ``sketch``: the counter-based sketch matrix both RCQR paths generate.
 - ``lapack``: small QR, Cholesky and triangular inverses, batched safely per backend.

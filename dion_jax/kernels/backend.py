@@ -7,7 +7,7 @@ kernels ran at 0.28–0.81x of XLA's speed for RCQR and 0.63–0.97x for the New
 products; XLA's passes now run their float32 matmuls at ``Precision.HIGHEST``, so the
 kernels' accuracy edge over XLA's default TF32 is gone too. One family differs: the
 inverse-Cholesky leaf (``dion_jax.kernels.cholesky``), whose ``"auto"`` is Pallas on a GPU,
-chosen by structure before any GPU timing (:func:`inverse_cholesky`). The Pallas modules are
+chosen by structure before any GPU timing (:func:`cholesky_and_inverse`). The Pallas modules are
 imported here, when first asked for: ``import dion_jax`` loads no Pallas or Triton.
 """
 from __future__ import annotations
@@ -44,8 +44,8 @@ def symmetric_products(backend: str) -> Callable:
   return newton_schulz.symmetric_products
 
 
-def inverse_cholesky(backend: str) -> Callable:
-  """The inverse Cholesky factor of a batch of small blocks, ``A (B, n, n) -> chol(A)⁻¹``.
+def cholesky_and_inverse(backend: str) -> Callable:
+  """The Cholesky factor of a batch of small blocks and its inverse, ``A (B, n, n) -> (L, L⁻¹)``.
 
   ``"auto"`` is the Pallas kernel on a GPU and XLA's loop elsewhere (decided when
   traced). On a GPU XLA's loop would launch n kernels with a host round trip each, and
@@ -53,7 +53,7 @@ def inverse_cholesky(backend: str) -> Callable:
   is one launch for the batch. Chosen by that count: no GPU has timed it yet.
   """
   if backend == "xla" or (backend == "auto" and jax.default_backend() != "gpu"):
-    return cholesky_xla.xla_inverse_cholesky
+    return cholesky_xla.xla_cholesky_and_inverse
   from dion_jax.kernels import cholesky
 
-  return cholesky.inverse_cholesky
+  return cholesky.cholesky_and_inverse

@@ -3,19 +3,29 @@
 For symmetric positive definite G (B, r, r), :func:`inverse_cholesky` returns W = R⁻¹,
 upper triangular, where G = RᵀR (R upper, the factor ``jnp.linalg.cholesky(G).T``), so
 that ``P W`` has orthonormal columns when G = PᵀP: the factor and the triangular solve of
-Cholesky QR in one. It is computed as X = L⁻¹ (L = Rᵀ) by recursion on 2 x 2 blocks::
+Cholesky QR in one. It is computed with L = Rᵀ and X = L⁻¹ by recursion on 2 x 2 blocks::
 
-    G = [A₁₁ A₁₂; A₂₁ A₂₂]       X₁₁ = L₁₁⁻¹            (recursion on A₁₁)
-                                 L₂₁ = A₂₁ X₁₁ᵀ
-                                 X₂₂ = L₂₂⁻¹            (recursion on S = A₂₂ − L₂₁ L₂₁ᵀ)
-                                 X₂₁ = −X₂₂ (L₂₁ X₁₁)
+    G = [A₁₁ A₁₂; A₂₁ A₂₂]    L₁₁, X₁₁ = L₁₁⁻¹                (recursion on A₁₁)
+                              L₂₁ = A₂₁ X₁₁ᵀ
+                              L₂₁ ← L₂₁ + (A₂₁ − L₂₁ L₁₁ᵀ) X₁₁ᵀ   (one step of refinement)
+                              L₂₂, X₂₂ = L₂₂⁻¹                (recursion on S = A₂₂ − L₂₁ L₂₁ᵀ)
+                              X₂₁ = −X₂₂ (L₂₁ X₁₁)
 
 down to diagonal blocks of b = min(128, r rounded up to a power of two) columns, each
 factored and inverted by one batched kernel (``dion_jax.kernels.cholesky``; G is padded
 with an identity block to a multiple of b). Every other op is a batched matmul at
 ``Precision.HIGHEST`` or a slice. Nothing here launches per matrix: for r = 384 (3
-blocks) a call is 3 kernel launches and 8 matmuls for the whole batch, 6 and 20 for
+blocks) a call is 3 kernel launches and 12 matmuls for the whole batch, 6 and 30 for
 r = 768.
+
+The refinement is what makes the recursion as safe as LAPACK's blocked Cholesky, which
+gets L₂₁ from a triangular solve. The first product alone carries X₁₁'s error, up to
+cond(L₁₁)·u relative; in shifted Cholesky QR's passes cond(L₁₁) reaches 1/√u, so L₂₁
+is off by up to √u ≈ 3e-4 of its size while S's smallest eigenvalues are at the
+shift's scale, u·‖G‖. Without it the Schur complement lost its positive definiteness
+on Grams from training (Dion's first step on ``small``'s width, a P of condition 3e8:
+NaN from the second block on, where LAPACK's factor was finite), and Dion's guard then
+zeroed that matrix's Q. With it L₂₁'s error is the residual's rounding, as a solve's.
 
 What it replaced on a GPU (jax 0.11, jaxlib's ``jaxlib/gpu/solver_kernels_ffi.cc``; XLA's
 ``xla/backends/gpu/runtime/triangular_solve_thunk.cc``), per call on a batch:
@@ -34,7 +44,7 @@ What it replaced on a GPU (jax 0.11, jaxlib's ``jaxlib/gpu/solver_kernels_ffi.cc
 
 So a Cholesky QR pass asked for about 2r/16 + r/64 + 4 launches (110 at r = 768, 55 at
 r = 384), none per matrix but all small; with this one it asks for r/b kernel launches and
-4(r/b − 1) matmuls (6 + 20 and 3 + 8), each over the whole batch.
+6(r/b − 1) matmuls (6 + 30 and 3 + 12), each over the whole batch.
 """
 import jax
 import jax.numpy as jnp
@@ -59,15 +69,16 @@ def _split(n: int, b: int) -> int:
 def flops(r: int) -> tuple[int, int]:
   """``(matmul, blocks)`` flops of :func:`inverse_cholesky` on one r x r matrix, 2 per
   multiply-add: the recursion's dense matmuls as executed, on G padded to whole blocks
-  (4·h·(n − h)·n per cut of n at h), and b³/3 + b³/3 per diagonal block (its Cholesky
-  and triangular inverse; the kernel's masked tiles execute more)."""
+  (4·h·(n − h)·(n + h) per cut of n at h: L₂₁, its refinement's two products, S and
+  X₂₁'s two), and b³/3 + b³/3 per diagonal block (its Cholesky and triangular inverse;
+  the kernel's masked tiles execute more)."""
   b = block_size(r)
 
   def matmul(n):
     if n == b:
       return 0
     h = _split(n, b)
-    return 4 * h * (n - h) * n + matmul(h) + matmul(n - h)
+    return 4 * h * (n - h) * (n + h) + matmul(h) + matmul(n - h)
 
   n = -(-r // b) * b
   return matmul(n), (n // b) * 2 * b**3 // 3
@@ -77,18 +88,26 @@ def _mm(spec, a, b):
   return jnp.einsum(spec, a, b, precision=_F32, preferred_element_type=jnp.float32)
 
 
-def _inverse_lower(A_bxnxn, b, leaf):
-  """X = chol(A)⁻¹ (lower) for n a multiple of b, by the recursion of the module docstring."""
+def _lower(M11, M21, M22):
+  """The lower-triangular [M₁₁ 0; M₂₁ M₂₂]."""
+  top = jnp.concatenate([M11, jnp.zeros((M11.shape[0], M11.shape[1], M22.shape[2]), jnp.float32)], axis=2)
+  return jnp.concatenate([top, jnp.concatenate([M21, M22], axis=2)], axis=1)
+
+
+def _cholesky_and_inverse(A_bxnxn, b, leaf):
+  """``(L, X)``, L = chol(A) and X = L⁻¹ (lower), for n a multiple of b, by the recursion
+  of the module docstring."""
   n = A_bxnxn.shape[-1]
   if n == b:
     return leaf(A_bxnxn)
   h = _split(n, b)
-  X11 = _inverse_lower(A_bxnxn[:, :h, :h], b, leaf)
-  L21 = _mm("bij,bkj->bik", A_bxnxn[:, h:, :h], X11)
-  X22 = _inverse_lower(A_bxnxn[:, h:, h:] - _mm("bik,bjk->bij", L21, L21), b, leaf)
+  A21 = A_bxnxn[:, h:, :h]
+  L11, X11 = _cholesky_and_inverse(A_bxnxn[:, :h, :h], b, leaf)
+  L21 = _mm("bij,bkj->bik", A21, X11)
+  L21 = L21 + _mm("bij,bkj->bik", A21 - _mm("bij,bkj->bik", L21, L11), X11)
+  L22, X22 = _cholesky_and_inverse(A_bxnxn[:, h:, h:] - _mm("bik,bjk->bij", L21, L21), b, leaf)
   X21 = -_mm("bij,bjk->bik", X22, _mm("bij,bjk->bik", L21, X11))
-  top = jnp.concatenate([X11, jnp.zeros((X11.shape[0], h, n - h), jnp.float32)], axis=2)
-  return jnp.concatenate([top, jnp.concatenate([X21, X22], axis=2)], axis=1)
+  return _lower(L11, L21, L22), _lower(X11, X21, X22)
 
 
 def inverse_cholesky(G_bxrxr: jax.Array, *, backend: str = "auto") -> jax.Array:
@@ -96,12 +115,12 @@ def inverse_cholesky(G_bxrxr: jax.Array, *, backend: str = "auto") -> jax.Array:
 
   A G that is not positive definite to float32 gives NaN in W (a pivot's square root),
   as ``jnp.linalg.cholesky`` does. ``backend`` picks the diagonal blocks' kernel
-  (``dion_jax.kernels.backend.inverse_cholesky``).
+  (``dion_jax.kernels.backend.cholesky_and_inverse``).
   """
   r = G_bxrxr.shape[-1]
   b = block_size(r)
   n = -(-r // b) * b
   pad_eye = jnp.diag(jnp.arange(n) >= r).astype(jnp.float32)  # an identity block decouples the padding
   A_bxnxn = jnp.pad(G_bxrxr.astype(jnp.float32), ((0, 0), (0, n - r), (0, n - r))) + pad_eye
-  X_bxnxn = _inverse_lower(A_bxnxn, b, backend_lib.inverse_cholesky(backend))
+  _, X_bxnxn = _cholesky_and_inverse(A_bxnxn, b, backend_lib.cholesky_and_inverse(backend))
   return jnp.swapaxes(X_bxnxn[:, :r, :r], 1, 2)
