@@ -1,6 +1,8 @@
 """The blocked inverse Cholesky factor of a batch of Grams: against float64 NumPy, on a mesh,
 and lowered for CUDA as a few batched launches with no cuSOLVER or cuBLAS factorization."""
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,6 +35,30 @@ def test_inverse_factor_matches_float64(backend, r):
   # Achieved: 3.9e-6 (r = 40), 1.4e-5 (200), 2.1e-5 (384): float32 rounding of G times its condition 900.
   assert np.linalg.norm(W - W_ref) <= 5e-5 * np.linalg.norm(W_ref)
   assert np.abs(np.swapaxes(W, 1, 2) @ G @ W - np.eye(r)).max() < 2e-4  # achieved 6.5e-5
+
+
+# The Gram, shift included, that the first shifted pass factored for a 768 x 384 P of Dion's
+# first step on ``small``'s width with 2 layers (seed 0, the embedded corpus): P had 71
+# singular values from 2.4 down to 1.2e-3, then float32 noise from 1.5e-7; the Gram's
+# condition is 1.0e7. Float32, its upper triangle (numpy.triu_indices order).
+FIRST_STEP_GRAM = pathlib.Path(__file__).parent / "fixtures" / "dion_first_step_gram.npz"
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_a_shifted_gram_from_training_factors_as_lapack_does(backend):
+  """Without the refinement of L₂₁ the Schur complement of this Gram was not positive
+  definite: NaN from the second block on, where LAPACK's factor is finite."""
+  upper = np.load(FIRST_STEP_GRAM)["upper"]
+  r = 384
+  G = np.zeros((r, r), np.float32)
+  G[np.triu_indices(r)] = upper
+  G = G + np.triu(G, 1).T
+  W = np.asarray(jax.jit(lambda g: cholesky.inverse_cholesky(g, backend=backend))(jnp.asarray(G)[None]), np.float64)[0]
+  assert np.isfinite(W).all()
+  G64 = G.astype(np.float64)
+  # float32 at condition 1e7 leaves O(1) here: LAPACK's factor (potrf, then its triangular
+  # inverse) reached 0.42, this one 0.46 (xla) and 0.42 (pallas); float64's 8e-10.
+  assert np.linalg.norm(W.T @ G64 @ W - np.eye(r), 2) < 0.6
 
 
 def test_blocks_are_powers_of_two_up_to_128():

@@ -12,8 +12,10 @@ see ``dion_jax.optimizers.frame``), one step on gradient G is:
     Q ← R / (‖R‖_col + eps)                      column norms in float32
     U ← scale(fan_out, fan_in) · P Qᵀ            the returned update direction
 
-with a guard: if M is all zero (seen as B Q = 0), P = 0 and R = Q (the state is
-left alone), else NaN/Inf in P and R are replaced by finite values. ``power_iters > 1`` repeats the
+with a guard: if M is all zero (seen as B Q = 0), or P or R is not finite anywhere (a
+factorization that failed), P = 0 and R = Q: that matrix's Q is left alone and its step
+is the momentum's update only. (The reference replaces NaN in P and R by 0, which makes
+Q zero, and a zero Q never leaves zero: the matrix stops learning for good.) ``power_iters > 1`` repeats the
 P/R products with Q ← R. Weight decay and the learning rate are applied by the
 transformations chained after ``scale_by_dion`` (``dion_jax.optimizers.routing``), which gives the
 reference's ``X ← (1 − lr·wd) X − lr·scale·P Qᵀ``.
@@ -44,7 +46,7 @@ class Collectives(NamedTuple):
   rows: AxisName = None  # Axes sharding B's rows: sums for orthonormalization and R.
   cols: AxisName = None  # Axes sharding B's columns: sums for P and Q's column norms.
   replica: AxisName = None  # Replica axes over which P and R are averaged.
-  everywhere: AxisName = None  # All mesh axes a matrix spans, for the all-zero guard.
+  everywhere: AxisName = None  # All mesh axes a matrix spans, for the guard (all zero or not finite).
   spread: bool = False  # Split the batch's orthonormalizations over cols + replica axes.
 
 
@@ -132,7 +134,7 @@ def _contract(M: jax.Array, X: jax.Array, over_last: bool, precision=None) -> ja
 def _factors(B, Q_bxcxr, seed, use_cqr, hp: DionHyperParams, axes: Collectives, rows_last: bool):
   """The low-rank factors ``(P, R)`` of one step: power iteration on the momentum B
   (B x rows x cols, or B x cols x rows when ``rows_last``) warm-started from Q, with
-  the all-zero guard applied. Both are returned in B's dtype."""
+  the guard applied (all-zero or non-finite: P = 0, R = Q). Both are returned in B's dtype."""
   dtype = B.dtype
   cast, precision = _operands(hp.power_precision)
   B_op = cast(B)  # once for both products
@@ -147,14 +149,15 @@ def _factors(B, Q_bxcxr, seed, use_cqr, hp: DionHyperParams, axes: Collectives, 
       # (Q is B's last image): testing the (rows x r) product spares a pass over M.
       # max |.| is one fused reduction; jnp.any(x != 0) materializes a boolean array on CPU.
       largest_b = jnp.max(jnp.abs(BQ_bxrxr), axis=(1, 2))
-      nonzero_b = collectives.psum((largest_b != 0).astype(jnp.int32), axes.everywhere) > 0
     P_bxrxr = _power_left(BQ_bxrxr, seed, use_cqr, hp, axes).astype(dtype)
     R_bxcxr = collectives.sum_then_mean(Bt_times(P_bxrxr), axes.rows, axes.replica).astype(dtype)
 
-  nonzero_b = nonzero_b[:, None, None]
-  P_bxrxr = jnp.where(nonzero_b, jnp.nan_to_num(P_bxrxr), 0)
-  R_bxcxr = jnp.where(nonzero_b, jnp.nan_to_num(R_bxcxr), Q0_bxcxr)
-  return P_bxrxr, R_bxcxr
+  # One sum over the matrix's devices decides both: all zero, or not finite on some shard.
+  finite_b = jnp.logical_and(jnp.all(jnp.isfinite(P_bxrxr), axis=(1, 2)), jnp.all(jnp.isfinite(R_bxcxr), axis=(1, 2)))
+  flags_2xb = jnp.stack([largest_b != 0, jnp.logical_not(finite_b)]).astype(jnp.int32)
+  nonzero_2xb = collectives.psum(flags_2xb, axes.everywhere) > 0
+  ok_bx1x1 = jnp.logical_and(nonzero_2xb[0], jnp.logical_not(nonzero_2xb[1]))[:, None, None]
+  return jnp.where(ok_bx1x1, P_bxrxr, 0), jnp.where(ok_bx1x1, R_bxcxr, Q0_bxcxr)
 
 
 def _matrix_by_matrix(axes: Collectives, batch: int) -> bool:
