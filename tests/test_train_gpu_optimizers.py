@@ -17,7 +17,7 @@ from train.gpu import optimizers, reference
 # Issue 44: "the 72 matrices of `small` (12 layers x [four 768x768, 3072x768, 768x3072])".
 ISSUE_SET = {(768, 768): 4 * 12, (3072, 768): 12, (768, 3072): 12}
 # docs/design.md §4, total GFLOP per step on small's set, as a GPU resolves qr_method="auto".
-DESIGN_GFLOP = {"dion r=1": 1737.0, "dion r=1/2": 542.4, "dion r=1/4": 201.3, "dion r=1/2 polar": 546.3,
+DESIGN_GFLOP = {"dion r=1": 1826.4, "dion r=1/2": 554.5, "dion r=1/4": 203.7, "dion r=1/2 polar": 546.3,
                 "muon": 1630.7, "dion2 1/4": 86.6, "optax adamw": 1.3}
 CASES = {c.name: c for c in optimizers.CASES}
 

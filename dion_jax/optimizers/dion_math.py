@@ -152,11 +152,12 @@ def _factors(B, Q_bxcxr, seed, use_cqr, hp: DionHyperParams, axes: Collectives, 
     P_bxrxr = _power_left(BQ_bxrxr, seed, use_cqr, hp, axes).astype(dtype)
     R_bxcxr = collectives.sum_then_mean(Bt_times(P_bxrxr), axes.rows, axes.replica).astype(dtype)
 
-  # One sum over the matrix's devices decides both: all zero, or not finite on some shard.
+  # One int32 sum over the matrix's devices decides both: the low 16 bits count the shards
+  # where B Q is nonzero, the high ones those where P or R is not finite.
   finite_b = jnp.logical_and(jnp.all(jnp.isfinite(P_bxrxr), axis=(1, 2)), jnp.all(jnp.isfinite(R_bxcxr), axis=(1, 2)))
-  flags_2xb = jnp.stack([largest_b != 0, jnp.logical_not(finite_b)]).astype(jnp.int32)
-  nonzero_2xb = collectives.psum(flags_2xb, axes.everywhere) > 0
-  ok_bx1x1 = jnp.logical_and(nonzero_2xb[0], jnp.logical_not(nonzero_2xb[1]))[:, None, None]
+  flags_b = (largest_b != 0).astype(jnp.int32) + (1 << 16) * jnp.logical_not(finite_b).astype(jnp.int32)
+  flags_b = collectives.psum(flags_b, axes.everywhere)
+  ok_bx1x1 = jnp.logical_and(flags_b % (1 << 16) > 0, flags_b < (1 << 16))[:, None, None]
   return jnp.where(ok_bx1x1, P_bxrxr, 0), jnp.where(ok_bx1x1, R_bxcxr, Q0_bxcxr)
 
 

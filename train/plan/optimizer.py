@@ -15,7 +15,7 @@ sync adds rp, ``dion_jax.optimizers.dion``):
                 all-gather of P over R) when rows <= r
     R = Bᵀ P    (b, cols/C, r) float32 summed over R (+rp), as P: the replicas average
                 a 1/R part
-    ‖R‖_col     (b, 1, r) summed over C;  an int32 (2, b) guard (all zero, not finite) over
+    ‖R‖_col     (b, 1, r) summed over C;  an int32 (b,) guard (all zero, not finite) over
                 R, C (+rp)
 
 Without compression on rp > 1 the matrix's gradient is averaged over rp first.
@@ -89,7 +89,7 @@ def _dion(leaf: Leaf, sizes: dict[str, int], rank_fraction: float, per_replica: 
     add("dion orthonormalization", "all-reduce", rows_ax, matrices * (sketch_size(r, 1.25) + r) * r * 4)
   mean_of_sum("dion R", rows_ax, replica, b * cols * r * 4)
   add("dion column norms", "all-reduce", cols_ax, b * r * 4)
-  add("dion column norms", "all-reduce", rows_ax + cols_ax + replica, 2 * b * 4)  # the guard
+  add("dion column norms", "all-reduce", rows_ax + cols_ax + replica, b * 4)  # the guard
   state = stacked * local_bytes(leaf, sizes) + b * cols * r * 4
   return out, state
 
