@@ -11,7 +11,8 @@ One loop over the n columns, each step on the whole batch at once::
     X ← X − l₊ xᵀ,  X[j, :] = x                     substitution (l₊: l below row j)
 
 so X is built from L's columns as they appear, with no second loop and no triangular
-solve, and column j of A, which the update has just eliminated, keeps column j of L. A pivot that is not positive gives NaN, as LAPACK's and cuSOLVER's Cholesky do.
+solve, and column j of A, which the update has just eliminated, keeps column j of L. A
+pivot that is not positive gives NaN, as LAPACK's and cuSOLVER's Cholesky do.
 The loop is a ``fori_loop``: on a CPU it costs n small batched steps, and no LAPACK call
 (whose batched form can deadlock XLA's thread pool, ``dion_jax.kernels.lapack``). On a GPU
 each step would be a kernel launch: there the Pallas kernel runs all n steps in one.
