@@ -197,6 +197,8 @@ def test_a_failed_factorization_keeps_q_and_the_matrix_learns_next_step():
   step = jax.jit(dion_math.dion_matrix_step, static_argnames=("scale", "hp"))
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   M, Q, U = step(f32(np.zeros_like(G0)), f32(G0), f32(Q0), jnp.uint32(1), jnp.asarray(False), scale=1.0, hp=hp)
+  # Exact by construction, not a rounding comparison: the guard selects P = 0, so the update is
+  # 0 · Q and the error feedback subtracts 0 from B = 0 + G.
   np.testing.assert_array_equal(U[0], 0)
   np.testing.assert_allclose(Q[0], Q0[0] / (np.linalg.norm(Q0[0], axis=0) + 1e-8), rtol=1e-6)
   np.testing.assert_array_equal(M[0], f32(G0[0]))
