@@ -6,6 +6,10 @@ compile time, and at that level XLA's fusion emitters half of the rest; every ch
 programs built with the same flags (subprocesses keep them: ``tests/xla_env.py``), so they
 run unoptimized, with the elemental emitters.
 
+One persistent XLA cache serves the whole run (``xla_cache``): the workers of pytest-xdist and
+the subprocesses they start share the programs they compile, as tests build the same model or
+step again on the same mesh.
+
 The flags must be set before jax is imported anywhere (jax reads JAX_PLATFORMS when
 imported, XLA its flags when the first backend starts), the XLA flags that the project's
 nested shard_maps need (``dion_jax.parallel.NESTED_SHARD_MAP_XLA_FLAGS``) last.
@@ -28,7 +32,27 @@ from dion_jax.parallel import NESTED_SHARD_MAP_XLA_FLAGS  # noqa: E402  imports 
 os.environ["XLA_FLAGS"] += "".join(f" {name}={value}" for name, value in NESTED_SHARD_MAP_XLA_FLAGS.items())
 
 
-import pytest  # noqa: E402  after the flags, as jax below
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+# Programs that compile faster than this are not worth a cache file (most of the suite's
+# thousands of small eager programs); model initializations and steps take longer.
+CACHE_MIN_COMPILE_SECS = 0.2
+
+
+@pytest.fixture(scope="session", autouse=True)
+def xla_cache(tmp_path_factory) -> str:
+  """The run's persistent XLA cache, in this process and (through the environment) in every
+  subprocess. Set before the worker's first compile: JAX decides once per process whether
+  it uses a cache. Under pytest-xdist the workers' temporary folders share a parent."""
+  base = tmp_path_factory.getbasetemp()
+  path = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "xla_cache"
+  path.mkdir(exist_ok=True)
+  os.environ.update(JAX_COMPILATION_CACHE_DIR=str(path),
+                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=str(CACHE_MIN_COMPILE_SECS))
+  jax.config.update("jax_compilation_cache_dir", str(path))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_SECS)
+  return str(path)
 
 
 @pytest.fixture

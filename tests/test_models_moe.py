@@ -186,7 +186,7 @@ MESHES = [
     ("fs=2,ep=2", {}, CAPPED),
     ("ep=2,tp=2", {}, CFG),
     ("rp=2,ep=2", {}, CFG),
-    ("ep=2,pp=2", {"microbatches": 4}, GROUPED),
+    ("ep=2,pp=2", {"microbatches": 2}, GROUPED),
     ("fs=2,ep=2,tp=2", {"sequence_parallel": True}, GROUPED),
     ("cp=2,ep=2", {}, GROUPED),
     ("fs=2,cp=2,tp=2", {}, CAPPED),

@@ -1,7 +1,8 @@
 """python -m train.gpt end to end: the default command, resume, kill, reshard, multi-host, bad input.
 
 Runs use a very small GPT (2 layers x 32, 16 tokens, batch 8) so that compilation dominates;
-XLA's persistent compilation cache (module fixture) lets runs of the same program share it.
+XLA's persistent compilation cache (conftest's, every program of a run here) lets runs of the
+same program share it.
 In-process runs see the 8 fake CPU devices of conftest.py; subprocess runs start their own JAX.
 """
 import json
@@ -28,19 +29,15 @@ SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2
 
 
 @pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-  """A persistent XLA cache for this module's runs, in-process and in subprocesses."""
-  path = str(tmp_path_factory.mktemp("xla_cache"))
+def compile_cache(xla_cache):
+  """The run's XLA cache (conftest's), caching every program of this module's runs, in-process
+  and in subprocesses, however short its compile."""
   data.load_source("stdlib", progress=False)  # build the corpus once, before parallel runs
   data.load_source("stdlib:val", progress=False)
-  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-           "jax_persistent_cache_min_entry_size_bytes")
-  before = {n: getattr(jax.config, n) for n in names}
-  for name, value in zip(names, (path, 0, 0)):
-    jax.config.update(name, value)
-  yield path
-  for name, value in before.items():
-    jax.config.update(name, value)
+  before = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  yield xla_cache
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
 
 
 def subprocess_env(cache: str) -> dict:
