@@ -7,6 +7,7 @@ In-process runs see the 8 fake CPU devices of conftest.py; subprocess runs start
 """
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -146,19 +147,28 @@ def test_sigkill_then_resume_equals_uninterrupted(compile_cache, tmp_path):
   assert_trees_equal(saved_state(tmp_path / "straight"), saved_state(killed))
 
 
+def stopped_after(run_dir, step: int, copy) -> int:
+  """Copies ``run_dir`` to ``copy`` as if the run had stopped once it saved ``step`` (its later
+  checkpoints removed); returns how many records the log holds (a resume appends after them)."""
+  shutil.copytree(run_dir, copy)
+  for name in os.listdir(copy / "checkpoints"):
+    if name.isdigit() and int(name) > step:
+      shutil.rmtree(copy / "checkpoints" / name)
+  return len(records(copy))
+
+
 def test_reshard_onto_other_meshes(compile_cache, tmp_path):
-  """A save on fs=4,tp=2 resumes on rp=2,fs=2,tp=2, one device, fs=2,tp=2,pp=2 and
-  fs=2,cp=2,tp=2 (context parallelism): the next steps' losses and gradient norms match
-  the original mesh's within 1e-5 (on rp, with the norm of the replicas' mean gradient,
+  """The step-3 checkpoint of a run on fs=4,tp=2 resumes on rp=2,fs=2,tp=2, one device,
+  fs=2,tp=2,pp=2 and fs=2,cp=2,tp=2 (context parallelism): the next steps' losses and gradient
+  norms match the original run's within 1e-5 (on rp, with the norm of the replicas' mean gradient,
   --grad-norm exact, which clipping here uses)."""
-  assert train(tmp_path / "ref", "--mesh", "fs=4,tp=2", "--steps", "6") == 0
-  assert train(tmp_path / "saved", "--mesh", "fs=4,tp=2", "--steps", "3", "--lr-decay-steps", "6") == 0
+  assert train(tmp_path / "ref", "--mesh", "fs=4,tp=2", "--steps", "6", "--save-every", "3") == 0
   ref = {r["step"]: r for r in records(tmp_path / "ref") if "loss" in r}
   for mesh in ("rp=2,fs=2,tp=2", "fs=1", "fs=2,tp=2,pp=2", "fs=2,cp=2,tp=2"):
     run_dir = tmp_path / mesh.replace(",", "_")
-    subprocess.run(["cp", "-r", str(tmp_path / "saved"), str(run_dir)], check=True)
+    logged = stopped_after(tmp_path / "ref", 3, run_dir)
     assert gpt.main(["--run-dir", str(run_dir), "--resume", "--mesh", mesh, "--steps", "6", "--grad-norm", "exact"]) == 0
-    new = {r["step"]: r for r in records(run_dir) if "loss" in r and r["step"] > 3}
+    new = {r["step"]: r for r in records(run_dir)[logged:] if "loss" in r}
     assert sorted(new) == [4, 5, 6]
     for step, r in new.items():
       np.testing.assert_allclose(r["loss"], ref[step]["loss"], rtol=0, atol=1e-5, err_msg=mesh)
@@ -166,18 +176,18 @@ def test_reshard_onto_other_meshes(compile_cache, tmp_path):
 
 
 def test_moe_reshards_onto_other_expert_layouts(compile_cache, tmp_path):
-  """A mixture-of-experts run (experts on every second layer) saved on rp=2,ep=2,tp=2 (Dion's
-  per-replica momenta) resumes on fs=2,ep=4 and matches the original mesh's next steps; its
+  """The step-3 checkpoint of a mixture-of-experts run (experts on every second layer) on
+  rp=2,ep=2,tp=2 (Dion's per-replica momenta) resumes on fs=2,ep=4 and matches the original
+  run's next steps; its
   log has the routing figures. Clipped by the norm of the replicas' mean gradient
   (--grad-norm exact), as one replica is."""
   moe = ("--preset", "tiny-moe", "--moe-every", "2", "--moe-capacity-factor", "1.0", "--grad-norm", "exact")
-  assert train(tmp_path / "ref", *moe, "--mesh", "rp=2,ep=2,tp=2", "--steps", "5") == 0
-  assert train(tmp_path / "saved", *moe, "--mesh", "rp=2,ep=2,tp=2", "--steps", "3", "--lr-decay-steps", "5") == 0
+  assert train(tmp_path / "ref", *moe, "--mesh", "rp=2,ep=2,tp=2", "--steps", "5", "--save-every", "3") == 0
   run_dir = tmp_path / "resumed"
-  subprocess.run(["cp", "-r", str(tmp_path / "saved"), str(run_dir)], check=True)
+  logged = stopped_after(tmp_path / "ref", 3, run_dir)
   assert gpt.main(["--run-dir", str(run_dir), "--resume", "--mesh", "fs=2,ep=4", "--steps", "5"]) == 0
   ref = {r["step"]: r for r in records(tmp_path / "ref") if "loss" in r}
-  new = {r["step"]: r for r in records(run_dir) if "loss" in r and r["step"] > 3}
+  new = {r["step"]: r for r in records(run_dir)[logged:] if "loss" in r}
   assert sorted(new) == [4, 5]
   for step, r in new.items():
     for key in ("loss", "moe_aux_loss", "expert_load", "dropped"):
