@@ -14,7 +14,6 @@ The flags must be set before jax is imported anywhere (jax reads JAX_PLATFORMS w
 imported, XLA its flags when the first backend starts), the XLA flags that the project's
 nested shard_maps need (``dion_jax.parallel.NESTED_SHARD_MAP_XLA_FLAGS``) last.
 """
-import gc
 import os
 
 import numpy  # noqa: F401  numpy's own OpenBLAS starts first, with its default threads.
@@ -35,13 +34,6 @@ os.environ["XLA_FLAGS"] += "".join(f" {name}={value}" for name, value in NESTED_
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
-
-# Tracing and lowering allocate millions of short-lived objects, in workers whose heaps (JAX's
-# caches of every program so far) grow through the run, and each of Python's full collections
-# walks the whole heap: at its default thresholds they took about 8% of a worker's CPU. Here a
-# young collection comes every 50,000 allocations (Python's default: 700) and a full one every
-# 200 of those. Only the tests' own processes: every run of a command keeps Python's defaults.
-gc.set_threshold(50_000, 20, 10)
 
 # Programs that compile faster than this are not worth a cache file (most of the suite's
 # thousands of small eager programs); model initializations and steps take longer.
