@@ -160,8 +160,8 @@ def stopped_after(run_dir, step: int, copy) -> int:
 def test_reshard_onto_other_meshes(compile_cache, tmp_path):
   """The step-3 checkpoint of a run on fs=4,tp=2 resumes on rp=2,fs=2,tp=2, one device,
   fs=2,tp=2,pp=2 and fs=2,cp=2,tp=2 (context parallelism): the next steps' losses and gradient
-  norms match the original run's within 1e-5 (on rp, with the norm of the replicas' mean gradient,
-  --grad-norm exact, which clipping here uses)."""
+  norms match the original run's within 1e-5 (on rp, with the norm of the replicas' mean
+  gradient, --grad-norm exact, which clipping here uses)."""
   assert train(tmp_path / "ref", "--mesh", "fs=4,tp=2", "--steps", "6", "--save-every", "3") == 0
   ref = {r["step"]: r for r in records(tmp_path / "ref") if "loss" in r}
   for mesh in ("rp=2,fs=2,tp=2", "fs=1", "fs=2,tp=2,pp=2", "fs=2,cp=2,tp=2"):
@@ -178,9 +178,8 @@ def test_reshard_onto_other_meshes(compile_cache, tmp_path):
 def test_moe_reshards_onto_other_expert_layouts(compile_cache, tmp_path):
   """The step-3 checkpoint of a mixture-of-experts run (experts on every second layer) on
   rp=2,ep=2,tp=2 (Dion's per-replica momenta) resumes on fs=2,ep=4 and matches the original
-  run's next steps; its
-  log has the routing figures. Clipped by the norm of the replicas' mean gradient
-  (--grad-norm exact), as one replica is."""
+  run's next steps; its log has the routing figures. Clipped by the norm of the replicas'
+  mean gradient (--grad-norm exact), as one replica is."""
   moe = ("--preset", "tiny-moe", "--moe-every", "2", "--moe-capacity-factor", "1.0", "--grad-norm", "exact")
   assert train(tmp_path / "ref", *moe, "--mesh", "rp=2,ep=2,tp=2", "--steps", "5", "--save-every", "3") == 0
   run_dir = tmp_path / "resumed"
