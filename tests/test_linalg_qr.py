@@ -103,11 +103,13 @@ def _householder_f64(P_mxr):
   return Q * signs, np.abs(np.diag(R)) / np.linalg.norm(np.asarray(P_mxr, np.float64), 2)
 
 
+@pytest.mark.parametrize("precision", ["float32", "tensorfloat32x3"])
 @pytest.mark.parametrize("shape", [(M_ROWS, RANK), (64, 64)], ids=["tall", "square"])
 @pytest.mark.parametrize("P_kind", ["cond1", "cond1e3", "cond1e6", "cond1e9", "cond1e12", "duplicate",
                                     "zero_column", "half_rank"])
-def test_shifted_cqr_is_householder_in_float64_up_to_the_fill(P_kind, shape):
-  """Orthonormal to float32 rounding whatever P's condition or rank; P's span kept to ~1e-6
+def test_shifted_cqr_is_householder_in_float64_up_to_the_fill(P_kind, shape, precision):
+  """Orthonormal to float32 rounding whatever P's condition or rank, with the passes' Grams
+  and products in float32 or as three TF32 products (emulated here); P's span kept to ~1e-6
   (its fill); each column whose direction P determines (relative pivot > 1e-3) equal to
   float64 Householder's up to sign."""
   m, r = shape
@@ -115,12 +117,12 @@ def test_shifted_cqr_is_householder_in_float64_up_to_the_fill(P_kind, shape):
     P_mxr, _ = _with_condition(float(P_kind[4:]), m, r)
   else:
     P_mxr = _rank_deficient(P_kind, m, r)
-  Q_mxr = _ortho(P_mxr, "shifted_cqr")
+  Q_mxr = _ortho(P_mxr, "shifted_cqr", precision=precision)
   assert Q_mxr.dtype == jnp.float32 and Q_mxr.shape == P_mxr.shape
   # Achieved at most 8e-7 and 1.1e-6 on such inputs (float32 Householder: 1.1e-6 and 3e-7).
   assert _orthonormality_error(Q_mxr) < 5e-6
   # The fourth pass is needed: the third leaves up to 5.0e-2 (square, cond 1e9), 2.9e-5 (tall).
-  third = qr.shifted_cholesky_qr_passes(P_mxr[None], backend="xla")[2][0]
+  third = qr.shifted_cholesky_qr_passes(P_mxr[None], backend="xla", precision=precision)[2][0]
   assert _orthonormality_error(third) < (0.1 if m == r else 1e-4)
   assert _span_residual(Q_mxr, P_mxr) < 1e-5
   Q_ref, pivot = _householder_f64(P_mxr)
@@ -199,6 +201,23 @@ def test_lowered_for_cuda_shifted_and_one_pass_cqr_loop_over_no_matrix(monkeypat
     assert dots and all("xbf16>" in line and "HIGHEST" not in line for line in dots), dots
   else:
     assert dots and all("precision = [HIGHEST, HIGHEST]" in line for line in dots), dots
+
+
+@pytest.mark.parametrize("method,tall_dots", [("shifted_cqr", 8), ("cqr", 10)])
+def test_lowered_for_cuda_tensorfloat32x3_puts_the_tall_products_on_tensor_cores(monkeypatch, method, tall_dots, h100):
+  """``precision="tensorfloat32x3"`` as on a GPU: every pass's Gram and ``P W`` (the dots
+  with P's 300 rows) carry XLA's ``TF32_TF32_F32_X3`` algorithm; the inverse factor's
+  recursion (r = 256: two diagonal blocks) stays at HIGHEST; nothing is emulated."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # read when traced
+  P_bxmxr = _with_condition(10.0, m=300, r=256)[0][None]
+  f = lambda P: qr.orthonormalize_batch(P, method=method, precision="tensorfloat32x3")  # noqa: E731
+  text = jax.jit(f).trace(P_bxmxr).lower(lowering_platforms=("cuda",)).as_text()
+  dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+  tall = [line for line in dots if "300x256x" in line.split("->")[0]]
+  assert len(tall) == tall_dots and all("num_primitive_operations = 3" in line for line in tall), dots
+  rest = [line for line in dots if line not in tall]
+  assert rest and all("precision = [HIGHEST, HIGHEST]" in line for line in rest), rest
+  assert "bitcast_convert" not in text
 
 
 @pytest.mark.parametrize("shape", [(300, 40), (256, 32), (64, 64)], ids=["gram", "gram_square_steps", "square"])

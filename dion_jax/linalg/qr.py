@@ -56,7 +56,11 @@ fifth (``"polar"``) an approximately orthonormal one:
   basis), and it trains worse (docs/design.md §4).
 
 Every matmul of the Cholesky passes and of the sketch runs at ``Precision.HIGHEST``
-(float32, not the TF32 XLA uses by default on recent GPUs).
+(float32, not the TF32 XLA uses by default on recent GPUs), unless ``precision=
+"tensorfloat32x3"`` puts the passes' Grams and products ``P W`` (nearly all their flops; the
+inverse factor's recursion stays float32) on the tensor cores as three TF32 products each
+(``dion_jax.linalg.tf32``): float32's accuracy, measured pass by pass in
+``benchmarks/results/dion_gpu_path/qr_accuracy.md``.
 
 Distribution: when the rows of P are sharded over mesh axes ``axis_name`` (inside a
 ``shard_map``), the (k x r) sketch product and the (r x r) Gram matrices are summed
@@ -80,7 +84,7 @@ from jax import lax
 from dion_jax import validation
 from dion_jax.kernels import backend as backend_lib
 from dion_jax.kernels import lapack, sketch
-from dion_jax.linalg import cholesky, polar
+from dion_jax.linalg import cholesky, polar, tf32
 from dion_jax.parallel import collectives
 
 Method = Literal["auto", "shifted_cqr", "cqr", "rcqr", "qr", "polar"]
@@ -154,24 +158,23 @@ def fill_columns(m_local: int, r: int, axis_name: AxisName = None) -> jax.Array:
   return Omega_rxm.T
 
 
-def _gram(P_bxmxr: jax.Array) -> jax.Array:
-  return jnp.einsum("bmr,bms->brs", P_bxmxr, P_bxmxr, precision=lax.Precision.HIGHEST,
-                    preferred_element_type=jnp.float32)
+def _gram(P_bxmxr: jax.Array, precision: str) -> jax.Array:
+  return tf32.einsum("bmr,bms->brs", P_bxmxr, P_bxmxr, precision)
 
 
-def _times(P_bxmxr: jax.Array, W_bxrxr: jax.Array) -> jax.Array:
-  return jnp.einsum("bmr,brs->bms", P_bxmxr, W_bxrxr, precision=lax.Precision.HIGHEST,
-                    preferred_element_type=jnp.float32)
+def _times(P_bxmxr: jax.Array, W_bxrxr: jax.Array, precision: str) -> jax.Array:
+  return tf32.einsum("bmr,brs->bms", P_bxmxr, W_bxrxr, precision)
 
 
 def _frobenius_sq(G_bxrxr: jax.Array) -> jax.Array:
   return jnp.trace(G_bxrxr, axis1=1, axis2=2)[:, None, None]
 
 
-def shifted_cholesky_qr_passes(P_bxmxr: jax.Array, *, axis_name: AxisName = None,
-                               backend: str = "auto") -> list[jax.Array]:
+def shifted_cholesky_qr_passes(P_bxmxr: jax.Array, *, axis_name: AxisName = None, backend: str = "auto",
+                               precision: str = "float32") -> list[jax.Array]:
   """P after each pass of ``"shifted_cqr"`` (module docstring) on a batch of B matrices
-  (B, m, r), every pass batched; four float32 (B, m, r), the last orthonormal."""
+  (B, m, r), every pass batched; four float32 (B, m, r), the last orthonormal. ``precision``:
+  the passes' Grams and products ``P W`` (``dion_jax.linalg.tf32.einsum``)."""
   _, m_local, r = P_bxmxr.shape
   P_bxmxr = P_bxmxr.astype(jnp.float32)
   rms_col_bx1x1 = jnp.sqrt(collectives.psum(jnp.sum(P_bxmxr**2, axis=(1, 2), keepdims=True), axis_name) / r)
@@ -180,18 +183,19 @@ def shifted_cholesky_qr_passes(P_bxmxr: jax.Array, *, axis_name: AxisName = None
   u = float(jnp.finfo(jnp.float32).eps)
   passes = []
   for shifted in _SHIFTED_PASSES:
-    G_bxrxr = collectives.psum(_gram(P_bxmxr), axis_name)
+    G_bxrxr = collectives.psum(_gram(P_bxmxr, precision), axis_name)
     shift = u * _frobenius_sq(G_bxrxr) if shifted else 0.0
-    P_bxmxr = _times(P_bxmxr, cholesky.inverse_cholesky(G_bxrxr + shift * eye, backend=backend))
+    P_bxmxr = _times(P_bxmxr, cholesky.inverse_cholesky(G_bxrxr + shift * eye, backend=backend), precision)
     passes.append(P_bxmxr)
   return passes
 
 
-def shifted_cholesky_qr(P_bxmxr: jax.Array, *, axis_name: AxisName = None, backend: str = "auto") -> jax.Array:
+def shifted_cholesky_qr(P_bxmxr: jax.Array, *, axis_name: AxisName = None, backend: str = "auto",
+                        precision: str = "float32") -> jax.Array:
   """``"shifted_cqr"`` (module docstring) of a batch of B matrices (B, m, r), every
   pass batched; returns float32 (B, m, r). An all-zero P gives NaN (Dion's all-zero
   guard replaces it)."""
-  return shifted_cholesky_qr_passes(P_bxmxr, axis_name=axis_name, backend=backend)[-1]
+  return shifted_cholesky_qr_passes(P_bxmxr, axis_name=axis_name, backend=backend, precision=precision)[-1]
 
 
 def cholesky_qr_batch(
@@ -200,16 +204,18 @@ def cholesky_qr_batch(
     use_cqr: jax.Array | bool = True,
     axis_name: AxisName = None,
     backend: str = "auto",
+    precision: str = "float32",
 ) -> jax.Array:
   """``"cqr"`` of a batch: one-pass Cholesky QR where its Cholesky is finite and
   ``use_cqr`` holds, :func:`shifted_cholesky_qr` elsewhere, chosen per matrix by a
   select. Both return P's Q factor up to column signs, which Dion's update does not
   see (P Rᵀ and P Qᵀ with R = Bᵀ P are unchanged when a column of P flips)."""
   P32_bxmxr = P_bxmxr.astype(jnp.float32)
-  W_bxrxr = cholesky.inverse_cholesky(collectives.psum(_gram(P32_bxmxr), axis_name), backend=backend)
+  W_bxrxr = cholesky.inverse_cholesky(collectives.psum(_gram(P32_bxmxr, precision), axis_name), backend=backend)
   ok_bx1x1 = jnp.logical_and(jnp.all(jnp.isfinite(W_bxrxr), axis=(1, 2), keepdims=True), use_cqr)
-  one_pass = _times(P32_bxmxr, jnp.where(ok_bx1x1, W_bxrxr, jnp.eye(W_bxrxr.shape[-1], dtype=jnp.float32)))
-  return jnp.where(ok_bx1x1, one_pass, shifted_cholesky_qr(P32_bxmxr, axis_name=axis_name, backend=backend))
+  one_pass = _times(P32_bxmxr, jnp.where(ok_bx1x1, W_bxrxr, jnp.eye(W_bxrxr.shape[-1], dtype=jnp.float32)), precision)
+  shifted = shifted_cholesky_qr(P32_bxmxr, axis_name=axis_name, backend=backend, precision=precision)
+  return jnp.where(ok_bx1x1, one_pass, shifted)
 
 
 def orthonormalize_batch(
@@ -221,15 +227,17 @@ def orthonormalize_batch(
     use_cqr: jax.Array | bool = True,
     axis_name: AxisName = None,
     backend: str = "auto",
+    precision: str = "float32",
 ) -> jax.Array:
   """:func:`orthonormalize` on each of a batch of B matrices (B, m, r); float32 (B, m, r)."""
   validation.check_choice("qr_method", method, METHODS)
   validation.check_choice("backend", backend, backend_lib.BACKENDS)
+  validation.check_choice("precision", precision, tf32.PRECISIONS)
   method = resolve_method(method)
   if method == "shifted_cqr":
-    return shifted_cholesky_qr(P_bxmxr, axis_name=axis_name, backend=backend)
+    return shifted_cholesky_qr(P_bxmxr, axis_name=axis_name, backend=backend, precision=precision)
   if method == "cqr":
-    return cholesky_qr_batch(P_bxmxr, use_cqr=use_cqr, axis_name=axis_name, backend=backend)
+    return cholesky_qr_batch(P_bxmxr, use_cqr=use_cqr, axis_name=axis_name, backend=backend, precision=precision)
   if method == "qr":
     return jax.vmap(lambda P: householder(P, axis_name))(P_bxmxr)
   if method == "polar":
@@ -247,6 +255,7 @@ def orthonormalize(
     use_cqr: jax.Array | bool = True,
     axis_name: AxisName = None,
     backend: str = "auto",
+    precision: str = "float32",
 ) -> jax.Array:
   """Orthonormalizes the columns of ``P`` (m x r, m >= r) with ``method``; returns float32 (m x r).
 
@@ -259,8 +268,10 @@ def orthonormalize(
     use_cqr: for ``"cqr"`` only: when false, run ``"shifted_cqr"`` instead (warmup).
     axis_name: mesh axes over which the rows of ``P`` are sharded, inside ``shard_map``.
     backend: ``"xla"``, ``"pallas"``, or ``"auto"`` (Pallas on GPU, else XLA).
+    precision: the Grams and products ``P W`` of ``"shifted_cqr"`` and ``"cqr"``:
+      ``"float32"`` or ``"tensorfloat32x3"`` (``dion_jax.linalg.tf32``).
   """
   return orthonormalize_batch(
       P_mxr[None], method=method, seed=seed, oversample=oversample, use_cqr=use_cqr,
-      axis_name=axis_name, backend=backend,
+      axis_name=axis_name, backend=backend, precision=precision,
   )[0]  # fmt: skip

@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 from dion_jax import validation
 from dion_jax.kernels import backend as backend_lib
 from dion_jax.kernels import sketch
-from dion_jax.linalg import qr
+from dion_jax.linalg import qr, tf32
 from dion_jax.optimizers import dion_math
 from dion_jax.optimizers.frame import MatrixFrame, MatrixView, leaf_views
 from dion_jax.optimizers.routing import matrix_optimizer
@@ -145,6 +145,7 @@ def scale_by_dion(
     q_dtype: Any = None,
     mixed_precision: bool = False,
     power_precision: str | None = None,
+    qr_precision: str | None = None,
     seed: int = 0,
     dimension_numbers=None,
     partition_specs=None,
@@ -188,6 +189,11 @@ def scale_by_dion(
       accumulated in float32: None (XLA's default precision: TF32 on NVIDIA GPUs since
       Ampere, float32 on CPUs), ``"float32"``, ``"tensorfloat32"`` (TF32 inputs; on a CPU
       their rounding is emulated) or ``"bfloat16"``. The state keeps its dtype.
+    qr_precision: the Grams and products ``P W`` of ``"shifted_cqr"``'s and ``"cqr"``'s
+      Cholesky QR passes (nearly all their flops): None or ``"float32"`` (IEEE float32,
+      the CUDA cores on a GPU) or ``"tensorfloat32x3"`` (three TF32 products per matmul on
+      the tensor cores, XLA's ``TF32_TF32_F32_X3``: float32's accuracy; emulated on a CPU);
+      see ``dion_jax.linalg.tf32``. Other methods ignore it.
     seed: seeds Q's initialization and the RCQR sketches.
     dimension_numbers: fan_in/fan_out axes (see :func:`leaf_frames`).
     partition_specs: PartitionSpecs of the parameters: decide each matrix's frame
@@ -212,7 +218,10 @@ def scale_by_dion(
   validation.check_choice("qr_method", qr_method, qr.METHODS)
   validation.check_choice("backend", backend, backend_lib.BACKENDS)
   validation.check_choice("power_precision", power_precision, dion_math.POWER_PRECISIONS)
-  hp = dion_math.DionHyperParams(mu, epsilon, qr_method, oversample, power_iters, backend, power_precision)
+  qr_precision = "float32" if qr_precision is None else qr_precision
+  validation.check_choice("qr_precision", qr_precision, tf32.PRECISIONS)
+  hp = dion_math.DionHyperParams(mu, epsilon, qr_method, oversample, power_iters, backend, power_precision,
+                                 qr_precision)
   key = jax.random.key(seed)
   if mixed_precision:
     momentum_dtype, q_dtype = momentum_dtype or jnp.bfloat16, q_dtype or jnp.bfloat16
@@ -262,6 +271,7 @@ def dion(
     q_dtype: Any = None,
     mixed_precision: bool = False,
     power_precision: str | None = None,
+    qr_precision: str | None = None,
     seed: int = 0,
     scalar_optimizer: str = "adamw",
     scalar_learning_rate: optax.ScalarOrSchedule | None = None,
@@ -283,7 +293,7 @@ def dion(
       further multiplied by its shape scale (``scale_rule``).
     rank_fraction, rank_multiple_of, mu, epsilon, qr_method, cqr_warmup_steps,
       oversample, power_iters, scale_rule, momentum_dtype, q_dtype, mixed_precision,
-      power_precision, seed, dimension_numbers, partition_specs, mesh, replicate_sync, backend: see
+      power_precision, qr_precision, seed, dimension_numbers, partition_specs, mesh, replicate_sync, backend: see
       :func:`scale_by_dion`.
     weight_decay: decoupled weight decay, multiplied by the base learning rate, for
       Dion and (unless ``scalar_weight_decay`` is given) the scalar optimizer.
@@ -309,7 +319,7 @@ def dion(
       epsilon=epsilon, qr_method=qr_method, cqr_warmup_steps=cqr_warmup_steps,
       oversample=oversample, power_iters=power_iters, scale_rule=scale_rule,
       momentum_dtype=momentum_dtype, q_dtype=q_dtype, mixed_precision=mixed_precision,
-      power_precision=power_precision, seed=seed,
+      power_precision=power_precision, qr_precision=qr_precision, seed=seed,
       dimension_numbers=dimension_numbers, partition_specs=partition_specs,
       mesh=mesh, replicate_sync=replicate_sync, backend=backend,
   )  # fmt: skip

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dion_jax.linalg import qr
+from dion_jax.linalg import qr, tf32
 from dion_jax.optimizers.frame import MatrixFrame
 from dion_jax.parallel import collectives
 
@@ -60,12 +60,13 @@ class DionHyperParams(NamedTuple):
   power_iters: int = 1
   backend: str = "auto"
   power_precision: str | None = None
+  qr_precision: str = "float32"
 
 
 def _orthonormalize_batch(P_bxrxr, seed, use_cqr, hp: DionHyperParams, axes: Collectives):
   return qr.orthonormalize_batch(
       P_bxrxr, method=hp.qr_method, seed=seed, oversample=hp.oversample, use_cqr=use_cqr,
-      axis_name=axes.rows, backend=hp.backend,
+      axis_name=axes.rows, backend=hp.backend, precision=hp.qr_precision,
   )  # fmt: skip
 
 
@@ -90,15 +91,6 @@ def _power_left(MR_partial_bxrxr, seed, use_cqr, hp: DionHyperParams, axes: Coll
 POWER_PRECISIONS = (None, "float32", "tensorfloat32", "bfloat16")
 
 
-def round_to_tf32(x: jax.Array) -> jax.Array:
-  """float32 rounded to TF32's 10 mantissa bits (to nearest, ties to even), still float32:
-  a product of two such numbers is exact in float32, so a float32 matmul of them
-  accumulates what a TF32 tensor core would."""
-  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-  bits = (bits + jnp.uint32(0xFFF) + ((bits >> 13) & 1)) & jnp.uint32(0xFFFFE000)
-  return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
-
 def _operands(precision: str | None):
   """``(cast, dot_precision)`` of B Q and Bᵀ P for ``power_precision`` (see ``scale_by_dion``):
   what each operand becomes and the matmul's precision. TF32 is the GPU's own dot
@@ -108,7 +100,7 @@ def _operands(precision: str | None):
   if precision == "tensorfloat32":
     if jax.default_backend() == "gpu":
       return (lambda x: x.astype(jnp.float32)), jax.lax.DotAlgorithmPreset.TF32_TF32_F32
-    return round_to_tf32, jax.lax.Precision.HIGHEST
+    return tf32.round_to_tf32, jax.lax.Precision.HIGHEST
   if precision == "float32":
     return (lambda x: x.astype(jnp.float32)), jax.lax.Precision.HIGHEST
   return (lambda x: x), None

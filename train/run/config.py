@@ -25,8 +25,8 @@ from train.store import hub, rundir, tracking
 # The optimizer flags each --optimizer reads (train/run/optim.py); the others do nothing there.
 _ORTHOGONAL_FLAGS = ("dion_scale_rule", "dion_scalar_optimizer", "ortho_dtype")
 OPTIMIZER_FLAGS = {
-    "dion": ("dion_rank_fraction", "dion_momentum", "dion_qr_method", "dion_power_precision", "dion_scale_rule",
-             "dion_scalar_optimizer", "dion_replicate_sync", "grad_norm"),
+    "dion": ("dion_rank_fraction", "dion_momentum", "dion_qr_method", "dion_power_precision", "dion_qr_precision",
+             "dion_scale_rule", "dion_scalar_optimizer", "dion_replicate_sync", "grad_norm"),
     **dict.fromkeys(("dion2", "nordion2", "normuon", "muon"), _ORTHOGONAL_FLAGS),
     "adamw": (), "lion": (),
 }
@@ -85,6 +85,7 @@ class Config:
   dion_momentum: float = 0.95
   dion_qr_method: str = "auto"
   dion_power_precision: str = "default"
+  dion_qr_precision: str = "float32"
   dion_scale_rule: str = "fan_ratio"
   dion_scalar_optimizer: str = "adamw"
   dion_replicate_sync: bool = True

@@ -19,6 +19,7 @@ CHOICES = {"preset": PRESET_NAMES, "dtype": ("float32", "bfloat16", "float16"),
            "qk_norm": ("none", "rms", "rms_scale"),
            "lr_decay_style": DECAY_STYLES, "dion_qr_method": ("auto", "shifted_cqr", "cqr", "rcqr", "qr", "polar"),
            "dion_power_precision": ("default", "float32", "tensorfloat32", "bfloat16"),
+           "dion_qr_precision": ("float32", "tensorfloat32x3"),
            "dion_scale_rule": ("fan_ratio", "spectral", "max_one", "none"),
            "dion_scalar_optimizer": ("adamw", "lion"), "ortho_dtype": ("bfloat16", "float32"),
            "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"),
@@ -134,6 +135,9 @@ HELP = {
     "dion_power_precision": "default|float32|tensorfloat32|bfloat16 inputs of Dion's power-iteration"
                             " products B Q and B^T P, accumulated in float32 (default: XLA's, TF32 on"
                             " an NVIDIA GPU, float32 on a CPU; tensorfloat32 is emulated on a CPU)",
+    "dion_qr_precision": "float32|tensorfloat32x3 Grams and products of Dion's Cholesky QR passes"
+                         " (shifted_cqr, cqr): IEEE float32, or three TF32 products each on an NVIDIA"
+                         " GPU's tensor cores at float32's accuracy (emulated on a CPU)",
     "dion_scale_rule": "fan_ratio|spectral|max_one|none shape scale of Dion's update"
                        " (default fan_ratio, the reference's sqrt(fan_out/fan_in))",
     "dion_scalar_optimizer": "adamw|lion for embeddings, LM head and norms (default adamw)",

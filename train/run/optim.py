@@ -102,6 +102,7 @@ def optimizer(cfg: Config, params: Any, mesh: jax.sharding.Mesh, specs: Any) -> 
       **decay,
       qr_method=cfg.dion_qr_method,
       power_precision=None if cfg.dion_power_precision == "default" else cfg.dion_power_precision,
+      qr_precision=cfg.dion_qr_precision,
       scale_rule=cfg.dion_scale_rule,
       scalar_optimizer=cfg.dion_scalar_optimizer,
       seed=cfg.seed,
