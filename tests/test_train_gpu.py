@@ -90,3 +90,24 @@ def test_each_stage_with_a_table_writes_it_beside_the_json(monkeypatch, tmp_path
   assert (tmp_path / "optimizers.md").read_text() == gpu_optimizers.markdown(records["optimizers"]) + "\n"
   assert (tmp_path / "sampler.md").read_text() == gpu_sampler.markdown(records["sampler"]) + "\n"
   assert (tmp_path / "gpu.png").stat().st_size > 0
+
+
+def test_train_stage_runs_a_variant_as_its_optimizer_with_its_flags(monkeypatch):
+  """"dion tf32x3" trains ``--optimizer dion --dion-qr-precision tensorfloat32x3`` and is
+  reported under its own name; every variant's flags are fields the trainer's Config checks."""
+  from train.run import config as config_lib
+
+  seen = []
+
+  def fake_run(preset, optimizer, steps, batch, attention, optimizer_steps=0, overrides=None):
+    seen.append((optimizer, overrides))
+    return {"preset": preset, "optimizer": optimizer, "ms_per_step": 1.0, "tokens_per_s": 1.0, "tflops": 1.0,
+            "mfu": None, "process_peak_memory_GiB": 0.0}
+
+  monkeypatch.setattr(gpu, "train_run", fake_run)
+  args = argparse.Namespace(stage_seconds=float("inf"), train_steps=2)
+  out = gpu.stage_train(args, runs=(("tiny", 8, ("dion", "dion tf32x3")),), attention="xla")
+  assert seen == [("dion", {}), ("dion", {"dion_qr_precision": "tensorfloat32x3"})]
+  assert [r["optimizer"] for r in out["rows"]] == ["dion", "dion tf32x3"]
+  for optimizer, overrides in gpu.VARIANTS.values():
+    config_lib.Config(preset="tiny", optimizer=optimizer, **overrides).check()

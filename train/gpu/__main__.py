@@ -15,9 +15,10 @@ Stages (``--stages``); each reports, and the next runs even when one fails:
 - ``optimizers`` (``train/gpu/optimizers.py``): first, one step alone (update + apply,
   jitted, donated; the mean of 10 chained steps after 3 warm-up) on ``small``'s 72 matrices
   as the model stacks them, most wanted first (the stage's time may cut the list): Dion at
-  rank 1/2, Muon, Dion at rank 1/4, optax's AdamW, Dion2 (fraction 1/4), Dion at rank 1
-  (Dion's ``qr_method="auto"``), and Dion at rank 1/2 with ``qr_method="polar"`` and with
-  ``power_precision="bfloat16"``: ms, the step's flops (``step_flops``), TFLOP/s and the
+  rank 1/2, Muon, Dion at rank 1/2 with ``qr_precision="tensorfloat32x3"`` (the Cholesky QR
+  passes on the tensor cores), Dion at rank 1/4 without and with it, optax's AdamW, Dion2
+  (fraction 1/4), Dion at rank 1 (Dion's ``qr_method="auto"``), and Dion at rank 1/2 with
+  ``qr_method="polar"`` and with ``power_precision="bfloat16"``: ms, the step's flops (``step_flops``), TFLOP/s and the
   time over Muon's; then microsoft/dion's PyTorch Dion (rank 1/2, 1/4, 1) and Muon on the
   same shapes and GPU when ``torch`` and its ``dion`` import (``train/gpu/reference.py``;
   else one line), side by side in ``optimizers.md``. Then, while the stage's time lasts,
@@ -29,7 +30,8 @@ Stages (``--stages``); each reports, and the next runs even when one fails:
   experts, then timed forward and backward in bf16 against one dense matmul of the same
   rows, 8 and 64 experts, even and skewed groups (``train/gpu/moe.py``).
 - ``train``: the trainer (``python -m train.gpt``) in bfloat16 with cuDNN attention,
-  ``small`` with AdamW, Dion2, Muon and Dion and ``350m`` with AdamW and Dion: tokens/s,
+  ``small`` with AdamW, Dion2, Muon and Dion and ``350m`` with AdamW and Dion, each Dion
+  also with ``--dion-qr-precision tensorfloat32x3`` ("dion tf32x3"): tokens/s,
   model TFLOP/s, MFU against the device's dense bf16 peak and peak memory, from the last
   log interval; and the optimizer's share of the step: the trainer's own optimizer
   (update + apply, jitted alone, donated, on the model's parameters and same-shaped

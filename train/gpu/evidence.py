@@ -34,14 +34,16 @@ def optimizer_seconds(run, steps: int) -> float:
 
 
 def train_run(preset: str, optimizer: str, steps: int, batch: int, attention: str, optimizer_steps: int = 0,
-              run_dir: str | None = None, profile_steps: str | None = None) -> dict:
+              run_dir: str | None = None, profile_steps: str | None = None, overrides: dict | None = None) -> dict:
   """The trainer's numbers of the last log interval (after the compiling first one); with
   ``optimizer_steps``, also the optimizer's own time (:func:`optimizer_seconds`) and its
   share of the step. The run goes to ``run_dir`` (default a temporary directory), its
-  ``--profile-steps`` trace (``train/store/profiling.py``) to RUN_DIR/profile."""
+  ``--profile-steps`` trace (``train/store/profiling.py``) to RUN_DIR/profile; ``overrides``
+  are more of ``train.run.config.Config``'s fields."""
   if run_dir is None:
     with tempfile.TemporaryDirectory() as run_dir:
-      return train_run(preset, optimizer, steps, batch, attention, optimizer_steps, run_dir, profile_steps)
+      return train_run(preset, optimizer, steps, batch, attention, optimizer_steps, run_dir, profile_steps,
+                       overrides)
   from train.run import config as config_lib
   from train.run import loop, setup
   from train.store import log
@@ -49,7 +51,7 @@ def train_run(preset: str, optimizer: str, steps: int, batch: int, attention: st
   cfg = config_lib.Config(
       preset=preset, optimizer=optimizer, dtype="bfloat16", attention=attention, steps=steps,
       log_interval=steps // 2, global_batch_size=batch, eval_tokens=0, save_every=0,
-      run_dir=run_dir, mesh="fs=1", profile_steps=profile_steps)
+      run_dir=run_dir, mesh="fs=1", profile_steps=profile_steps, **(overrides or {}))
   cfg.check()
   run = setup.setup(cfg)
   optimizer_ms = optimizer_seconds(run, optimizer_steps) * 1e3 if optimizer_steps else None
@@ -70,7 +72,9 @@ def train_run(preset: str, optimizer: str, steps: int, batch: int, attention: st
   return row
 
 
-TRAIN_RUNS = (("small", 32, ("adamw", "dion2", "muon", "dion")), ("350m", 16, ("adamw", "dion")))
+TRAIN_RUNS = (("small", 32, ("adamw", "dion2", "muon", "dion", "dion tf32x3")), ("350m", 16, ("adamw", "dion", "dion tf32x3")))
+# A run's name that is not an optimizer: its --optimizer and the flags that make it (as Config fields).
+VARIANTS = {"dion tf32x3": ("dion", {"dion_qr_precision": "tensorfloat32x3"})}
 
 
 def train_line(row: dict) -> str:
@@ -86,11 +90,12 @@ def train_line(row: dict) -> str:
 def stage_train(args, runs=TRAIN_RUNS, attention: str = "cudnn") -> dict:
   rows, deadline = [], time.monotonic() + args.stage_seconds
   for preset, batch, names in runs:
-    for optimizer in names:
+    for name in names:
       if time.monotonic() > deadline:
         break
-      rows.append(train_run(preset, optimizer, args.train_steps, batch, attention,
-                            optimizer_steps=args.train_steps))
+      optimizer, overrides = VARIANTS.get(name, (name, {}))
+      rows.append({**train_run(preset, optimizer, args.train_steps, batch, attention,
+                               optimizer_steps=args.train_steps, overrides=overrides), "optimizer": name})
       print(train_line(rows[-1]), flush=True)
   return {"rows": rows, "complete": len(rows) == sum(len(names) for _, _, names in runs)}
 
