@@ -14,9 +14,9 @@ Cholesky QR:
   XLA's loop (the CPU path) and by the Pallas kernel in the interpreter (the GPU path's
   arithmetic, up to the GPU's own rounding of division);
 
-- ``blocked, TF32x3 passes``: the blocked factor with the passes' Grams and ``P W`` as
-  XLA's ``TF32_TF32_F32_X3`` dot algorithm computes them on a GPU (three TF32 products on
-  the tensor cores), emulated: what that next step would cost in accuracy;
+- ``blocked, TF32x3 passes``: ``precision="tensorfloat32x3"``, the passes' Grams and ``P W``
+  as XLA's ``TF32_TF32_F32_X3`` dot algorithm computes them on a GPU (three TF32 products on
+  the tensor cores), emulated (``dion_jax.linalg.tf32``): what it costs in accuracy;
 
 and the final P of ``"polar"`` (Polar Express in bfloat16 on the r x r Gram) and of
 float32 Householder QR. Columns: ``‖QᵀQ − I‖₂`` and the span residual
@@ -31,8 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dion_jax.linalg import cholesky, qr
-from dion_jax.optimizers import dion_math
+from dion_jax.linalg import qr
 
 SHAPES = ((300, 40), (64, 64), (768, 384))
 KINDS = ("cond1", "cond1e3", "cond1e6", "cond1e9", "cond1e12", "duplicate", "zero_column", "half_rank")
@@ -59,13 +58,7 @@ def errors(Q, P) -> tuple[float, float]:
   return orth, np.linalg.norm(P - Q @ (Q.T @ P)) / np.linalg.norm(P)
 
 
-def _tf32x3(spec, a, b):
-  """A float32 matmul as XLA's TF32_TF32_F32_X3 dot algorithm does it on a GPU: operands split
-  into TF32 high and low parts, hi·hi + hi·lo + lo·hi accumulated in float32 (emulated)."""
-  split = lambda x: (dion_math.round_to_tf32(x), dion_math.round_to_tf32(x - dion_math.round_to_tf32(x)))
-  (a_hi, a_lo), (b_hi, b_lo) = split(a), split(b)
-  mm = lambda x, y: jnp.einsum(spec, x, y, precision=lax.Precision.HIGHEST)
-  return mm(a_hi, b_lo) + mm(a_lo, b_hi) + mm(a_hi, b_hi)
+_F32 = lambda spec, a, b: jnp.einsum(spec, a, b, precision=lax.Precision.HIGHEST)  # noqa: E731
 
 
 def _factor_lapack(G):
@@ -73,31 +66,28 @@ def _factor_lapack(G):
   return lax.linalg.triangular_solve(R, jnp.broadcast_to(jnp.eye(G.shape[-1]), R.shape), left_side=True, lower=False)
 
 
-def passes(P_bxmxr, factor, mm):
-  """The four passes of shifted Cholesky QR with the factor W = R⁻¹ from ``factor`` and the
-  tall matmuls (Gram, P W) by ``mm``: the library's passes with its parts swapped."""
+def passes(P_bxmxr, factor):
+  """The four passes of shifted Cholesky QR with the factor W = R⁻¹ from ``factor``: the
+  library's passes with their factorization swapped."""
   r = P_bxmxr.shape[-1]
   rms = jnp.sqrt(jnp.sum(P_bxmxr**2, axis=(1, 2), keepdims=True) / r)
   P_bxmxr = P_bxmxr + qr.FILL * rms * qr.fill_columns(P_bxmxr.shape[1], r)
   out = []
   for shifted in (True, True, False, False):
-    G = mm("bmr,bms->brs", P_bxmxr, P_bxmxr)
+    G = _F32("bmr,bms->brs", P_bxmxr, P_bxmxr)
     if shifted:
       G = G + float(jnp.finfo(jnp.float32).eps) * jnp.trace(G, axis1=1, axis2=2)[:, None, None] * jnp.eye(r)
-    P_bxmxr = mm("bmr,brs->bms", P_bxmxr, factor(G))
+    P_bxmxr = _F32("bmr,brs->bms", P_bxmxr, factor(G))
     out.append(P_bxmxr)
   return out
 
 
-_F32 = lambda spec, a, b: jnp.einsum(spec, a, b, precision=lax.Precision.HIGHEST)  # noqa: E731
-
-
 METHODS = {
-    "lapack": jax.jit(lambda P: passes(P, _factor_lapack, _F32)),
+    "lapack": jax.jit(lambda P: passes(P, _factor_lapack)),
     "blocked (XLA)": jax.jit(lambda P: qr.shifted_cholesky_qr_passes(P, backend="xla")),
     "blocked (Pallas)": jax.jit(lambda P: qr.shifted_cholesky_qr_passes(P, backend="pallas")),
-    "blocked, TF32x3 passes": jax.jit(lambda P: passes(P, lambda G: cholesky.inverse_cholesky(G, backend="xla"),
-                                                       _tf32x3)),
+    "blocked, TF32x3 passes": jax.jit(lambda P: qr.shifted_cholesky_qr_passes(P, backend="xla",
+                                                                              precision="tensorfloat32x3")),
     "polar (bf16)": jax.jit(lambda P: [qr.orthonormalize_batch(P, method="polar", backend="xla")]),
     "householder (f32)": jax.jit(lambda P: [qr.orthonormalize_batch(P, method="qr", backend="xla")]),
 }

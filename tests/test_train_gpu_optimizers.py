@@ -39,6 +39,9 @@ def test_flops_are_the_design_tables_on_a_gpu():
   # Elsewhere "auto" is rcqr (the design table's rcqr row); bf16 products count the same flops.
   assert round(CASES["dion r=1/2"].flops(shapes) / 1e9, 1) == 414.5
   assert CASES["dion r=1/2 bf16 power"].flops(shapes) == CASES["dion r=1/2"].flops(shapes)
+  # TF32x3 passes count their logical multiply-adds, as float32 ones do: the rates compare.
+  for rank in ("1/2", "1/4"):
+    assert CASES[f"dion r={rank} tf32x3 passes"].flops(shapes) == CASES[f"dion r={rank}"].flops(shapes)
 
 
 def test_rate_row_and_muon_ratio():
