@@ -7,6 +7,8 @@
   Grams in a few batched launches (Cholesky QR's factor and solve).
 - ``polar``: :func:`polar_factor`, the approximate polar factor ``U Vᵀ`` of whole
   matrices by odd quintic iterations (Muon, NorMuon, Dion2).
+- ``tf32``: float32 matmuls as three TF32 products on a GPU's tensor cores (Cholesky
+  QR's ``precision="tensorfloat32x3"``), emulated elsewhere.
 """
 from dion_jax.linalg.cholesky import inverse_cholesky
 from dion_jax.linalg.polar import NEWTON_SCHULZ, POLAR_EXPRESS, polar_factor
