@@ -308,43 +308,28 @@ def test_step_on_ill_conditioned_momentum_matches_float64_householder(spectrum, 
   assert np.linalg.norm(project @ (U[0] - U_ref)) <= tol * np.linalg.norm(project @ U_ref)
 
 
-@pytest.mark.parametrize("power_precision,low,high", [
-    (None, 0.0, 1e-6), ("float32", 0.0, 1e-6), ("tensorfloat32", 1e-4, 1.5e-3), ("bfloat16", 1e-3, 1e-2)])
-def test_power_precision_rounds_the_products_inputs(power_precision, low, high):
+@pytest.mark.parametrize("power_precision,qr_precision,low,high", [
+    (None, "float32", 0.0, 1e-6), ("float32", "float32", 0.0, 1e-6), ("tensorfloat32", "float32", 1e-4, 1.5e-3),
+    ("bfloat16", "float32", 1e-3, 1e-2), ("float32", "tensorfloat32x3", 0.0, 1e-6)])
+def test_product_precisions_against_float64(power_precision, qr_precision, low, high):
   """One step against float64 NumPy with Householder QR: the update is off by what the
   inputs of B Q and Bᵀ P lose (reached: 4.1e-7 in float32, 4.0e-4 with TF32's 11
-  significant bits, 3.0e-3 with bfloat16's 8), the state stays float32."""
+  significant bits, 3.0e-3 with bfloat16's 8), the state stays float32. The Cholesky QR
+  passes' Grams and products as three TF32 products (emulated here) cost nothing
+  measurable (reached 4.2e-7; one TF32 product per matmul left 4.2e-4)."""
   rows, cols, r = 96, 48, 24
   rng = np.random.default_rng(5)
   B, Q0 = rng.normal(size=(rows, cols)), rng.normal(size=(cols, r))
   P_ref = np.linalg.qr(B @ Q0)[0]
   R_ref = B.T @ P_ref
   U_ref = P_ref @ (R_ref / (np.linalg.norm(R_ref, axis=0) + 1e-8)).T
-  hp = dion_math.DionHyperParams(mu=0.9, qr_method="shifted_cqr", backend="xla", power_precision=power_precision)
+  hp = dion_math.DionHyperParams(mu=0.9, qr_method="shifted_cqr", backend="xla", power_precision=power_precision,
+                                 qr_precision=qr_precision)
   M, Q, U = jax.jit(dion_math.dion_matrix_step, static_argnames=("scale", "hp"))(
       jnp.zeros((1, rows, cols), jnp.float32), jnp.asarray(B[None], jnp.float32), jnp.asarray(Q0[None], jnp.float32),
       jnp.uint32(1), jnp.asarray(False), scale=1.0, hp=hp)
   assert M.dtype == Q.dtype == U.dtype == jnp.float32
   assert low <= np.linalg.norm(U[0] - U_ref) / np.linalg.norm(U_ref) < high
-
-
-@pytest.mark.parametrize("qr_precision", ["float32", "tensorfloat32x3"])
-def test_qr_precision_keeps_the_update_float32_accurate(qr_precision):
-  """One step against float64 NumPy with Householder QR: the Cholesky QR passes' Grams and
-  products as three TF32 products (emulated here) cost nothing measurable (reached 4.1e-7
-  for each; one TF32 product per matmul left 4.2e-4)."""
-  rows, cols, r = 96, 48, 24
-  rng = np.random.default_rng(5)
-  B, Q0 = rng.normal(size=(rows, cols)), rng.normal(size=(cols, r))
-  P_ref = np.linalg.qr(B @ Q0)[0]
-  R_ref = B.T @ P_ref
-  U_ref = P_ref @ (R_ref / (np.linalg.norm(R_ref, axis=0) + 1e-8)).T
-  hp = dion_math.DionHyperParams(mu=0.9, qr_method="shifted_cqr", backend="xla", power_precision="float32",
-                                 qr_precision=qr_precision)
-  _, _, U = jax.jit(dion_math.dion_matrix_step, static_argnames=("scale", "hp"))(
-      jnp.zeros((1, rows, cols), jnp.float32), jnp.asarray(B[None], jnp.float32), jnp.asarray(Q0[None], jnp.float32),
-      jnp.uint32(1), jnp.asarray(False), scale=1.0, hp=hp)
-  assert np.linalg.norm(U[0] - U_ref) / np.linalg.norm(U_ref) < 1e-6
 
 
 def test_unknown_power_or_qr_precision():
