@@ -145,7 +145,7 @@ def scale_by_dion(
     q_dtype: Any = None,
     mixed_precision: bool = False,
     power_precision: str | None = None,
-    qr_precision: str | None = None,
+    qr_precision: str = "float32",
     seed: int = 0,
     dimension_numbers=None,
     partition_specs=None,
@@ -190,7 +190,7 @@ def scale_by_dion(
       Ampere, float32 on CPUs), ``"float32"``, ``"tensorfloat32"`` (TF32 inputs; on a CPU
       their rounding is emulated) or ``"bfloat16"``. The state keeps its dtype.
     qr_precision: the Grams and products ``P W`` of ``"shifted_cqr"``'s and ``"cqr"``'s
-      Cholesky QR passes (nearly all their flops): None or ``"float32"`` (IEEE float32,
+      Cholesky QR passes (nearly all their flops): ``"float32"`` (IEEE float32,
       the CUDA cores on a GPU) or ``"tensorfloat32x3"`` (three TF32 products per matmul on
       the tensor cores, XLA's ``TF32_TF32_F32_X3``: float32's accuracy; emulated on a CPU);
       see ``dion_jax.linalg.tf32``. Other methods ignore it.
@@ -218,7 +218,6 @@ def scale_by_dion(
   validation.check_choice("qr_method", qr_method, qr.METHODS)
   validation.check_choice("backend", backend, backend_lib.BACKENDS)
   validation.check_choice("power_precision", power_precision, dion_math.POWER_PRECISIONS)
-  qr_precision = "float32" if qr_precision is None else qr_precision
   validation.check_choice("qr_precision", qr_precision, tf32.PRECISIONS)
   hp = dion_math.DionHyperParams(mu, epsilon, qr_method, oversample, power_iters, backend, power_precision,
                                  qr_precision)
@@ -271,7 +270,7 @@ def dion(
     q_dtype: Any = None,
     mixed_precision: bool = False,
     power_precision: str | None = None,
-    qr_precision: str | None = None,
+    qr_precision: str = "float32",
     seed: int = 0,
     scalar_optimizer: str = "adamw",
     scalar_learning_rate: optax.ScalarOrSchedule | None = None,
