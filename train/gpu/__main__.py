@@ -2,7 +2,7 @@
 
     python -m train.gpu                     # every stage
     python -m train.gpu --stages check,kernels --out /tmp/gpu
-    python -m train.gpu --stages optimizers,train,sampler --stage-seconds 150 \
+    python -m train.gpu --stages optimizers,train,profile,sampler --stage-seconds 120 \
         --out benchmarks/results/gpu/<device>   # issue 44's evidence
 
 Stages (``--stages``); each reports, and the next runs even when one fails:
@@ -36,9 +36,10 @@ Stages (``--stages``); each reports, and the next runs even when one fails:
   log interval; and the optimizer's share of the step: the trainer's own optimizer
   (update + apply, jitted alone, donated, on the model's parameters and same-shaped
   gradients) timed as the trainer times its steps, ``optimizer_ms / ms_per_step``.
-- ``profile``: a trace of Dion's steps 2 to 6 of ``small``, taken by the trainer's own
-  ``--profile-steps`` (``train/store/profiling.py``), summarized as the device's kernels by
-  total time: where a step's time goes.
+- ``profile``: a trace of Dion's steps 2 to 6 of ``small`` at its default rank (1/2 at
+  width 768), taken by the trainer's own ``--profile-steps`` (``train/store/profiling.py``),
+  summarized as the device's kernels by total time: where a step's time goes (the Triton
+  ``cholesky_and_inverse`` leaf against the passes' GEMMs, for issue 44).
 - ``sampler`` (``train/gpu/sampler.py``): GRPO's rollout, ``models.generate`` on ``small``
   with random weights, 64 prompts of 128 tokens, 256 new tokens each at temperature 1:
   tokens/s of the second call, beside transformers' ``generate`` of a GPT-2 of the same

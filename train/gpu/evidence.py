@@ -126,7 +126,7 @@ def stage_profile(args, preset: str = "small", batch: int = 32, attention: str =
     rows = summarize_trace(traces[0])
   for row in rows[:10]:
     print(f"  {row['ms']:9.1f} ms {row['count']:6d}x {100 * row['share']:5.1f}%  {row['kernel'][:80]}", flush=True)
-  return {"rows": rows, "steps": "2:6", "what": f"{preset}, Dion rank 1, batch {batch}, steps 2 to 6 of 6 (--profile-steps 2:6)"}
+  return {"rows": rows, "steps": "2:6", "what": f"{preset}, Dion at its default rank, batch {batch}, steps 2 to 6 of 6 (--profile-steps 2:6)"}
 
 
 # --- output ------------------------------------------------------------------------
