@@ -1,5 +1,5 @@
 """The run's learning-rate schedule against Megatron's formulas, its weight-decay groups,
-and gradient clipping against an independent norm."""
+gradient clipping against an independent norm, and Dion's flags in the step it builds."""
 import math
 
 import jax
@@ -128,3 +128,24 @@ def test_dion_rank_by_width_unless_given():
     assert optim.rank_fraction(Config(dion_rank_fraction=0.25), params) == 0.25
     assert plan.plan(preset, "fs=8", compare=False)["rank_fraction"] == want
   assert optim.default_rank_fraction(127) == 1.0
+
+
+@pytest.mark.parametrize("flags,marker", [
+    ({"dion_power_precision": "bfloat16"}, "xbf16>"),
+    ({"dion_qr_precision": "tensorfloat32x3"}, "num_primitive_operations = 3")])
+def test_dion_precision_flags_reach_the_step(monkeypatch, flags, marker):
+  """--dion-power-precision and --dion-qr-precision change the products of the optimizer the
+  trainer builds, traced as on a GPU (where the defaults carry neither marker)."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # read when traced
+  model_cfg = models.preset("tiny", num_layers=1, d_model=16, num_heads=2, seq_len=8, vocab_size=32)
+  _, params = models.abstract(model_cfg)
+
+  def dots(**flags):
+    cfg = Config(optimizer="dion", dion_qr_method="shifted_cqr", steps=10, **flags)
+    tx = optim.optimizer(cfg, params, None, None)
+    state = jax.eval_shape(tx.init, params)
+    lowered = jax.jit(tx.update).trace(params, state, params).lower(lowering_platforms=("cuda",))
+    return [line for line in lowered.as_text().splitlines() if "stablehlo.dot_general" in line]
+
+  assert any(marker in line for line in dots(**flags))
+  assert not any(marker in line for line in dots())
