@@ -1,6 +1,7 @@
 """The chunked LM head and loss (``--loss-chunk``): the trainer's step's memory and time.
 
     python -m benchmarks.loss_chunk --stage memory                 # small, fs=8, compile only
+    python -m benchmarks.loss_chunk --stage memory --loss-only --layers 1 --mesh fs=1 --batch 1
     python -m benchmarks.loss_chunk --stage time --layers 2        # small's width, 2 layers
 
 Stages (fake CPU devices):
@@ -8,7 +9,8 @@ Stages (fake CPU devices):
 - ``memory``: the trainer's compiled step (``train.run.trainer.make_trainer``: the
   optimizer's update included) of ``--preset`` on ``--mesh`` at each ``--chunks`` value,
   compiled from abstract arrays: ``memory_analysis()``'s temporaries, and the same model
-  with a 256-token vocabulary (what the vocabulary costs), in MiB per device.
+  with a 256-token vocabulary (what the vocabulary costs), in MiB per device. With
+  ``--loss-only``, the loss's value and gradient alone (``models.loss``), no optimizer.
 - ``time``: the step's wall time at each ``--chunks`` value, the values interleaved round
   after round (the machine may be shared), medians; and the loss and gradient of each
   against the unchunked step's (largest relative difference over the parameters).
@@ -51,6 +53,7 @@ def _trainer(preset: str, mesh_spec: str, batch: int, chunk: int, **overrides):
 def memory(args) -> None:
   import jax
   import jax.numpy as jnp
+  import models
 
   print("| vocabulary | loss_chunk | temporaries MiB | arguments MiB | outputs MiB |")
   print("| --- | --- | --- | --- | --- |")
@@ -59,10 +62,13 @@ def memory(args) -> None:
       overrides = dict(num_layers=args.layers) if args.layers else {}
       if vocab:
         overrides["vocab_size"] = vocab
-      mesh, _, _, state, step, model_cfg = _trainer(args.preset, args.mesh, args.batch, chunk, **overrides)
+      mesh, graphdef, par, state, step, model_cfg = _trainer(args.preset, args.mesh, args.batch, chunk, **overrides)
       batch = {k: jax.ShapeDtypeStruct((args.batch, model_cfg.seq_len), jnp.int32,
                                        sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("rp", "fs", "ep"))))
                for k in ("inputs", "targets")}
+      if args.loss_only:
+        step = jax.jit(jax.value_and_grad(lambda p, b, g=graphdef: models.loss(g, p, b, par)))
+        state = state.params
       with jax.set_mesh(mesh):
         mem = step.lower(state, batch).compile().memory_analysis()
       print(f"| {model_cfg.padded_vocab} | {chunk} | {mem.temp_size_in_bytes / MiB:.1f} |"
@@ -116,6 +122,7 @@ def main() -> None:
   parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
   parser.add_argument("--chunks", type=int, nargs="+", default=[0, 256, 1024])
   parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--loss-only", action="store_true", help="memory: the loss's gradient, not the trainer's step")
   args = parser.parse_args()
   harness.setup_process(8, "cpu")
   memory(args) if args.stage == "memory" else speed(args)
