@@ -208,7 +208,8 @@ def saved_flags(run_dir: str) -> dict:
     raise UsageError(f"--resume: {run_dir} holds no GRPO run (config.json with a \"grpo\" record);"
                      " start it without --resume")
   grpo = {k: tuple(v) if k == "reward" else v for k, v in record["grpo"].items() if k in _GRPO_FIELDS}
-  return {**grpo, **{k: v for k, v in record["train"].items() if k in SHARED and k not in config_lib.PER_INVOCATION}}
+  shared = {k: v for k, v in record["train"].items() if k in SHARED and k not in config_lib.PER_INVOCATION}
+  return {**grpo, **config_lib.current_values(shared)}
 
 
 def train_config(grpo: GRPOConfig, shared: dict, start: dict) -> config_lib.Config:

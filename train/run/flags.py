@@ -29,7 +29,24 @@ CHOICES = {"preset": PRESET_NAMES, "dtype": ("float32", "bfloat16", "float16"),
 # Other names of a flag: TRL's, where it names the same thing differently.
 ALIASES = {"updates_per_rollout": ("--num-iterations",)}
 # The placeholder --help shows for a flag's value, where its name does not say it.
-METAVARS = {"data": "SPEC", "reward": "NAME[=WEIGHT]", "prompts": "PATH"}
+METAVARS = {"data": "SPEC", "reward": "NAME[=WEIGHT]", "prompts": "PATH", "tensorboard": "DIR", "remat": "POLICY"}
+# The value of a flag given without one, for flags whose value may be left off.
+BARE_VALUES = {"tensorboard": "", "remat": "full"}
+# What runs saved before a flag took words wrote for it, and the word it reads as now.
+FORMER_VALUES = {"remat": {True: "full", False: "none"}}
+# --remat's policies (models.remat.POLICIES: what each keeps), one line of --help each.
+REMAT_POLICIES = {
+    "none": "keep every matrix product, the attention's scores too (the default)",
+    "full": "keep each layer's input only, recompute the rest (Megatron's full; --remat alone)",
+    "selective": "recompute the attention's core, keep the projections, its output and the MLP's"
+                 " products (Megatron's selective)",
+    "save_qkv_proj": "keep the query, key and value projections (MaxText's)",
+    "save_dot_except_mlp": "keep the attention's projections and out projection, recompute the MLP (MaxText's)",
+    "save_out_proj": "keep the attention's out projection (MaxText's)",
+    "qkv_proj_offloaded": "save_qkv_proj's tensors in pinned host memory (MaxText's)",
+    "minimal_offloaded": "every projection and MLP product in pinned host memory, the attention's core"
+                         " recomputed (MaxText's)",
+}
 
 HELP = {
     "preset": "model size: %s (default tiny: 4 layers x 128, seq 128)" % "|".join(PRESET_NAMES),
@@ -51,7 +68,12 @@ HELP = {
              " dynamically (Megatron's --fp16)",
     "attention": "auto|xla|cudnn: implementation of attention (default auto: cuDNN's fused"
                  " attention on an NVIDIA GPU in bfloat16 or float16, XLA's otherwise)",
-    "remat": "recompute each layer's activations in the backward pass (less memory)",
+    "remat": "recompute policy: what each layer keeps for the backward pass, the rest recomputed"
+             " (less memory, more compute): %s; custom:NAME=PLACE,... keeps the named tensors (layer_input,"
+             " query_proj, key_proj, value_proj, attention_out, out_proj, mlp_gate, mlp_up, expert_gate,"
+             " expert_up, expert_down) on the device or the host, recomputes the others; --remat alone is"
+             " full; on CPU host placements stay on the device (XLA:CPU does not move them)"
+             % "; ".join(f"{k}: {v}" for k, v in REMAT_POLICIES.items()),
     "sequence_parallel": "shard activations along the sequence over tp between layers",
     "virtual_stages": "stages per pp device of a circular (interleaved) pipeline (default 1)",
     "num_experts": "mixture of experts: the MLP of every layer (every --moe-every-th) becomes"
