@@ -91,6 +91,7 @@ class Config:
   dion_replicate_sync: bool = True
   dion_mixed_precision: bool = False
   ortho_dtype: str = "bfloat16"
+  offload_optimizer: bool = False
   # batch and steps
   global_batch_size: int = 16
   micro_batch_size: int | None = None

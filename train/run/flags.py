@@ -169,6 +169,10 @@ HELP = {
                             " mixed_precision: true; default off: the parameter's dtype)",
     "dion_replicate_sync": "with rp > 1 keep per-replica momentum and average only Dion's"
                            " low-rank factors over rp (default on)",
+    "offload_optimizer": "keep the optimizer state (Dion's, Muon's, AdamW's, ...) in pinned host memory"
+                         " between steps, moved to the device for the update only (Megatron's"
+                         " --optimizer-cpu-offload, MaxText's optimizer_memory_host_offload; default off);"
+                         " on CPU it changes no memory (host and device are one RAM)",
     "global_batch_size": "sequences per optimizer step over all devices (default 16)",
     "micro_batch_size": "sequences per data-parallel rank per micro-step (default: all of"
                         " them); micro-batches = global / (micro x rp x fs) feed gradient"
@@ -240,7 +244,7 @@ GRPO_HELP = {
     "seed": "seed of the prompts' order and the sampler (default 0)",
     "resume": "continue the run in --run-dir from its latest checkpoint (or --step) with the flags"
               " saved in its config.json; only --steps, --save-every, --keep, --mesh,"
-              " --micro-batch-size and --max-skipped may change",
+              " --micro-batch-size, --max-skipped, --remat and --offload-optimizer may change",
     "prompts_per_step": "prompts of each rollout, in a seeded order, epoch after epoch (default 8)",
     "group_size": "completions of each prompt, G >= 2 (default 8; TRL's num_generations)",
     "max_new_tokens": "most tokens of a completion (default 64; TRL's max_completion_length)",
