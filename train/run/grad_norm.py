@@ -117,14 +117,15 @@ def _cross_terms(replicas: list[jax.Array], specs: list[P], sketch_size: int, st
   inside a shard_map manual over every axis) each device sketches its block of each
   leaf; the blocks' sketches add up over the axes that shard the leaf (a copy on the
   others counted once), one all-reduce of ``sketch_size`` numbers per replica, then one
-  of as many and a square over rp."""
+  of ``sketch_size`` + 1 over rp (the sketches and their squared norms)."""
   partial_RxK = 0
   for leaf, (g, spec) in enumerate(zip(replicas, specs)):
     offsets, full, owner = _block(g.shape[1:], spec, sizes)
     partial_RxK += jnp.where(owner, sketch(g, sketch_size, _seed(step, leaf), offsets, full), 0.0)
   others = tuple(a for a in sizes if a != REPLICA_AXIS)
   if others:  # axes of size 1 vary nowhere: cast so that the sum may name them
-    partial_RxK = jax.lax.pcast(partial_RxK, tuple(set(others) - jax.typeof(partial_RxK).manual_axis_type.varying), to="varying")
+    varying = jax.typeof(partial_RxK).manual_axis_type.varying
+    partial_RxK = jax.lax.pcast(partial_RxK, tuple(a for a in others if a not in varying), to="varying")
   own_RxK = jax.lax.psum(partial_RxK, others) if others else partial_RxK
   squares = jnp.sum(own_RxK**2, axis=-1, keepdims=True)
   summed = jnp.concatenate([own_RxK, squares], axis=-1).sum(0)  # Σ_r over the local replicas
