@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 import dion_jax
 import models
 from train.plan import planner as plan_lib
-from train.run import comm, setup
+from train.run import comm, grad_norm, setup
 from train.run import config as config_lib
 
 BATCH = 8
@@ -105,12 +105,13 @@ def _replica_formula(record: dict) -> int:
   """Bytes each device sends over rp per step by a ring all-reduce of what its replica
   must share: its shard of every gradient, but for each Dion matrix whose (m + n)·r < m·n
   (microsoft/dion's compressed_all_reduce) its share of P and R, (m + n)·r numbers split
-  like the matrix; and a float32 loss. Counted from the shapes and specs alone."""
+  like the matrix; a float32 loss; with Dion, the gradient norm's sketch (k + 1 float32,
+  ``train/run/grad_norm.py``). Counted from the shapes and specs alone."""
   train = record["train"]
   sizes, optimizer, rank = dion_jax.parse_mesh_spec(train["mesh"]), train["optimizer"], train["dion_rank_fraction"]
   _, params = models.abstract(models.GPTConfig(**record["model"]))
   specs, labels = models.param_specs(params), dion_jax.default_labels(params)
-  total = 4  # the loss
+  total = 4 + (4 * (grad_norm.SKETCH_SIZE + 1) if optimizer == "dion" else 0)  # the loss, the norm's sketch
   for p, spec, label in zip(*(jax.tree.leaves(t, is_leaf=lambda x: isinstance(x, P)) for t in (params, specs, labels))):
     values = math.prod(p.shape)
     if optimizer == "dion" and label == "dion":
@@ -149,7 +150,10 @@ def test_dion_at_rank_one_quarter_sends_less_than_adamw(mesh, ratio):
 
 def test_the_log_and_config_say_what_a_step_sends():
   """One line per group of mesh axes with the compiled step's bytes, and Dion's replica
-  sync per group of matrices: compressed at rank 1/4, the gradient at full rank."""
+  sync per group of matrices: compressed at rank 1/4, the gradient at full rank; and the
+  gradient norm the step clips by: Dion's replicas' sketch, AdamW's exact."""
+  assert setup_record("rp", "dion")["grad_norm"] == "sketch"
+  assert setup_record("rp", "adamw")["grad_norm"] == "exact"
   for rank, compressed in ((0.25, True), (1.0, False)):
     record = setup_record("rp", "dion", rank)["communication"]
     groups = record["dion_replica_sync"]

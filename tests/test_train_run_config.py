@@ -23,6 +23,8 @@ from train.store import rundir
     (["--step", "3"], "--step 3 picks the checkpoint to resume from; add --resume"),
     (["--distributed-timeout", "0"], "--distributed-timeout must be positive"),
     (["--loss-chunk", "-1"], "--loss-chunk must be >= 0, got -1"),
+    (["--grad-norm-sketch-size", "1000"], "--grad-norm-sketch-size must be a power of two of at least 2, got 1000"),
+    (["--grad-norm-sketch-size", "1"], "--grad-norm-sketch-size must be a power of two of at least 2, got 1"),
 ])
 def test_nonsense_values_are_one_line_exit_2(tmp_path, capsys, argv, message):
   assert gpt.main([*argv, "--run-dir", str(tmp_path / "run")]) == 2

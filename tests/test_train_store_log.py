@@ -47,3 +47,14 @@ def test_a_non_finite_loss_is_null_read_back_as_nan(tmp_path):
   assert [r["step"] for r in tracker.records] == [1, 2, 2] and tracker.closed
   assert math.isnan(tracker.records[1]["loss"]) and tracker.records[2]["val_loss"] == math.inf
 
+
+
+def test_the_line_names_the_gradient_norm(tmp_path, capsys):
+  """The name the trainer gives (``train.run.grad_norm.LOG_NAMES``) says which norm is shown."""
+  from train.run import grad_norm
+  logger = log.Logger(str(tmp_path), steps=1, tokens_per_step=8, flops_per_token=1.0, num_devices=1,
+                      device_kind="cpu", primary=True, grad_norm_name=grad_norm.LOG_NAMES["sketch"])
+  logger.step(loss=1.5, grad_norm=0.5, lr=0.1, skipped=False)
+  logger.flush(1)
+  logger.close()
+  assert "| grad norm (sketch estimate): 0.500 |" in capsys.readouterr().out

@@ -34,7 +34,7 @@ from train.store import rundir
 MULTI_HOST = ("coordinator", "num_processes", "process_id", "distributed", "distributed_timeout", "heartbeat_timeout")
 # Config fields train.grpo takes as train.gpt does.
 SHARED = ("optimizer", "lr", "min_lr", "lr_warmup_steps", "lr_decay_style", "lr_decay_steps", "lr_wsd_decay_steps",
-          "weight_decay", "scalar_weight_decay", "clip_grad", "grad_norm", "skip_spikes", "max_skipped", "qk_clip_threshold",
+          "weight_decay", "scalar_weight_decay", "clip_grad", "grad_norm", "grad_norm_sketch_size", "skip_spikes", "max_skipped", "qk_clip_threshold",
           "initial_loss_scale", "loss_scale_window", "min_loss_scale", "dion_rank_fraction", "dion_momentum",
           "dion_qr_method", "dion_scale_rule", "dion_scalar_optimizer", "dion_replicate_sync",
           "dion_mixed_precision", "ortho_dtype", "offload_optimizer", "dtype", "attention", "remat", "loss_chunk",

@@ -27,7 +27,8 @@ partitioner (``models/sharding.py``, ``train/run/step.py``), not an idealized on
     replica's sum of its shards (Dion's per-replica matrices excepted) all-reduced over
     rp once per step, after the scan (``train.run.step.make_gradient``: DDP's ``no_sync``
     during accumulation); float32 scalars: each micro-batch's loss, its mean over rp,
-    and the targets' count;
+    and the targets' count; the gradient norm's sketch of Dion's per-replica matrices
+    (``train/run/grad_norm.py``): k float32 summed over the other axes, k + 1 over rp;
   * expert all-to-all: six per MoE layer (out and back, forward, recomputation,
     backward), each carrying this rank's room for the assignments of its tokens;
   * cp exchange: K and V all-gathered over cp four times per layer, dK and dV
@@ -65,6 +66,7 @@ import dion_jax
 import models
 from dion_jax.parallel.mesh import AXES
 from models import hf
+from train.run.grad_norm import SKETCH_SIZE
 from train.store import hub
 
 # Llama 3 shapes (Meta's model cards / config.json), beside the repository's presets.
@@ -294,6 +296,9 @@ def model_collectives(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, 
   add("gradient reductions", "all-reduce", ("rp", "fs", "ep", "pp"), 4, 1, times=1)
   # Each replica's sums of its shards, and its loss, averaged once per step, after the scan.
   add("gradient reductions", "all-reduce", ["rp"], over_rp + 4, 1, times=1)
+  if per_replica and sizes["rp"] > 1:  # the norm's sketch of Dion's per-replica gradients
+    add("gradient norm sketch", "all-reduce", [a for a in sizes if a != "rp"], 4 * SKETCH_SIZE, 1, times=1)
+    add("gradient norm sketch", "all-reduce", ["rp"], 4 * (SKETCH_SIZE + 1), 1, times=1)
   if cfg.num_experts:
     tokens_k = b * T * cfg.moe_top_k
     if cfg.moe_capacity_factor is None:

@@ -26,7 +26,8 @@ from train.store import hub, rundir, tracking
 _ORTHOGONAL_FLAGS = ("dion_scale_rule", "dion_scalar_optimizer", "ortho_dtype")
 OPTIMIZER_FLAGS = {
     "dion": ("dion_rank_fraction", "dion_momentum", "dion_qr_method", "dion_power_precision", "dion_qr_precision",
-             "dion_scale_rule", "dion_scalar_optimizer", "dion_replicate_sync", "grad_norm"),
+             "dion_scale_rule", "dion_scalar_optimizer", "dion_replicate_sync", "grad_norm",
+             "grad_norm_sketch_size"),
     **dict.fromkeys(("dion2", "nordion2", "normuon", "muon"), _ORTHOGONAL_FLAGS),
     "adamw": (), "lion": (),
 }
@@ -76,7 +77,8 @@ class Config:
   qk_clip_threshold: float | None = None
   clip_grad: float = 1.0
   skip_spikes: float = 0.0
-  grad_norm: str = "rms"
+  grad_norm: str = "sketch"
+  grad_norm_sketch_size: int = 1024
   max_skipped: int = 10
   # float16 loss scaling
   initial_loss_scale: float = 2.0**16
@@ -212,6 +214,10 @@ class Config:
     if self.min_lr > self.learning_rate:
       raise UsageError(f"--min-lr {self.min_lr:g} exceeds the peak --lr {self.learning_rate:g}; the decay"
                        f" ends at --min-lr, so choose it in [0, {self.learning_rate:g}]")
+    size = self.grad_norm_sketch_size
+    if size < 2 or size & (size - 1):
+      raise UsageError(f"--grad-norm-sketch-size must be a power of two of at least 2, got {size}"
+                       " (e.g. 1024: 4 kB per replica)")
     if not 0 <= self.dion_momentum < 1:
       raise UsageError(f"--dion-momentum must be in [0, 1), got {self.dion_momentum:g}")
     if self.dion_rank_fraction is not None and not 0 < self.dion_rank_fraction <= 1:

@@ -25,7 +25,7 @@ CHOICES = {"preset": PRESET_NAMES, "dtype": ("float32", "bfloat16", "float16"),
            "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"),
            "importance_sampling_level": ("token", "sequence"), "scale_rewards": ("group", "batch", "none"),
            "multi_objective_aggregation": ("sum_then_normalize", "normalize_then_sum"),
-           "grad_norm": ("rms", "exact")}
+           "grad_norm": ("sketch", "rms", "exact")}
 # Other names of a flag: TRL's, where it names the same thing differently.
 ALIASES = {"updates_per_rollout": ("--num-iterations",)}
 # The placeholder --help shows for a flag's value, where its name does not say it.
@@ -130,11 +130,16 @@ HELP = {
                            " --weight-decay's value)",
     "clip_grad": "clip the gradient to this global norm, 0 for none (default 1.0); with Dion's"
                  " per-replica gradients the norm --grad-norm says",
-    "grad_norm": "rms|exact: the gradient norm of --clip-grad and the log where Dion's replicas keep"
-                 " their own gradients (rp > 1): rms (default) the root mean square of the replicas'"
-                 " norms, an upper bound of their mean's norm, for one scalar all-reduce; exact the"
+    "grad_norm": "sketch|rms|exact: the gradient norm of --clip-grad and the log where Dion's replicas"
+                 " keep their own gradients (rp > 1), whose mean no device holds: sketch (default) an"
+                 " unbiased estimate of the mean's norm from --grad-norm-sketch-size numbers per replica"
+                 " all-reduced over rp (within about 2%% of it at 1024); rms the root mean square of the"
+                 " replicas' norms, an upper bound of the mean's, for one scalar all-reduce; exact the"
                  " mean's norm, for an all-reduce of every Dion matrix's gradient over rp each step"
                  " (as many bytes as AdamW's gradient sync, which Dion's compressed sync avoids)",
+    "grad_norm_sketch_size": "numbers in each replica's sketch of --grad-norm sketch, a power of two"
+                             " (default 1024: 4 kB; the estimate's relative spread is about"
+                             " sqrt(2/size) of the squared norm)",
     "skip_spikes": "skip the update of a step whose loss or gradient norm exceeds the mean of the"
                    " last 128 steps by this many of their standard deviations, once 64 are known"
                    " (MaxText's skip_step_on_spikes and Levanter's SkipStepConfig: 6 over 128);"

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from dion_jax.parallel import format_mesh_spec
 from train.run import evaluation, peers
+from train.run import grad_norm as grad_norm_lib
 from train.run import step as step_lib
 from train.run.interrupt import Agreement, Interrupt
 from train.run.setup import Run
@@ -144,7 +145,8 @@ def _steps(run: Run, progress: Progress, interrupt: Interrupt) -> None:
   cfg, batches = run.cfg, run.data
   logger = Logger(cfg.run_path, cfg.steps, cfg.global_batch_size * run.model_cfg.seq_len,
                   run.model_cfg.flops_per_token(), run.mesh.size, jax.devices()[0].device_kind,
-                  jax.process_index() == 0, batches.steps_per_epoch, batches.examples, run.trackers)
+                  jax.process_index() == 0, batches.steps_per_epoch, batches.examples, run.trackers,
+                  grad_norm_lib.LOG_NAMES[run.record["grad_norm"]])
   profile = profiling.Steps(cfg.profile_range, profiling.directory(cfg.run_path))
   logger.message(f"training {cfg.init_from or cfg.preset} ({run.model_cfg.num_params() / 1e6:.2f}M parameters,"
                  f" {run.model_cfg.dtype}) with {cfg.optimizer} on mesh {format_mesh_spec(dict(run.mesh.shape))}"

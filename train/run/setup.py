@@ -25,7 +25,8 @@ import dion_jax
 import models
 from dion_jax.parallel import format_mesh_spec
 from train.cli import UsageError
-from train.run import comm, preflight, trainer
+from train.run import comm, optim, preflight, trainer
+from train.run import grad_norm as grad_norm_lib
 from train.run import model_source as model_source_lib
 from train.run import step as step_lib
 from train.run.config import Config
@@ -185,8 +186,11 @@ def config_record(cfg: Config, model_cfg: models.GPTConfig, origin: model_source
 
 def describe_communication(run: Run, compiled: jax.stages.Compiled) -> None:
   """What the compiled step sends (``train/run/comm.py``), in the run's record (config.json's
-  ``"communication"``) and, by process 0, one log line per group of mesh axes."""
+  ``"communication"``) and, by process 0, one log line per group of mesh axes; and the
+  gradient norm it clips by and logs (``"grad_norm"``: ``train/run/grad_norm.py``'s sketch,
+  rms or exact, the last wherever no gradient is per replica)."""
   params = run.state.params
+  run.record["grad_norm"] = grad_norm_lib.shown(run.cfg.grad_norm, optim.per_replica_mask(run.cfg, params, run.mesh))
   run.record["communication"] = comm.describe(compiled, run.mesh, run.cfg, params, models.param_specs(params))
   if jax.process_index() == 0:
     print("\n".join(comm.lines(run.record["communication"], run.mesh)), flush=True)

@@ -46,19 +46,12 @@ the optimizer's update (``models/qk_clip.py``), inside the guard.
 
 With Dion's compressed sync (rp > 1) its matrices' gradients carry a leading rp axis,
 one gradient per replica, and the gradient Dion applies is their mean, which no device
-holds: the replicas exchange only Dion's low-rank factors. The norm that clipping and
-the log see is then, by default, the root mean square over replicas of each replica's
-own norm (``grad_norm="rms"``: one scalar all-reduce),
-
-    ‖g‖² = Σ_{averaged leaves} ‖ḡ‖² + (1/rp) Σ_r Σ_{per-replica leaves} ‖g_r‖²,
-
-an upper bound of the mean's norm (‖ḡ‖ ≤ RMS_r ‖g_r‖: the mean of squares exceeds
-the square of the mean by the replicas' variance, about rp times the whole batch's
-gradient noise). Clipping to it never lets the mean exceed the threshold, and fires
-earlier than one device would. ``grad_norm="exact"`` takes the mean's norm, at the cost
-of averaging every per-replica gradient over rp (an all-reduce as large as AdamW's
-gradient sync; Megatron-Dion's choice). Scaling every replica's gradient by the same
-factor scales their mean (docs/design.md §3).
+holds. The norm that clipping and the log see is then ``train/run/grad_norm.py``'s: by
+default an unbiased estimate of the mean's norm from a sketch of 1024 numbers per
+replica (``grad_norm="sketch"``, within about 2% of it), or the replicas' root mean
+square (``"rms"``, an upper bound), or the mean's norm itself (``"exact"``, an
+all-reduce as large as AdamW's gradient sync). Scaling every replica's gradient by the
+same factor scales their mean (docs/design.md §3).
 """
 from __future__ import annotations
 
@@ -70,10 +63,8 @@ import optax
 
 import dion_jax
 import models
+from train.run import grad_norm as grad_norm_lib
 from train.run import spikes
-
-# How the norm of per-replica gradients is taken (module docstring).
-GRAD_NORMS = ("rms", "exact")
 
 
 class LossScale(NamedTuple):
@@ -225,36 +216,30 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
                     lr_schedule: optax.Schedule, per_replica: Any | None, accum: int,
                     clip_grad: float, scaling: Scaling | None = None,
                     qk_clip: tuple[float, models.GPTConfig] | None = None, skip_spikes: float = 0.0,
-                    objective: Callable | None = None, temperature: float = 1.0, grad_norm: str = "rms",
+                    objective: Callable | None = None, temperature: float = 1.0,
+                    grad_norm: str = grad_norm_lib.NORMS[0], sketch_size: int = grad_norm_lib.SKETCH_SIZE,
                     offload_optimizer: bool = False) -> Callable[[TrainState, dict], tuple[TrainState, StepMetrics]]:
   """The jitted step; ``scaling`` None leaves the loss unscaled (the state's scale unused);
   ``qk_clip`` is (threshold, the model's config) or None; ``skip_spikes`` > 0 skips a step
   whose loss or gradient norm is that many standard deviations above the state's window
   (``train/run/spikes.py``; the state must keep one), 0 applies it; ``objective`` a per-token
   objective of ``models.loss`` (at ``temperature``) in place of the cross-entropy;
-  ``grad_norm`` "rms" or "exact": the norm of per-replica gradients; ``offload_optimizer``:
-  the state's optimizer state is in pinned host memory, and so is the new one (module
+  ``grad_norm`` "sketch" (of ``sketch_size`` numbers per replica), "rms" or "exact": the
+  norm of per-replica gradients (``train/run/grad_norm.py``); ``offload_optimizer``: the
+  state's optimizer state is in pinned host memory, and so is the new one (module
   docstring)."""
-  if grad_norm not in GRAD_NORMS:
-    raise ValueError(f"grad_norm {grad_norm!r}: choose one of {', '.join(GRAD_NORMS)}")
+  if grad_norm not in grad_norm_lib.NORMS:
+    raise ValueError(f"grad_norm {grad_norm!r}: choose one of {', '.join(grad_norm_lib.NORMS)}")
   logit_max = qk_clip is not None
   mean_grads = make_gradient(graphdef, par, per_replica, accum, logit_max, objective, temperature)
-
-  def applied_norm(grads):
-    if per_replica is None:
-      return optax.tree.norm(grads)
-    if grad_norm == "exact":
-      return optax.tree.norm(jax.tree.map(lambda g, rep: g.mean(0) if rep else g, grads, per_replica))
-    squares = jax.tree.map(lambda g, rep: optax.tree.norm(g, squared=True) / (g.shape[0] if rep else 1),
-                           grads, per_replica)
-    return jnp.sqrt(sum(jax.tree.leaves(squares)))
 
   def step(state: TrainState, batch: dict) -> tuple[TrainState, StepMetrics]:
     scale = state.loss_scale.scale if scaling else None
     (loss, aux), grads = mean_grads(state.params, batch, scale)
     if scaling:
       loss, grads = jax.tree.map(lambda x: x / scale, (loss, grads))
-    norm = applied_norm(grads)
+    norm = grad_norm_lib.global_norm(grads, per_replica, grad_norm, sketch_size, state.updates, par.mesh,
+                                     models.param_specs(state.params))
     if clip_grad > 0:
       factor = jnp.minimum(1.0, clip_grad / jnp.maximum(norm, 1e-30))
       grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)

@@ -62,7 +62,7 @@ def make_trainer(cfg: Config, model_cfg: models.GPTConfig, graphdef: Any, params
   train_step = step_lib.make_train_step(graphdef, par, tx, optim.schedule(cfg),
                                         optim.per_replica_mask(cfg, params, par.mesh), 1 if par.pp > 1 else accum,
                                         cfg.clip_grad, scaling, qk_clip, cfg.skip_spikes, objective, temperature,
-                                        cfg.grad_norm, cfg.offload_optimizer)
+                                        cfg.grad_norm, cfg.grad_norm_sketch_size, cfg.offload_optimizer)
   return state, train_step
 
 

@@ -6,7 +6,9 @@
 
 (one line). MFU appears where the device's peak is known, the loss scale (after the lm
 loss, as Megatron's) in float16 runs: that of the interval's last step; with --skip-spikes,
-the skipped iterations that were spikes (``spike iterations``). On fine-tuning
+the skipped iterations that were spikes (``spike iterations``). Where Dion's replicas
+keep their own gradients, the grad norm's name says how it was taken (``grad norm (sketch
+estimate)``, ``train/run/grad_norm.py``). On fine-tuning
 data (``sft:``) the line also shows the examples consumed so far and the epoch, steps
 over the steps of one pass over the data's rows (1.500: half way through the second
 pass). Only process 0 writes; :func:`read_metrics` is the one reader of what it writes.
@@ -60,16 +62,17 @@ class Logger:
 
   def __init__(self, run_path: str, steps: int, tokens_per_step: int, flops_per_token: float,
                num_devices: int, device_kind: str, primary: bool, steps_per_epoch: int | None = None,
-               examples: int | None = 0, trackers: Sequence = ()):
+               examples: int | None = 0, trackers: Sequence = (), grad_norm_name: str = "grad norm"):
     """``steps_per_epoch`` (fine-tuning data only): steps of one pass over the data;
     ``examples``: those consumed before this run's first step (a resumed run's; None when
     its checkpoint did not record them: they are then not shown); ``trackers``: where
-    the records go besides metrics.jsonl (``train.store.tracking.start``'s)."""
+    the records go besides metrics.jsonl (``train.store.tracking.start``'s);
+    ``grad_norm_name``: the line's name of the norm, which says how it was taken."""
     self.steps, self.tokens_per_step = steps, tokens_per_step
     self.steps_per_epoch, self.examples = steps_per_epoch, examples
     self.flops_per_token, self.num_devices = flops_per_token, num_devices
     self.peak = peak_tflops(device_kind)
-    self.primary = primary
+    self.primary, self.grad_norm_name = primary, grad_norm_name
     self.metrics = rundir.MetricsFile(run_path, trackers) if primary else None
     self._reset(time.perf_counter())
 
@@ -144,7 +147,7 @@ class Logger:
       aux, load, dropped = (r / max(self.count, 1) for r in self.routing)
       record.update(moe_aux_loss=aux, expert_load=load, dropped=dropped)
       fields += [f"moe aux loss: {aux:.4E}", f"expert load max/mean: {load:.2f}", f"dropped: {100 * dropped:.1f}%"]
-    fields += [f"grad norm: {self.grad_norm:.3f}", f"skipped iterations: {self.skipped}",
+    fields += [f"{self.grad_norm_name}: {self.grad_norm:.3f}", f"skipped iterations: {self.skipped}",
                f"nan iterations: {self.nan}"]
     if self.spikes is not None:
       record["spikes"] = self.spikes
