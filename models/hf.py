@@ -302,7 +302,9 @@ def read_core(source: LeafSource, name: str, index: tuple[slice, ...], shape: tu
   read = list(index)
   if source.padded_axis is not None:  # rows past the vocabulary are padding: zeros
     s = index[source.padded_axis]
-    read[source.padded_axis] = slice(min(s.start, source.vocab), min(s.stop, source.vocab))
+    if s.start >= source.vocab:  # all padding (a tp shard past the vocabulary): nothing to read
+      return np.zeros(want, np.float32)
+    read[source.padded_axis] = slice(s.start, min(s.stop, source.vocab))
   hf_index = tuple(read[::-1]) if source.transpose else tuple(read)
   x = np.asarray(get(name, hf_index)).astype(np.float32)
   if source.transpose:
