@@ -384,15 +384,21 @@ def test_an_imported_model_is_checked_on_the_data_ids_and_its_positions(tmp_path
 
 
 def test_a_kept_lr_schedule_is_said_in_one_line(capsys):
-  """parse kept the saved decay length (tests/test_train_run_config.py); the run says so when it starts."""
+  """parse kept the saved decay length (tests/test_train_run_config.py); the run says so when
+  it starts, with the learning rate of the new steps, and refuses new steps at rate 0."""
   saved = config_lib.Config(steps=2).to_json()
-  preflight.schedule_warning(config_lib.Config(steps=3, lr_decay_steps=2), saved)
+  # cosine from 1e-2 to --min-lr 1e-3 over 2 steps (1 of warmup): step 3 at the end's 1e-3
+  kept = config_lib.Config(steps=3, lr_decay_steps=2, lr=1e-2, min_lr=1e-3, resume=True)
+  preflight.check_schedule(kept, 2, saved)
+  preflight.schedule_warning(kept, saved, 2)
   assert capsys.readouterr().err == ("warning: --resume --steps 3 keeps the run's lr schedule, which decays"
-                                     " over 2 steps; pass --lr-decay-steps 3 to stretch it over the new"
-                                     " length instead\n")
-  preflight.schedule_warning(config_lib.Config(steps=3, lr_decay_steps=3), saved)  # stretched
-  preflight.schedule_warning(config_lib.Config(steps=3, lr_decay_steps=2), {**saved, "lr_decay_steps": 2})
+                                     " over 2 steps: steps 3..3 train at learning rate 1.000E-03; pass"
+                                     " --lr-decay-steps 3 to stretch it over the new length instead\n")
+  preflight.schedule_warning(config_lib.Config(steps=3, lr_decay_steps=3), saved, 2)  # stretched
+  preflight.schedule_warning(config_lib.Config(steps=3, lr_decay_steps=2), {**saved, "lr_decay_steps": 2}, 2)
   assert capsys.readouterr().err == ""
+  with pytest.raises(cli.UsageError, match="steps 3..3 would train at learning rate 0; pass --lr-decay-steps 3"):
+    preflight.check_schedule(config_lib.Config(steps=3, lr_decay_steps=2, resume=True), 2, saved)
 
 
 EDITABLE_INSTALL = """

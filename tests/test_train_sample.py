@@ -15,6 +15,7 @@ import pytest
 import data
 import models
 from tests.test_models_gpt import PUBLISHED_NORM_EPS, PUBLISHED_ROPE_BASE
+from train import eval as eval_lib
 from train import gpt, sample
 from train.run import restore as restore_lib
 
@@ -90,6 +91,19 @@ def test_restored_model_gives_the_trainers_validation_loss(run_dir, restored):
     target_BxT = np.take_along_axis(logits_BxTxV, batch["targets"][..., None], -1)[..., 0]
     losses.append(np.mean(logz_BxT - target_BxT))
   np.testing.assert_allclose(np.mean(losses), records[-1]["val_loss"], rtol=1e-5)
+
+
+def test_eval_of_the_run_prints_its_validation_loss(run_dir, capsys):
+  """``train.eval RUN_DIR`` with no other flag repeats the run's last validation loss: the
+  same data, --eval-tokens (EVAL_TOKENS targets) and --seq-len, read on one device where the
+  trainer read it on fs=2,tp=2 (another compiled program: within 1e-6, its 7 printed digits)."""
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    trainer = [r for r in map(json.loads, f) if "val_loss" in r][-1]["val_loss"]
+  capsys.readouterr()
+  assert eval_lib.main([run_dir]) == 0
+  line = capsys.readouterr().out.strip().splitlines()[-1]
+  assert line.startswith("validation lm loss: ") and f"| targets: {EVAL_TOKENS} |" in line
+  assert float(line.split()[3]) == pytest.approx(trainer, rel=1e-6)
 
 
 def test_logits_match_the_reference(restored):

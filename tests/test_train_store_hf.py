@@ -32,6 +32,18 @@ VOCAB = 384
 WORDS = [f"w{i}" for i in range(40)]
 
 
+def first_windows(spec: str, count: int, seq_len: int) -> np.ndarray:
+  """The first ``count`` windows [count, seq_len + 1] of ``spec``'s token streams, in order:
+  window i of a stream is its tokens [i·T, i·T + T]; none crosses into the next stream."""
+  out = []
+  for stream in data.load_source(spec, progress=False).streams:
+    stream = np.asarray(stream)
+    out += [stream[i * seq_len:i * seq_len + seq_len + 1] for i in range((len(stream) - 1) // seq_len)]
+    if len(out) >= count:
+      return np.stack(out[:count])
+  raise AssertionError(f"{spec} has fewer than {count} windows")
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
   """A tiny random Qwen3 (tied embeddings, explicit head_dim) fine-tuned 2 steps on fs=2,tp=2
@@ -123,11 +135,11 @@ def test_eval_of_run_and_export_agree_with_transformers(trained, tmp_path, capsy
                       (f"hf:{out}", ["--mesh", "fs=2,cp=2"])]:
     assert eval_lib.main([model, *flags, *mesh]) == 0
     line = capsys.readouterr().out.strip()
-    assert line.startswith("validation lm loss: ") and "perplexity" in line
+    assert line.startswith("validation lm loss: ") and "PPL" in line
     losses.append(float(line.split()[3]))
   assert losses[1:] == pytest.approx([losses[0]] * 3, rel=1e-6)
-  # the definition, recomputed from transformers: windows i·T .. i·T + T of the first 100 tokens
-  w = eval_lib.windows("stdlib:val", 100, SEQ)
+  # the definition, recomputed from transformers: the first 100 // T windows i·T .. i·T + T
+  w = first_windows("stdlib:val", 100 // SEQ, SEQ)
   assert w.shape == (6, SEQ + 1)
   model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
   assert losses[1] == pytest.approx(np_loss(hf_logits(model, w[:, :-1]), w[:, 1:]), rel=1e-5)
@@ -315,6 +327,6 @@ def test_qwen3_moe_fine_tune_export(tmp_path, capsys):
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, restored.params)
   capsys.readouterr()
   assert eval_lib.main([str(run), "--data", "stdlib:val", "--tokens", "100", "--mesh", "ep=2"]) == 0
-  w = eval_lib.windows("stdlib:val", 100, SEQ)
+  w = first_windows("stdlib:val", 100 // SEQ, SEQ)
   loss = float(capsys.readouterr().out.split()[3])
   assert loss == pytest.approx(np_loss(hf_logits(model, w[:, :-1]), w[:, 1:]), rel=1e-5)

@@ -36,7 +36,7 @@ from train.run import restore as restore_lib
 from train.run import step as step_lib
 from train.run.interrupt import Agreement, Interrupt
 from train.store import checkpoint as ckpt_lib
-from train.store import rundir
+from train.store import log, rundir
 
 
 class Prompts(NamedTuple):
@@ -288,8 +288,7 @@ def _steps(run: Run, progress: loop.Progress, interrupt: Interrupt) -> None:
   metrics = run.directory.metrics(run.trackers) if primary else None
   if primary:
     print(f"GRPO on {grpo.init_from} ({run.model_cfg.num_params() / 1e6:.2f}M parameters, {run.model_cfg.dtype})"
-          f" with {cfg.optimizer} on mesh {format_mesh_spec(dict(run.mesh.shape))} ({jax.process_count()}"
-          f" process(es)), steps"
+          f" with {cfg.optimizer} on mesh {format_mesh_spec(dict(run.mesh.shape))} ({log.processes(jax.process_count())}), steps"
           f" {run.start_step + 1}..{grpo.steps}, run directory {cfg.run_path}", flush=True)
   agreement = Agreement(run.mesh)
   made, control = run.data.first, run.data.entropy_control

@@ -20,7 +20,7 @@ from train.run import step as step_lib
 from train.run.interrupt import Agreement, Interrupt
 from train.run.setup import Run
 from train.store import checkpoint as ckpt_lib
-from train.store import profiling
+from train.store import log, profiling
 from train.store.log import Logger
 
 EXIT_FAILED = 1
@@ -147,8 +147,9 @@ def _steps(run: Run, progress: Progress, interrupt: Interrupt) -> None:
   profile = profiling.Steps(cfg.profile_range, profiling.directory(cfg.run_path))
   logger.message(f"training {cfg.init_from or cfg.preset} ({run.model_cfg.num_params() / 1e6:.2f}M parameters,"
                  f" {run.model_cfg.dtype}) with {cfg.optimizer} on mesh {format_mesh_spec(dict(run.mesh.shape))}"
-                 f" ({jax.process_count()} process(es)), steps {run.start_step + 1}..{cfg.steps},"
-                 f" run directory {cfg.run_path}")
+                 f" ({log.processes(jax.process_count())}),"
+                 f" steps {run.start_step + 1}..{cfg.steps}, run directory {cfg.run_path}")
+  logger.legend(cfg.clip_grad)
   if cfg.ignored_flags():
     logger.message(f"warning: --optimizer {cfg.optimizer} does not read {', '.join(cfg.ignored_flags())};"
                    " they are recorded in config.json but change nothing")
@@ -164,7 +165,7 @@ def _steps(run: Run, progress: Progress, interrupt: Interrupt) -> None:
                 None if examples is None else int(examples), bool(m.spike) if cfg.skip_spikes else None)
     progress.count(bool(m.skipped), cfg.max_skipped)
     peers.progress(step)
-    if step % cfg.log_interval == 0 or step == cfg.steps:
+    if step % cfg.log_interval == 0 or step == cfg.steps or step == run.start_step + 1:  # the first as it ends
       logger.flush(step)
 
   agreement = Agreement(run.mesh)

@@ -17,6 +17,7 @@ import jax
 
 import models
 from train.cli import UsageError
+from train.run import config as config_lib
 from train.run import restore as restore_lib
 from train.run.config import Config
 from train.store import hf as hf_io
@@ -29,6 +30,38 @@ _PRESET_FLAGS = (("num_layers", "num_layers"), ("hidden_size", "d_model"), ("num
                  ("seq_len", "seq_len"), ("qk_norm", "qk_norm"), ("num_experts", "num_experts"),
                  ("moe_top_k", "moe_top_k"), ("moe_every", "moe_every"), ("moe_ffn_hidden_size", "moe_mlp_dim"),
                  *((name, name) for name in _ROUTING_FLAGS))
+
+
+# The flags of a preset's dense shape, which --print-config writes out.
+_SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_len", "qk_norm")
+# What --print-config says of the defaults that only the run decides (the machine, the data, --steps).
+RESOLVED_AT_START = {
+    "dtype": "float32 on CPU, bfloat16 on a GPU",
+    "mesh": "fs= every device",
+    "lr_decay_steps": "--steps",
+    "lr_warmup_steps": "a twentieth of the decay steps",
+    "vocab_size": "the data's",
+    "valid_data": "stdlib:val with the embedded corpus, else none",
+    "micro_batch_size": "the rank's whole share of the batch (pp micro-batches with pp > 1)",
+}
+
+
+def resolved_flags(cfg: Config) -> Config:
+  """``cfg`` with the defaults that the flags decide written out, as ``--print-config``
+  prints them: ``--lr`` (the optimizer's default), the preset's shape (not an imported
+  model's, which is its checkpoint's) and Dion's ``--dion-rank-fraction`` (by the width:
+  ``train.run.optim.default_rank_fraction``)."""
+  from train.run import optim  # imports the optimizers: only here, for --print-config
+
+  values = {"lr": cfg.learning_rate}
+  if cfg.init_from is None:
+    shape = models.preset(cfg.preset)
+    fields = dict(_PRESET_FLAGS)
+    values |= {flag: getattr(cfg, flag) if getattr(cfg, flag) is not None else getattr(shape, fields[flag])
+               for flag in _SHAPE_FLAGS}
+    if "dion_rank_fraction" in config_lib.OPTIMIZER_FLAGS[cfg.optimizer] and cfg.dion_rank_fraction is None:
+      values["dion_rank_fraction"] = optim.default_rank_fraction(values["hidden_size"])
+  return dataclasses.replace(cfg, **values)
 
 
 def compute_settings(cfg: Config) -> dict:
