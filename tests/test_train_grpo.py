@@ -147,6 +147,10 @@ def test_run_writes_metrics_and_a_checkpoint_train_sample_reads(base_run, prompt
     (["--group-size", "1"], "--group-size must be >= 2"),
     (["--reward", "no_such_module_xyz:f"], "cannot load no_such_module_xyz:f"),
     (["--prompts", "{empty}"], "holds no prompts"),
+    (["--prompts", "{empty}.absent"], "empty.jsonl.absent does not exist; pass a JSONL or Parquet file"),
+    # this process's own inputs are checked before it waits for the others (once: 300 s)
+    (["--init-from", "{empty}.run", "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"],
+     "empty.jsonl.run does not exist; name the directory of a python -m train.gpt run"),
     (["--max-new-tokens", "30"], "the prompt has 4 tokens; it must have 1 to 2"),
     (["--temperature", "0"], "--temperature must be a finite number > 0"),
     (["--reward", "tests.test_train_grpo:raising_reward"], "raised RuntimeError: no score today"),

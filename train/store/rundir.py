@@ -103,6 +103,7 @@ class Lock:
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
       except FileExistsError:
         self.check()
+        print(f"warning: taking over {self.path}, left by a run that is gone", file=sys.stderr)
         os.remove(self.path)  # stale: its process is gone
         continue
       with os.fdopen(fd, "w") as f:
