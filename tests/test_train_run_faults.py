@@ -340,6 +340,17 @@ def test_only_the_errors_of_damage_read_as_a_damaged_checkpoint(tmp_path, error,
       read()
 
 
+def test_a_damaged_checkpoints_cause_is_one_short_clause(tmp_path):
+  """The library's message (TensorStore's can run to many lines of paths) is cut to its first
+  line, at most 120 characters."""
+  (tmp_path / "2").mkdir()
+  long = Exception("DATA_LOSS: Error reading " + "x" * 300 + "\n" + "\n".join(["  at frame"] * 60))
+  line = str(preflight.damaged("--step", str(tmp_path), 2, long))
+  cause = line[line.index("(") + 1:line.rindex(")")]
+  assert "\n" not in line and len(cause) == 120 and cause.startswith("Exception: DATA_LOSS: Error reading xxx")
+  assert cause.endswith("…") and line.endswith("no older checkpoint exists: start a new --run-dir")
+
+
 def test_an_imported_model_is_checked_on_the_data_ids_and_its_positions(tmp_path, capsys):
   """A Llama of vocabulary 300 takes a FineWeb file of byte ids (the format's usual GPT-2
   tokenizer is no reason to refuse), refuses one that holds id 300, and a --seq-len past its

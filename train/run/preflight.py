@@ -97,7 +97,9 @@ def damaged(command: str, ckpt_path: str, step: int | None, error: BaseException
   in train.gpt, ``--step`` in train.eval and train.export)."""
   existing = rundir.existing_steps(ckpt_path)
   step = max(existing, default=0) if step is None else step
-  cause = f"{type(error).__name__}: {error}".split(" See full")[0].splitlines()[0][:200]
+  # The library's first line, cut short: its full text (paths, codes) can run to many lines.
+  cause = f"{type(error).__name__}: {error}".split(" See full")[0].splitlines()[0]
+  cause = cause if len(cause) <= 120 else cause[:119] + "…"
   older = [s for s in existing if s < step]
   fix = (f"use an older one with {command} {max(older)}" if older
          else "no older checkpoint exists: start a new --run-dir")

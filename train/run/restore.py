@@ -57,6 +57,7 @@ def open_checkpoint(run_dir: str, step: int | None = None
     raise UsageError(f"{where} does not exist: the run has no checkpoints yet; train it"
                      " (python -m train.gpt --run-dir RUN_DIR) first")
   # "meta" is registered so that Orbax does not warn about an item it cannot read.
+  ckpt_lib.quiet_orbax_logs()
   manager = ocp.CheckpointManager(
       where, options=ocp.CheckpointManagerOptions(create=False),
       item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),

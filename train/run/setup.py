@@ -108,6 +108,7 @@ def setup(cfg: Config) -> Run:
 def check_directory(cfg: Config) -> tuple[rundir.RunDirectory, int]:
   """The run's directory, checked (``RunDirectory.check``; its lock and whether it is usable
   by process 0 only), and the step the run starts after."""
+  ckpt_lib.quiet_orbax_logs()
   directory = rundir.RunDirectory(cfg.run_path, cfg.ckpt_path)
   start_step = directory.check(cfg.resume, cfg.step, cfg.steps, primary=jax.process_index() == 0)
   preflight.check_schedule(cfg, start_step, saved_config(cfg.run_path, cfg.ckpt_path))
