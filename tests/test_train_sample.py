@@ -148,6 +148,14 @@ def test_command_prints_prompt_and_greedy_continuation(run_dir, restored, capsys
   assert capsys.readouterr().out == out
 
 
+def test_each_repeated_prompt_is_continued(run_dir, restored, capsys):
+  assert sample.main([run_dir, "--prompt", "def ", "--prompt", "import", "--max-new-tokens", "6"]) == 0
+  out = capsys.readouterr().out
+  want = [data.decode(np.concatenate([p, sample.generate(restored, p, 6)]))
+          for p in (data.encode("def "), data.encode("import"))]
+  assert out == f"[prompt 1/2]\n{want[0]}\n[prompt 2/2]\n{want[1]}\n"
+
+
 def test_step_flag_restores_that_checkpoint(run_dir, restored):
   earlier = restore_lib.restore(run_dir, step=2)
   assert earlier.step == 2
@@ -166,6 +174,8 @@ def test_step_flag_restores_that_checkpoint(run_dir, restored):
     (["{run}", "--top-k", "0"], "--top-k must be positive"),
     (["{run}", "--max-new-tokens", "x"], "invalid int value"),
     (["{run}", "--chat"], "--chat needs a chat template"),
+    (["{run}", "--top-k", "40"], "--top-k 40 applies when sampling, but --temperature is 0 (the default: greedy)"),
+    (["{run}", "--top-p", "0.9"], "--top-p 0.9 applies when sampling, but --temperature is 0"),
 ])
 def test_bad_input(run_dir, tmp_path, capsys, args, message):
   paths = {"missing": str(tmp_path / "nope"), "empty": str(tmp_path), "run": run_dir}
