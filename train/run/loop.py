@@ -69,14 +69,15 @@ class Progress:
       self.diverged = self.skipped_in_a_row
 
 
-def run_loop(run: Run, steps: Callable[[Progress, Interrupt], None]) -> int:
+def run_loop(run: Run, steps: Callable[[Progress, Interrupt], None], done_before: float = 0.0) -> int:
   """Runs ``steps(progress, interrupt)``, the loop, holding the run's directory until it
-  returns, and its end as an exit code: 0 done, 1 a checkpoint failed to save, the
+  returns, and its end as an exit code (``done_before``: seconds of the first step spent in
+  set-up, GRPO's first rollout, which the last line counts): 0 done, 1 a checkpoint failed to save, the
   device ran out of memory or another process was lost (``train/run/peers.py``), 3 diverged (``--max-skipped`` updates in a row skipped, or a
   state that ends non-finite), 130 / 143 stopped by SIGINT / SIGTERM (``train/run/interrupt.py``),
   each but 0 with one ``error: ...`` line."""
   progress = Progress(run.start_step, run.state)
-  start = time.perf_counter()
+  start = time.perf_counter() - done_before
   with peers.together(run.directory.close):  # several processes: an error in one, or a lost one, ends all
     try:
       with Interrupt(run.directory.close) as interrupt:
