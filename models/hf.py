@@ -172,7 +172,8 @@ def _export_kind(cfg: GPTConfig) -> str:
   if cfg.mlp != "swiglu" or cfg.qk_norm == "rms":
     raise UnsupportedCheckpoint(
         f"this model (mlp={cfg.mlp}, qk_norm={cfg.qk_norm}) is no Llama or Qwen3: only models"
-        " with mlp=swiglu and qk_norm none (Llama) or rms_scale (Qwen3) export")
+        " with mlp=swiglu and qk_norm none (Llama) or rms_scale (Qwen3) export; train one with"
+        " python -m train.gpt --mlp swiglu --qk-norm none (or rms_scale), or start from --init-from hf:DIR")
   if not cfg.num_experts:
     return "qwen3" if cfg.qk_norm == "rms_scale" else "llama"
   if cfg.qk_norm != "rms_scale" or cfg.moe_shared_expert:

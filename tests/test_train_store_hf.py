@@ -97,6 +97,31 @@ def test_fine_tune_export_loads_in_transformers(trained, tmp_path):
   assert not np.allclose(np.asarray(initial["embed"]["embedding"]), np.asarray(restored.params["embed"]["embedding"]))
 
 
+def test_a_model_trained_from_scratch_with_swiglu_exports(tmp_path, capsys):
+  """``--mlp swiglu --qk-norm rms_scale``: a Qwen3 of train.gpt's own initialization (byte
+  tokens, its vocabulary padding masked as an import's is), trained on tp=2; train.export
+  writes it, transformers loads it with our logits, and train.eval gives the run's own
+  validation loss on the run and on the export (which has no padding rows: unmasked, the
+  trained padding is 1e-2 off)."""
+  run, out = tmp_path / "run", tmp_path / "export"
+  assert gpt.main(["--mlp", "swiglu", "--qk-norm", "rms_scale", "--num-layers", "2", "--hidden-size", "32",
+                   "--num-attention-heads", "2", "--seq-len", str(SEQ), "--global-batch-size", "4", "--steps", "2",
+                   "--eval-tokens", "64", "--mesh", "tp=2", "--run-dir", str(run)]) == 0
+  assert export_lib.main([str(run), "--output", str(out)]) == 0
+  assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+  model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+  restored = restore_lib.restore(str(run))
+  tokens = np.random.default_rng(0).integers(0, data.VOCAB_SIZE, (2, SEQ)).astype(np.int32)
+  ours = np.asarray(sample.logits(restored.graphdef, restored.params, jnp.asarray(tokens)))[..., :data.VOCAB_SIZE]
+  np.testing.assert_allclose(ours, hf_logits(model, tokens), atol=1e-4, rtol=0)
+  with open(run / "metrics.jsonl") as f:
+    trained = [r["val_loss"] for r in map(json.loads, f) if "val_loss" in r][-1]
+  capsys.readouterr()
+  for model_arg in (str(run), f"hf:{out}"):
+    assert eval_lib.main([model_arg, "--data", "stdlib:val", "--seq-len", str(SEQ), "--eval-tokens", "64"]) == 0
+    assert float(capsys.readouterr().out.split()[3]) == pytest.approx(trained, rel=1e-6)
+
+
 def test_import_export_import_is_bit_exact(trained, tmp_path, monkeypatch):
   """Also: the export streams, reading each checkpoint leaf once and holding one at a time."""
   _, run = trained

@@ -27,13 +27,13 @@ from train.store import hub, rundir
 _ROUTING_FLAGS = ("moe_capacity_factor", "moe_aux_loss_coeff", "moe_z_loss_coeff")
 # Flag -> GPTConfig field of the flags that shape a preset.
 _PRESET_FLAGS = (("num_layers", "num_layers"), ("hidden_size", "d_model"), ("num_attention_heads", "num_heads"),
-                 ("seq_len", "seq_len"), ("qk_norm", "qk_norm"), ("num_experts", "num_experts"),
+                 ("seq_len", "seq_len"), ("qk_norm", "qk_norm"), ("mlp", "mlp"), ("num_experts", "num_experts"),
                  ("moe_top_k", "moe_top_k"), ("moe_every", "moe_every"), ("moe_ffn_hidden_size", "moe_mlp_dim"),
                  *((name, name) for name in _ROUTING_FLAGS))
 
 
 # The flags of a preset's dense shape, which --print-config writes out.
-_SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_len", "qk_norm")
+_SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_len", "qk_norm", "mlp")
 # What --print-config says of the defaults that only the run decides (the machine, the data, --steps).
 RESOLVED_AT_START = {
     "dtype": "float32 on CPU, bfloat16 on a GPU",
@@ -108,6 +108,8 @@ class ModelSource:
     overrides |= {field: getattr(cfg, flag) for flag, field in _PRESET_FLAGS if getattr(cfg, flag) is not None}
     if cfg.moe_shared_expert:
       overrides["moe_shared_expert"] = True
+    if cfg.mlp == "swiglu":  # a Llama or Qwen3 shape: its export has no padding rows to train
+      overrides["mask_vocab_padding"] = True
     try:
       return models.preset(self.preset, **overrides)
     except ValueError as e:
