@@ -380,8 +380,12 @@ def test_an_imported_model_is_checked_on_the_data_ids_and_its_positions(tmp_path
   for name in ("config.json", "model.safetensors"):
     data = (tmp_path / "llama" / name).read_bytes()
     (truncated / name).write_bytes(data if name == "config.json" else data[:len(data) // 2])
+  one = tmp_path / "one.jsonl"
+  one.write_text('{"prompt": "a", "completion": "b"}\n')
   capsys.readouterr()
   for argv, message in [
+      (["--data", f"sft:{one}"], f"--data sft:{one}: 1 rows of 16 tokens do not fill one global batch of 8;"
+                                 " pass more data, or a smaller --global-batch-size or --seq-len"),
       (["--data", f"fineweb:{bytes_bin}", "--init-from", f"hf:{truncated}"],
        f"{truncated / 'model.safetensors'} is not a complete safetensors file ("),
       (["--data", f"fineweb:{high_bin}"], f"--data {high_bin} holds token id 300 but the model's vocabulary"

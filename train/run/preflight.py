@@ -80,6 +80,9 @@ def check_data(cfg: Config, model_cfg: models.GPTConfig, source, valid_source, e
   made with its tokenizer), and the validation data holds a row."""
   fix = ("tokenize the data with --init-from's tokenizer (python -m data.convert tokenize"
          " --tokenizer DIR)" if imported else None)
+  if imported and isinstance(source, data.SFTSource):  # read here, with the checkpoint's tokenizer or bytes
+    fix = ("sft: files are read with the checkpoint's tokenizer.json, else as bytes (ids 0..256):"
+           " put its tokenizer.json beside config.json")
   check_token_ids("--data", source, model_cfg.vocab_size, fix)
   if valid_source is None or cfg.eval_tokens == 0:
     return

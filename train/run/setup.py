@@ -149,13 +149,16 @@ def _batches(cfg: Config, model_cfg: models.GPTConfig, mesh: jax.sharding.Mesh, 
   if valid_source is not None and cfg.eval_tokens > 0:
     valid_rows = evaluation.rows(valid_source, model_cfg.seq_len, cfg.eval_tokens, eod)
   steps_per_epoch = None
-  if isinstance(source, data.SFTSource):
-    steps_per_epoch = len(data.make_dataset(source, seq_len=model_cfg.seq_len,
-                                            global_batch_size=cfg.global_batch_size, num_epochs=1))
   sharding = NamedSharding(mesh, P(models.BATCH_AXES))
   shard = data.process_batch_shard(sharding, (cfg.global_batch_size, model_cfg.seq_len))
-  loader = data.make_loader(source, seq_len=model_cfg.seq_len, global_batch_size=cfg.global_batch_size,
-                            seed=cfg.seed, shard_index=shard[0], shard_count=shard[1], eod=eod)
+  try:
+    if isinstance(source, data.SFTSource):
+      steps_per_epoch = len(data.make_dataset(source, seq_len=model_cfg.seq_len,
+                                              global_batch_size=cfg.global_batch_size, num_epochs=1))
+    loader = data.make_loader(source, seq_len=model_cfg.seq_len, global_batch_size=cfg.global_batch_size,
+                              seed=cfg.seed, shard_index=shard[0], shard_count=shard[1], eod=eod)
+  except data.DataError as e:
+    raise UsageError(f"--data {e}; pass more data, or a smaller --global-batch-size or --seq-len") from None
   return Batches(loader, sharding, (cfg.global_batch_size, model_cfg.seq_len), valid_rows, eval_step, steps_per_epoch, 0)
 
 
