@@ -121,6 +121,8 @@ class ModelSource:
     preset initialized from ``seed``; ``resuming``, the preset's initialization stands in for
     weights a checkpoint of the run replaces. Call under ``jax.set_mesh(par.mesh)``."""
     if self.imported and not resuming:
+      if jax.process_index() == 0:
+        print(f"reading the Hugging Face checkpoint {self.hf_dir}", flush=True)
       return hf_io.load(self.hf_dir, model_cfg, par)
     return models.init(model_cfg, par, seed)
 
