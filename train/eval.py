@@ -111,7 +111,8 @@ def _start(argv):
     raise UsageError(f"--seq-len / --mesh: {e}") from None
   source = data.load_source(config_lib.strip_format(spec), progress=False, tokenizer=origin.tokenizer,
                             packed=run.pack)
-  r = evaluation.rows(source, seq_len, args.eval_tokens or run.eval_tokens,
+  # A run that validated nothing (--eval-tokens 0) is evaluated on the default count.
+  r = evaluation.rows(source, seq_len, args.eval_tokens or run.eval_tokens or config_lib.Config().eval_tokens,
                       origin.tokenizer.eod if run.document_mask else None)
   largest = max(int(r["inputs"].max()), int(r["targets"].max()))
   if largest >= cfg.vocab_size:
