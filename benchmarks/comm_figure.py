@@ -120,7 +120,7 @@ def draw(result: dict, path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m benchmarks.comm_figure", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--out", default="benchmarks/results/comm", help="output folder (default benchmarks/results/comm)")
+  harness.add_out(parser, "benchmarks/results/comm", "the figure and its table")
   args = parser.parse_args(argv)
   harness.setup_process(cpu_devices=8, platform="cpu")
   result = measure()

@@ -1,5 +1,6 @@
 """GRPO teaches a tiny byte-level GPT to reverse words on CPU, in a few minutes:
-``python -m benchmarks.grpo_demo --out benchmarks/results/grpo``.
+``python -m benchmarks.grpo_demo --out benchmarks/results/grpo`` (without ``--out`` it writes
+under ``runs/benchmarks/grpo``, leaving the committed results as they are).
 
 The task: a prompt ``"abc="`` of three random lowercase letters, answered ``"#### cba"``
 (checked by the built-in ``answer`` reward; ``format`` gives 0.2 for any ``#### x``). It
@@ -39,6 +40,8 @@ import subprocess
 import sys
 
 import numpy as np
+
+from benchmarks import harness
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 MODEL = ["--preset", "tiny", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -95,8 +98,10 @@ def demonstrate(runs: str, seed: int, sft_steps: int, grpo_steps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default="benchmarks/results/grpo")
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.grpo_demo",
+                                   description="GRPO teaches a tiny byte-level GPT to reverse words on CPU, in a"
+                                               " few minutes (the module docstring says how).")
+  harness.add_out(parser, "benchmarks/results/grpo", "the table, figure and samples")
   parser.add_argument("--runs", default="runs/grpo_demo", help="directory for the SFT and GRPO runs")
   parser.add_argument("--sft-steps", type=int, default=120)
   parser.add_argument("--grpo-steps", type=int, default=150)

@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from benchmarks import grpo_demo
-from benchmarks import harness  # noqa: F401  OpenBLAS's threads, before JAX
+from benchmarks import harness  # before JAX: OpenBLAS's threads
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -130,7 +130,7 @@ def _summary(rollouts: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default="benchmarks/results/grpo_packing.json")
+  harness.add_out(parser, "benchmarks/results/grpo_packing.json", "the JSON of the timings")
   parser.add_argument("--runs", default="runs/grpo_packing", help="directory for the runs, replaced")
   parser.add_argument("--demo-steps", type=int, default=3)
   parser.add_argument("--repeats", type=int, default=25)

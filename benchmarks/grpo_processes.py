@@ -32,6 +32,8 @@ import time
 
 import numpy as np
 
+from benchmarks import harness
+
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-len", "32"]
 GRPO = ["--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "6", "--beta", "0.04", "--lr", "1e-2",
         "--lr-decay-style", "constant", "--lr-warmup-steps", "0", "--reward", "benchmarks.grpo_processes:digits",
@@ -188,7 +190,7 @@ def death_table(runs: str, base: str, prompts: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--out", default="benchmarks/results/grpo_processes.md")
+  harness.add_out(parser, "benchmarks/results/grpo_processes.md", "the markdown table")
   parser.add_argument("--runs", default="runs/grpo_processes")
   parser.add_argument("--meshes", nargs="+", default=["rp=2,fs=2", "fs=2,tp=2", "fs=4"])
   parser.add_argument("--optimizers", nargs="+", default=["dion", "adamw"])
@@ -205,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
            *resume_table(args.runs, base, prompts, "rp=2,fs=2", args.steps), "",
            "## Process 0 killed with its process group after step 3 (step 2 saved)", "",
            *death_table(args.runs, base, prompts), "", NOTE, ""]
+  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
   with open(args.out, "w") as f:
     f.write("\n".join(lines))
   print(f"wrote {args.out}")

@@ -67,6 +67,16 @@ def gpt_matrices(layers: int, d: int, fused_qkv: bool = True) -> dict[str, jax.A
   }
 
 
+def add_out(parser: argparse.ArgumentParser, committed: str, what: str) -> None:
+  """``--out``, where a benchmark writes ``what``: by default ``runs/benchmarks/NAME`` in
+  the working directory, never over the repository's committed results unless they are
+  asked for (``--out committed``)."""
+  default = os.path.join("runs", "benchmarks", os.path.basename(committed))
+  parser.add_argument("--out", default=default, metavar="PATH",
+                      help=f"where {what} go (default {default}; the repository's committed ones are"
+                           f" {committed}: pass --out {committed} to replace them)")
+
+
 def matrix_benchmark_parser(description: str, repeats: int = 5) -> argparse.ArgumentParser:
   """The flags of the benchmarks that time optimizer steps on :func:`gpt_matrices`."""
   parser = argparse.ArgumentParser(description=description)

@@ -118,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS),
                       help="NAME or NAME:S1,S2,... with NAME in " + ", ".join(OPTIMIZERS)
                       + " (default all, each with --lrs-scale)")
-  parser.add_argument("--out-dir", default=os.path.join(REPO, "benchmarks", "results"),
-                      help="where the PNG, JSON and markdown table go (default benchmarks/results)")
+  parser.add_argument("--out-dir", default=os.path.join("runs", "benchmarks"),
+                      help="where the PNG, JSON and markdown table go (default runs/benchmarks; the"
+                           " repository's committed ones are in benchmarks/results: pass --out-dir"
+                           " benchmarks/results to replace them)")
   parser.add_argument("--runs-dir", default=os.path.join(REPO, "runs", "optimizer_comparison"),
                       help="run directories and logs (default runs/optimizer_comparison)")
   parser.add_argument("--seed", type=int, default=0)

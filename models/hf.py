@@ -172,7 +172,8 @@ def _export_kind(cfg: GPTConfig) -> str:
   if cfg.mlp != "swiglu" or cfg.qk_norm == "rms":
     raise UnsupportedCheckpoint(
         f"this model (mlp={cfg.mlp}, qk_norm={cfg.qk_norm}) is no Llama or Qwen3: only models"
-        " with mlp=swiglu and qk_norm none (Llama) or rms_scale (Qwen3) export")
+        " with mlp=swiglu and qk_norm none (Llama) or rms_scale (Qwen3) export; train one with"
+        " python -m train.gpt --mlp swiglu --qk-norm none (or rms_scale), or start from --init-from hf:DIR")
   if not cfg.num_experts:
     return "qwen3" if cfg.qk_norm == "rms_scale" else "llama"
   if cfg.qk_norm != "rms_scale" or cfg.moe_shared_expert:
@@ -302,7 +303,9 @@ def read_core(source: LeafSource, name: str, index: tuple[slice, ...], shape: tu
   read = list(index)
   if source.padded_axis is not None:  # rows past the vocabulary are padding: zeros
     s = index[source.padded_axis]
-    read[source.padded_axis] = slice(min(s.start, source.vocab), min(s.stop, source.vocab))
+    if s.start >= source.vocab:  # all padding (a tp shard past the vocabulary): nothing to read
+      return np.zeros(want, np.float32)
+    read[source.padded_axis] = slice(s.start, min(s.stop, source.vocab))
   hf_index = tuple(read[::-1]) if source.transpose else tuple(read)
   x = np.asarray(get(name, hf_index)).astype(np.float32)
   if source.transpose:

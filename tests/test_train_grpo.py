@@ -148,6 +148,10 @@ def test_run_writes_metrics_and_a_checkpoint_train_sample_reads(base_run, prompt
     (["--group-size", "1"], "--group-size must be >= 2"),
     (["--reward", "no_such_module_xyz:f"], "cannot load no_such_module_xyz:f"),
     (["--prompts", "{empty}"], "holds no prompts"),
+    (["--prompts", "{empty}.absent"], "empty.jsonl.absent does not exist; pass a JSONL or Parquet file"),
+    # this process's own inputs are checked before it waits for the others (once: 300 s)
+    (["--init-from", "{empty}.run", "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"],
+     "empty.jsonl.run does not exist; name the directory of a python -m train.gpt run"),
     (["--max-new-tokens", "30"], "the prompt has 4 tokens; it must have 1 to 2"),
     (["--temperature", "0"], "--temperature must be a finite number > 0"),
     (["--reward", "tests.test_train_grpo:raising_reward"], "raised RuntimeError: no score today"),
@@ -214,7 +218,7 @@ def test_resume_continues_as_if_never_stopped(base_run, prompts_file, tmp_path, 
   assert len(err) == 1 and "--resume --lr 0.5: the run was saved with 0.01" in err[0], err
   assert grpo.main(["--run-dir", stopped, "--resume"]) == 2  # the saved --steps 1 is reached
   err = capsys.readouterr().err.strip().splitlines()
-  assert len(err) == 1 and "the checkpoint is at step 1, which already reaches --steps 1" in err[0], err
+  assert len(err) == 1 and "its checkpoint at step 1 reaches --steps 1" in err[0], err
   assert grpo.main(["--run-dir", stopped, "--steps", "2", "--resume", "--lr", "1e-2"]) == 0
   records = []
   for run_dir in (straight, stopped):
@@ -229,7 +233,7 @@ def test_resume_continues_as_if_never_stopped(base_run, prompts_file, tmp_path, 
   np.testing.assert_allclose(restore_lib.restore(stopped).params["lm_head"]["kernel"],
                              restore_lib.restore(straight).params["lm_head"]["kernel"], atol=1e-6)
   assert grpo.main(["--run-dir", stopped, "--resume"]) == 2  # the resumed run saved its --steps 2
-  assert "the checkpoint is at step 2, which already reaches --steps 2" in capsys.readouterr().err
+  assert "its checkpoint at step 2 reaches --steps 2" in capsys.readouterr().err
 
 
 def test_a_run_directory_in_use_is_refused(base_run, prompts_file, tmp_path, capsys):
@@ -612,7 +616,7 @@ def test_two_processes_match_one_with_dion_over_replicas(compile_cache, base_run
   procs = two_processes(compile_cache, tmp_path / "two", *args)
   outs = [p.communicate(timeout=600) for p in procs]
   assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
-  assert "(2 process(es))" in outs[0][0] and "step" not in outs[1][0]
+  assert "(2 processes)" in outs[0][0] and "step" not in outs[1][0]
   assert grpo.main([*args, "--run-dir", str(tmp_path / "one")]) == 0
   assert_same_steps(tmp_path / "two", tmp_path / "one", [1, 2, 3])
   for a, b in zip(jax.tree.leaves(restore_lib.restore(str(tmp_path / "two")).params),

@@ -70,7 +70,7 @@ def test_a_resumed_runs_later_records_win(tmp_path):
 
 
 @pytest.mark.parametrize("case, message", [
-    ("missing", "does not exist; pass the --run-dir"),
+    ("missing", "does not exist; name the directory of a python -m train.gpt or train.grpo run"),
     ("no_metrics", "metrics.jsonl does not exist"),
     ("empty_metrics", "holds no loss records"),
     ("not_json", "line 1 is not JSON"),

@@ -7,10 +7,12 @@ import json
 import jax
 import numpy as np
 import pytest
+import yaml
 
 from tests.test_train_gpt import SMALL, records, saved_state
 from train import gpt
 from train.run import config as config_lib
+from train.run import model_source
 
 # SMALL and the run's own flags, as a person would write them in a file: both key
 # spellings, YAML's ints, floats, booleans, lists and strings.
@@ -68,8 +70,22 @@ def test_print_config_round_trips(tmp_path, capsys):
   assert gpt.main(["--config", str(path), "--print-config"]) == 0
   assert capsys.readouterr().out == printed
   expected = config_lib.parse([*FLAGS, "--data", "0.7", "stdlib", "0.3", "stdlib", "--tensorboard", "--remat"])
-  assert config_lib.parse(["--config", str(path)]) == expected
+  read = config_lib.parse(["--config", str(path)])
+  assert read == model_source.resolved_flags(expected)
   assert expected.data == ("0.7", "stdlib", "0.3", "stdlib") and expected.tensorboard == "" and expected.lr == 0.01
+  # the defaults the preset and the optimizer decide are written out; the run's own are named
+  assert (read.seq_len, read.hidden_size, read.num_layers) != (None, None, None) and read.lr == 0.01
+  assert "dtype: null  # at start: float32 on CPU, bfloat16 on a GPU\n" in printed
+
+
+def test_print_config_writes_the_resolved_defaults(capsys):
+  """tiny's shape, Dion's learning rate and its rank at width 128 (full), where the flags left them."""
+  assert gpt.main(["--print-config"]) == 0
+  printed = yaml.safe_load(capsys.readouterr().out)
+  assert {k: printed[k] for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_len", "lr",
+                                  "dion_rank_fraction")} == {"num_layers": 4, "hidden_size": 128,
+                                                             "num_attention_heads": 4, "seq_len": 128,
+                                                             "lr": 0.02, "dion_rank_fraction": 1.0}
 
 
 def test_a_runs_config_json_is_a_config_file(flags_run, tmp_path):

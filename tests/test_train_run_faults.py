@@ -340,6 +340,17 @@ def test_only_the_errors_of_damage_read_as_a_damaged_checkpoint(tmp_path, error,
       read()
 
 
+def test_a_damaged_checkpoints_cause_is_one_short_clause(tmp_path):
+  """The library's message (TensorStore's can run to many lines of paths) is cut to its first
+  line, at most 120 characters."""
+  (tmp_path / "2").mkdir()
+  long = Exception("DATA_LOSS: Error reading " + "x" * 300 + "\n" + "\n".join(["  at frame"] * 60))
+  line = str(preflight.damaged("--step", str(tmp_path), 2, long))
+  cause = line[line.index("(") + 1:line.rindex(")")]
+  assert "\n" not in line and len(cause) == 120 and cause.startswith("Exception: DATA_LOSS: Error reading xxx")
+  assert cause.endswith("…") and line.endswith("no older checkpoint exists: start a new --run-dir")
+
+
 def test_an_imported_model_is_checked_on_the_data_ids_and_its_positions(tmp_path, capsys):
   """A Llama of vocabulary 300 takes a FineWeb file of byte ids (the format's usual GPT-2
   tokenizer is no reason to refuse), refuses one that holds id 300, and a --seq-len past its
@@ -369,8 +380,12 @@ def test_an_imported_model_is_checked_on_the_data_ids_and_its_positions(tmp_path
   for name in ("config.json", "model.safetensors"):
     data = (tmp_path / "llama" / name).read_bytes()
     (truncated / name).write_bytes(data if name == "config.json" else data[:len(data) // 2])
+  one = tmp_path / "one.jsonl"
+  one.write_text('{"prompt": "a", "completion": "b"}\n')
   capsys.readouterr()
   for argv, message in [
+      (["--data", f"sft:{one}"], f"--data sft:{one}: 1 rows of 16 tokens do not fill one global batch of 8;"
+                                 " pass more data, or a smaller --global-batch-size or --seq-len"),
       (["--data", f"fineweb:{bytes_bin}", "--init-from", f"hf:{truncated}"],
        f"{truncated / 'model.safetensors'} is not a complete safetensors file ("),
       (["--data", f"fineweb:{high_bin}"], f"--data {high_bin} holds token id 300 but the model's vocabulary"
@@ -384,15 +399,21 @@ def test_an_imported_model_is_checked_on_the_data_ids_and_its_positions(tmp_path
 
 
 def test_a_kept_lr_schedule_is_said_in_one_line(capsys):
-  """parse kept the saved decay length (tests/test_train_run_config.py); the run says so when it starts."""
+  """parse kept the saved decay length (tests/test_train_run_config.py); the run says so when
+  it starts, with the learning rate of the new steps, and refuses new steps at rate 0."""
   saved = config_lib.Config(steps=2).to_json()
-  preflight.schedule_warning(config_lib.Config(steps=3, lr_decay_steps=2), saved)
+  # cosine from 1e-2 to --min-lr 1e-3 over 2 steps (1 of warmup): step 3 at the end's 1e-3
+  kept = config_lib.Config(steps=3, lr_decay_steps=2, lr=1e-2, min_lr=1e-3, resume=True)
+  preflight.check_schedule(kept, 2, saved)
+  preflight.schedule_warning(kept, saved, 2)
   assert capsys.readouterr().err == ("warning: --resume --steps 3 keeps the run's lr schedule, which decays"
-                                     " over 2 steps; pass --lr-decay-steps 3 to stretch it over the new"
-                                     " length instead\n")
-  preflight.schedule_warning(config_lib.Config(steps=3, lr_decay_steps=3), saved)  # stretched
-  preflight.schedule_warning(config_lib.Config(steps=3, lr_decay_steps=2), {**saved, "lr_decay_steps": 2})
+                                     " over 2 steps: steps 3..3 train at learning rate 1.000E-03; pass"
+                                     " --lr-decay-steps 3 to stretch it over the new length instead\n")
+  preflight.schedule_warning(config_lib.Config(steps=3, lr_decay_steps=3), saved, 2)  # stretched
+  preflight.schedule_warning(config_lib.Config(steps=3, lr_decay_steps=2), {**saved, "lr_decay_steps": 2}, 2)
   assert capsys.readouterr().err == ""
+  with pytest.raises(cli.UsageError, match="steps 3..3 would train at learning rate 0; pass --lr-decay-steps 3"):
+    preflight.check_schedule(config_lib.Config(steps=3, lr_decay_steps=2, resume=True), 2, saved)
 
 
 EDITABLE_INSTALL = """

@@ -15,6 +15,7 @@ import pytest
 import data
 import models
 from tests.test_models_gpt import PUBLISHED_NORM_EPS, PUBLISHED_ROPE_BASE
+from train import eval as eval_lib
 from train import gpt, sample
 from train.run import restore as restore_lib
 
@@ -92,6 +93,19 @@ def test_restored_model_gives_the_trainers_validation_loss(run_dir, restored):
   np.testing.assert_allclose(np.mean(losses), records[-1]["val_loss"], rtol=1e-5)
 
 
+def test_eval_of_the_run_prints_its_validation_loss(run_dir, capsys):
+  """``train.eval RUN_DIR`` with no other flag repeats the run's last validation loss: the
+  same data, --eval-tokens (EVAL_TOKENS targets) and --seq-len, read on one device where the
+  trainer read it on fs=2,tp=2 (another compiled program: within 1e-6, its 7 printed digits)."""
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    trainer = [r for r in map(json.loads, f) if "val_loss" in r][-1]["val_loss"]
+  capsys.readouterr()
+  assert eval_lib.main([run_dir]) == 0
+  line = capsys.readouterr().out.strip().splitlines()[-1]
+  assert line.startswith("validation lm loss: ") and f"| targets: {EVAL_TOKENS} |" in line
+  assert float(line.split()[3]) == pytest.approx(trainer, rel=1e-6)
+
+
 def test_logits_match_the_reference(restored):
   tokens_1xT = data.encode("def f(x):\n  return")[None, :SEQ_LEN].astype(np.int32)
   got = np.asarray(sample.logits(restored.graphdef, restored.params, tokens_1xT))
@@ -134,6 +148,14 @@ def test_command_prints_prompt_and_greedy_continuation(run_dir, restored, capsys
   assert capsys.readouterr().out == out
 
 
+def test_each_repeated_prompt_is_continued(run_dir, restored, capsys):
+  assert sample.main([run_dir, "--prompt", "def ", "--prompt", "import", "--max-new-tokens", "6"]) == 0
+  out = capsys.readouterr().out
+  want = [data.decode(np.concatenate([p, sample.generate(restored, p, 6)]))
+          for p in (data.encode("def "), data.encode("import"))]
+  assert out == f"[prompt 1/2]\n{want[0]}\n[prompt 2/2]\n{want[1]}\n"
+
+
 def test_step_flag_restores_that_checkpoint(run_dir, restored):
   earlier = restore_lib.restore(run_dir, step=2)
   assert earlier.step == 2
@@ -152,6 +174,8 @@ def test_step_flag_restores_that_checkpoint(run_dir, restored):
     (["{run}", "--top-k", "0"], "--top-k must be positive"),
     (["{run}", "--max-new-tokens", "x"], "invalid int value"),
     (["{run}", "--chat"], "--chat needs a chat template"),
+    (["{run}", "--top-k", "40"], "--top-k 40 applies when sampling, but --temperature is 0 (the default: greedy)"),
+    (["{run}", "--top-p", "0.9"], "--top-p 0.9 applies when sampling, but --temperature is 0"),
 ])
 def test_bad_input(run_dir, tmp_path, capsys, args, message):
   paths = {"missing": str(tmp_path / "nope"), "empty": str(tmp_path), "run": run_dir}

@@ -32,6 +32,18 @@ VOCAB = 384
 WORDS = [f"w{i}" for i in range(40)]
 
 
+def first_windows(spec: str, count: int, seq_len: int) -> np.ndarray:
+  """The first ``count`` windows [count, seq_len + 1] of ``spec``'s token streams, in order:
+  window i of a stream is its tokens [i·T, i·T + T]; none crosses into the next stream."""
+  out = []
+  for stream in data.load_source(spec, progress=False).streams:
+    stream = np.asarray(stream)
+    out += [stream[i * seq_len:i * seq_len + seq_len + 1] for i in range((len(stream) - 1) // seq_len)]
+    if len(out) >= count:
+      return np.stack(out[:count])
+  raise AssertionError(f"{spec} has fewer than {count} windows")
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
   """A tiny random Qwen3 (tied embeddings, explicit head_dim) fine-tuned 2 steps on fs=2,tp=2
@@ -85,6 +97,31 @@ def test_fine_tune_export_loads_in_transformers(trained, tmp_path):
   assert not np.allclose(np.asarray(initial["embed"]["embedding"]), np.asarray(restored.params["embed"]["embedding"]))
 
 
+def test_a_model_trained_from_scratch_with_swiglu_exports(tmp_path, capsys):
+  """``--mlp swiglu --qk-norm rms_scale``: a Qwen3 of train.gpt's own initialization (byte
+  tokens, its vocabulary padding masked as an import's is), trained on tp=2; train.export
+  writes it, transformers loads it with our logits, and train.eval gives the run's own
+  validation loss on the run and on the export (which has no padding rows: unmasked, the
+  trained padding is 1e-2 off)."""
+  run, out = tmp_path / "run", tmp_path / "export"
+  assert gpt.main(["--mlp", "swiglu", "--qk-norm", "rms_scale", "--num-layers", "2", "--hidden-size", "32",
+                   "--num-attention-heads", "2", "--seq-len", str(SEQ), "--global-batch-size", "4", "--steps", "2",
+                   "--eval-tokens", "64", "--mesh", "tp=2", "--run-dir", str(run)]) == 0
+  assert export_lib.main([str(run), "--output", str(out)]) == 0
+  assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+  model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+  restored = restore_lib.restore(str(run))
+  tokens = np.random.default_rng(0).integers(0, data.VOCAB_SIZE, (2, SEQ)).astype(np.int32)
+  ours = np.asarray(sample.logits(restored.graphdef, restored.params, jnp.asarray(tokens)))[..., :data.VOCAB_SIZE]
+  np.testing.assert_allclose(ours, hf_logits(model, tokens), atol=1e-4, rtol=0)
+  with open(run / "metrics.jsonl") as f:
+    trained = [r["val_loss"] for r in map(json.loads, f) if "val_loss" in r][-1]
+  capsys.readouterr()
+  for model_arg in (str(run), f"hf:{out}"):
+    assert eval_lib.main([model_arg, "--data", "stdlib:val", "--seq-len", str(SEQ), "--eval-tokens", "64"]) == 0
+    assert float(capsys.readouterr().out.split()[3]) == pytest.approx(trained, rel=1e-6)
+
+
 def test_import_export_import_is_bit_exact(trained, tmp_path, monkeypatch):
   """Also: the export streams, reading each checkpoint leaf once and holding one at a time."""
   _, run = trained
@@ -123,11 +160,11 @@ def test_eval_of_run_and_export_agree_with_transformers(trained, tmp_path, capsy
                       (f"hf:{out}", ["--mesh", "fs=2,cp=2"])]:
     assert eval_lib.main([model, *flags, *mesh]) == 0
     line = capsys.readouterr().out.strip()
-    assert line.startswith("validation lm loss: ") and "perplexity" in line
+    assert line.startswith("validation lm loss: ") and "PPL" in line
     losses.append(float(line.split()[3]))
   assert losses[1:] == pytest.approx([losses[0]] * 3, rel=1e-6)
-  # the definition, recomputed from transformers: windows i·T .. i·T + T of the first 100 tokens
-  w = eval_lib.windows("stdlib:val", 100, SEQ)
+  # the definition, recomputed from transformers: the first 100 // T windows i·T .. i·T + T
+  w = first_windows("stdlib:val", 100 // SEQ, SEQ)
   assert w.shape == (6, SEQ + 1)
   model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
   assert losses[1] == pytest.approx(np_loss(hf_logits(model, w[:, :-1]), w[:, 1:]), rel=1e-5)
@@ -315,6 +352,6 @@ def test_qwen3_moe_fine_tune_export(tmp_path, capsys):
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, restored.params)
   capsys.readouterr()
   assert eval_lib.main([str(run), "--data", "stdlib:val", "--tokens", "100", "--mesh", "ep=2"]) == 0
-  w = eval_lib.windows("stdlib:val", 100, SEQ)
+  w = first_windows("stdlib:val", 100 // SEQ, SEQ)
   loss = float(capsys.readouterr().out.split()[3])
   assert loss == pytest.approx(np_loss(hf_logits(model, w[:, :-1]), w[:, 1:]), rel=1e-5)

@@ -45,7 +45,7 @@ def test_check_refuses_what_a_run_cannot_use(tmp_path):
   assert directory.check(resume=True, step=2, steps=5) == 2
   with pytest.raises(UsageError, match="--step 3: .* has checkpoints at steps 2, 4; pass one of them"):
     directory.check(resume=True, step=3, steps=5)
-  with pytest.raises(UsageError, match="the checkpoint is at step 4, which already reaches --steps 4"):
+  with pytest.raises(UsageError, match="its checkpoint at step 4 reaches --steps 4"):
     directory.check(resume=True, step=None, steps=4)
   (tmp_path / "file").write_text("")
   with pytest.raises(UsageError, match="--run-dir .*file is a file, not a directory"):

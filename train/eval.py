@@ -1,33 +1,33 @@
-"""The loss of a model on data: ``python -m train.eval (RUN_DIR | hf:DIR) --data SPEC``.
+"""The loss of a model on data: ``python -m train.eval (RUN_DIR | hf:DIR) [--data SPEC]``.
 
-Prints ``validation lm loss: X`` and the perplexity exp(X) of a run's checkpoint (the
-latest, or ``--step``) or of a Hugging Face checkpoint directory, on one device or, with
-``--mesh``, sharded over the devices as the trainer shards it (each process reading only
-its devices' slices of the weights; a model too large for one device), on several hosts
-with the trainer's ``--coordinator``/``--num-processes``/``--process-id`` (process 0
-prints). The number
-is meant to be recomputable by anyone: the data's token streams, concatenated in order,
-are cut to their first ``--tokens`` N tokens; window i holds tokens [i·T, i·T + T]
-(T inputs, the targets shifted by one), for every i with i·T + T < N; the loss is the mean
-over every target of every window, in float64 over float32 per-token losses (the
-language-model loss only: a mixture's router losses are left out).
+Prints ``validation lm loss: X | validation lm loss PPL: exp(X) | targets: N`` (the words
+of the trainer's validation line) of a run's checkpoint (the latest, or ``--step``) or of
+a Hugging Face checkpoint directory, on one device or, with ``--mesh``, sharded over the
+devices as the trainer shards it (each process reading only its devices' slices of the
+weights; a model too large for one device), on several hosts with the trainer's
+``--coordinator``/``--num-processes``/``--process-id`` (process 0 prints).
 
-Fine-tuning data (``--data sft:FILE.jsonl``, prompt/completion lines or conversations) is
-read whole, with the model's tokenizer and chat template, and packed into rows as the
-trainer packs it: the loss is then the mean over the learned targets (completions,
-assistant turns) of every example, each once. The trainer's validation computes the same
-number with the same function (``train/run/evaluation.py``).
+The number is the trainer's validation loss, computed by the same functions
+(``train/run/evaluation.py``): on a run directory with no flags but the run, the data, the
+``--eval-tokens``, the ``--seq-len``, the packing and the document masking are the run's,
+so the line repeats the run's last validation loss (``metrics.jsonl``'s ``val_loss``). It
+is meant to be recomputable by anyone: of token data, the first ``--eval-tokens`` N // T
+windows in order, window i of a stream holding its tokens [i·T, i·T + T] (T = ``--seq-len``
+inputs, the targets shifted by one), N // T · T targets; the loss is the mean over every
+target, in float64 over float32 per-token losses (the language-model loss only: a
+mixture's router losses are left out). Fine-tuning data (``--data sft:FILE.jsonl``,
+prompt/completion lines or conversations) is read whole, with the model's tokenizer and
+chat template, and packed into rows as the trainer packs it: the loss is then the mean
+over the learned targets (completions, assistant turns) of every example, each once.
 
 Bad input prints one ``error: ...`` line on stderr and exits with code 2.
 """
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -41,37 +41,7 @@ from train.run import evaluation, flags, start
 from train.run import model_source as model_source_lib
 from train.run import setup as setup_lib
 from train.run import step as step_lib
-
-
-def windows(spec: str, num_tokens: int, seq_len: int) -> np.ndarray:
-  """The windows [W, seq_len + 1] of the first ``num_tokens`` tokens of ``spec``'s streams."""
-  source = data.load_source(config_lib.strip_format(spec), progress=False)
-  parts = source.sources if isinstance(source, data.Blend) else (source,)
-  if len(parts) > 1:
-    raise UsageError(f"--data {spec}: a blend has no order of its tokens; pass one source")
-  streams, need = [], num_tokens
-  for s in parts[0].streams:
-    streams.append(np.asarray(s[:need]))
-    need -= len(streams[-1])
-    if need <= 0:
-      break
-  tokens = np.concatenate(streams).astype(np.int64)
-  count = (len(tokens) - 1) // seq_len
-  if count < 1:
-    raise UsageError(f"--data {spec}: {len(tokens)} tokens make no window of {seq_len + 1}"
-                     " (--seq-len + 1); pass more --tokens or a shorter --seq-len")
-  starts = np.arange(count)[:, None] * seq_len
-  return tokens[starts + np.arange(seq_len + 1)]
-
-
-def rows(spec: str, num_tokens: int, seq_len: int, tokenizer) -> dict[str, np.ndarray]:
-  """The rows to evaluate, [R, seq_len] each: the ``inputs`` and ``targets`` of
-  :func:`windows`, or a fine-tuning file's packed rows (with ``segment_ids`` and
-  ``positions``; ``tokenizer`` reads it)."""
-  if spec.startswith("sft:"):
-    return data.load_source(spec, progress=False, tokenizer=tokenizer).rows(seq_len)
-  w = windows(spec, num_tokens, seq_len)
-  return {"inputs": w[:, :-1], "targets": w[:, 1:]}
+from train.store import log
 
 
 def _parallelism(spec: str | None, batch_size: int) -> models.Parallelism:
@@ -92,11 +62,14 @@ def _parser() -> argparse.ArgumentParser:
                                   " targets), each row once, as the trainer's validation computes it.")
   parser.add_argument("model", metavar="RUN_DIR|hf:DIR|hf:ORG/NAME",
                       help="a python -m train.gpt run directory, hf:DIR for a Hugging Face checkpoint folder, or hf:ORG/NAME[@REVISION] a Hub id")
-  parser.add_argument("--data", required=True, metavar="SPEC",
+  parser.add_argument("--data", default=None, metavar="SPEC",
                       help="data spec as train.gpt's --data (stdlib:val, fineweb:GLOB, megatron:PREFIX,"
-                           " or sft:FILE.jsonl, read whole with the model's tokenizer)")
-  parser.add_argument("--tokens", type=int, default=16384,
-                      help="first N tokens of the data (default 16384; sft: files are read whole)")
+                           " or sft:FILE.jsonl, read whole with the model's tokenizer); default: a run's"
+                           " validation data (its --valid-data), needed for hf:DIR")
+  parser.add_argument("--eval-tokens", "--tokens", dest="eval_tokens", type=int, default=None,
+                      help="validation targets of token data, as train.gpt's --eval-tokens: the first"
+                           " N // --seq-len windows (default: the run's --eval-tokens, 16384 for hf:DIR;"
+                           " sft: files are read whole)")
   parser.add_argument("--seq-len", type=int, default=None,
                       help="tokens per window (default: the run's --seq-len; 1024 for hf:DIR)")
   parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
@@ -113,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _start(argv):
   args = _parser().parse_args(argv)
-  for name in ("tokens", "seq_len", "batch_size"):
+  for name in ("eval_tokens", "seq_len", "batch_size"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
       raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
   # The trainer's checks and start of the multi-host runtime (the mesh spans every process).
@@ -123,6 +96,12 @@ def _start(argv):
   start.start_jax(runtime)
   par = _parallelism(args.mesh, args.batch_size)
   origin = model_source_lib.resolve(args.model)
+  # A run's own validation settings, that the line repeat its validation loss.
+  run = config_lib.Config(**{k: v for k, v in (config_lib.saved_config(origin.run_dir) if origin.run_dir else {}).items()
+                             if k in ("data", "valid_data", "eval_tokens", "pack", "document_mask")})
+  spec = args.data or (run.valid_spec if origin.run_dir else None)
+  if spec is None:
+    raise UsageError(f"{args.model} records no validation data; pass --data SPEC (e.g. --data stdlib:val)")
   with jax.set_mesh(par.mesh):
     cfg, graphdef, params, _ = origin.load(args.step, par)
   seq_len = args.seq_len or cfg.seq_len
@@ -130,10 +109,14 @@ def _start(argv):
     context.check_seq_len(seq_len, par.cp)
   except ValueError as e:
     raise UsageError(f"--seq-len / --mesh: {e}") from None
-  r = rows(args.data, args.tokens, seq_len, origin.tokenizer)
+  source = data.load_source(config_lib.strip_format(spec), progress=False, tokenizer=origin.tokenizer,
+                            packed=run.pack)
+  # A run that validated nothing (--eval-tokens 0) is evaluated on the default count.
+  r = evaluation.rows(source, seq_len, args.eval_tokens or run.eval_tokens or config_lib.Config().eval_tokens,
+                      origin.tokenizer.eod if run.document_mask else None)
   largest = max(int(r["inputs"].max()), int(r["targets"].max()))
   if largest >= cfg.vocab_size:
-    raise UsageError(f"--data {args.data} holds token id {largest} but the model's vocabulary has"
+    raise UsageError(f"--data {spec} holds token id {largest} but the model's vocabulary has"
                      f" {cfg.vocab_size} ids (0..{cfg.vocab_size - 1}); evaluate on data made with"
                      " the model's tokenizer")
   return graphdef, params, r, par, args.batch_size
@@ -146,8 +129,7 @@ def _report(loaded) -> int:
                                        NamedSharding(par.mesh, P(models.BATCH_AXES)))
   if jax.process_index() != 0:
     return 0
-  print(f"validation lm loss: {loss:.6E} | perplexity: {math.exp(min(loss, 700)):.6E} |"
-        f" rows: {len(r['inputs'])} x {r['inputs'].shape[1]} tokens | targets: {count}")
+  print(f"{log.validation_fields(loss, count)} | rows: {len(r['inputs'])} x {r['inputs'].shape[1]} tokens")
   return 0
 
 

@@ -36,7 +36,9 @@ def _setup(argv: list[str] | None):
   cfg, print_config = config_lib.command(argv)
   cfg.check()
   if print_config:
-    print(config_file.to_yaml(cfg.to_json()), end="")
+    from train.run import model_source  # imports jax, models: this process starts no run
+
+    print(config_file.to_yaml(model_source.resolved_flags(cfg).to_json(), model_source.RESOLVED_AT_START), end="")
     return 0
   if agent.wanted(cfg):  # this process watches a worker that runs the command
     return agent.supervise(cfg, "train.gpt", agent.worker_command("train.gpt", argv))

@@ -7,7 +7,9 @@ from) with ``models.generate``'s key/value cache: the prompt's last ``seq_len`` 
 length the model was trained on) are run once, then one token per step. Greedy with
 ``--temperature 0`` (the default), else drawn from softmax(logits / temperature), optionally
 among the ``--top-k`` likeliest tokens and the likeliest ones whose probability reaches
-``--top-p``. An empty prompt starts a document: its context is the end-of-document token.
+``--top-p`` (which sampling needs: with ``--temperature 0`` they are refused). An empty
+prompt starts a document: its context is the end-of-document token. ``--prompt`` repeated
+continues each prompt in turn.
 
 With ``--chat`` the prompt is a user message: the conversation ``[{"role": "user",
 "content": PROMPT}]`` rendered by the tokenizer's chat template with the generation prompt
@@ -73,7 +75,9 @@ def _parser() -> argparse.ArgumentParser:
                       description="Print what a trained GPT writes after a prompt (byte tokens, or the"
                                   " tokenizer.json of the run's --init-from checkpoint).")
   parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of python -m train.gpt")
-  parser.add_argument("--prompt", default="", help="text to continue (default: the start of a document)")
+  parser.add_argument("--prompt", action="append", default=None,
+                      help="text to continue (default: the start of a document); repeat it for several"
+                           " prompts, each continued and printed in turn after a [prompt i/N] line")
   parser.add_argument("--chat", action="store_true",
                       help="the prompt is a user message, rendered by the run tokenizer's chat"
                            " template; print the assistant's reply up to its end-of-sequence token")
@@ -96,6 +100,12 @@ def _restore(argv: list[str] | None) -> tuple[argparse.Namespace, restore_lib.Re
   if args.max_new_tokens < 0:
     raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
   restore_lib.check_sampling(args.temperature, args.top_k, args.top_p)
+  if args.temperature == 0 and (args.top_k is not None or args.top_p < 1):
+    chosen = " ".join(f for f, on in ((f"--top-k {args.top_k}", args.top_k is not None),
+                                      (f"--top-p {args.top_p}", args.top_p < 1)) if on)
+    raise UsageError(f"{chosen} applies when sampling, but --temperature is 0 (the default: greedy);"
+                     " add a --temperature above 0, e.g. --temperature 0.8")
+  args.prompt = args.prompt or [""]
   run_dir = os.path.abspath(args.run_dir)
   model = restore_lib.restore(run_dir, args.step)
   tokenizer = restore_lib.run_tokenizer(run_dir)
@@ -111,11 +121,20 @@ def _restore(argv: list[str] | None) -> tuple[argparse.Namespace, restore_lib.Re
 
 
 def _write(args: argparse.Namespace, model: restore_lib.Restored, tokenizer) -> int:
+  for i, prompt in enumerate(args.prompt):
+    if len(args.prompt) > 1:
+      print(f"[prompt {i + 1}/{len(args.prompt)}]")
+    _continue(args, model, tokenizer, prompt)
+  return 0
+
+
+def _continue(args: argparse.Namespace, model: restore_lib.Restored, tokenizer, prompt: str) -> None:
+  """Prints what the model writes after ``prompt`` (only the reply with ``--chat``)."""
   if args.chat:
-    text = tokenizer.chat.render([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+    text = tokenizer.chat.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
     prompt_P = tokenizer.encode(text, special=False)  # the template writes the special tokens
   else:
-    prompt_P = tokenizer.encode(args.prompt) if args.prompt else np.zeros(0, np.int32)
+    prompt_P = tokenizer.encode(prompt) if prompt else np.zeros(0, np.int32)
   new = generate(model, prompt_P, args.max_new_tokens, args.temperature, args.top_k, args.seed,
                  tokenizer.eod, args.top_p, eos_id=tokenizer.eod if args.chat else None)
   if args.chat:
@@ -123,7 +142,6 @@ def _write(args: argparse.Namespace, model: restore_lib.Restored, tokenizer) -> 
     print(tokenizer.decode(new[:ends[0] if len(ends) else len(new)]))
   else:
     print(tokenizer.decode(np.concatenate([prompt_P.astype(np.int32), new])))
-  return 0
 
 
 def main(argv: list[str] | None = None) -> int:

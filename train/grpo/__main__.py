@@ -76,7 +76,13 @@ def configure(argv: list[str] | None) -> tuple[GRPOConfig, config_lib.Config, bo
   start_run = config_lib.saved_config(grpo.run_dir if grpo.resume else grpo.init_from)
   cfg = grpo_config.train_config(grpo, shared, start_run)
   if print_config:
-    print(config_file.to_yaml(grpo_config.flags_record(grpo, shared)), end="")
+    from train.run import model_source  # imports jax, models: this process starts no run
+
+    record = grpo_config.flags_record(grpo, shared)
+    record["lr"] = cfg.learning_rate  # the optimizer's default, written out
+    notes = {**model_source.RESOLVED_AT_START, "lr_decay_steps": "--steps x --updates-per-rollout",
+             "dion_rank_fraction": "by the starting model's width"}
+    print(config_file.to_yaml(record, notes), end="")
   return grpo, cfg, print_config
 
 
@@ -87,6 +93,7 @@ def _setup(argv: list[str] | None):
   grpo, cfg, print_config = configure(argv)
   if print_config:
     return 0
+  grpo.check_inputs()
   if agent.wanted(cfg):  # this process watches a worker that runs the command
     return agent.supervise(cfg, "train.grpo", agent.worker_command("train.grpo", argv))
   start.start_jax(cfg)  # host devices for the mesh and the multi-host runtime, before JAX starts

@@ -36,7 +36,7 @@ from train.run import restore as restore_lib
 from train.run import step as step_lib
 from train.run.interrupt import Agreement, Interrupt
 from train.store import checkpoint as ckpt_lib
-from train.store import rundir
+from train.store import log, rundir
 
 
 class Prompts(NamedTuple):
@@ -141,7 +141,12 @@ def setup(grpo: GRPOConfig, cfg: config_lib.Config) -> Run:
             "grpo": dataclasses.asdict(grpo), "init_step": starting.step}
   run = setup_lib.Run(cfg=cfg, model_cfg=model_cfg, mesh=mesh, par=par, directory=directory, checkpoints=checkpoints,
                  record=record, state=state, start_step=start_step, train_step=train_step, data=prompts)
+  if jax.process_index() == 0:
+    print(f"sampling the first rollout ({grpo.prompts_per_step} prompts x {grpo.group_size} completions of up to"
+          f" {grpo.max_new_tokens} tokens; compiling the sampler first)", flush=True)
   first = rollout(run, state.params, start_step + 1)
+  if jax.process_index() == 0:
+    print(f"sampled the first rollout in {first.seconds:.1f} s (step {start_step + 1}'s)", flush=True)
   compiled = setup_lib.compile_within_memory(train_step, state, first.batch, mesh, model_cfg)
   setup_lib.describe_communication(run, compiled)
   run.data = prompts._replace(first=first)
@@ -276,7 +281,7 @@ def train(run: Run) -> int:
   """The GRPO steps in ``loop.run_loop`` (its exit codes); a reward's bad output later in
   the run prints ``error: ...``, exit 2."""
   try:
-    return loop.run_loop(run, lambda progress, interrupt: _steps(run, progress, interrupt))
+    return loop.run_loop(run, lambda progress, interrupt: _steps(run, progress, interrupt), run.data.first.seconds)
   except UsageError as e:
     print(f"error: {e}", file=sys.stderr)
     return cli.EXIT_USAGE
@@ -288,8 +293,7 @@ def _steps(run: Run, progress: loop.Progress, interrupt: Interrupt) -> None:
   metrics = run.directory.metrics(run.trackers) if primary else None
   if primary:
     print(f"GRPO on {grpo.init_from} ({run.model_cfg.num_params() / 1e6:.2f}M parameters, {run.model_cfg.dtype})"
-          f" with {cfg.optimizer} on mesh {format_mesh_spec(dict(run.mesh.shape))} ({jax.process_count()}"
-          f" process(es)), steps"
+          f" with {cfg.optimizer} on mesh {format_mesh_spec(dict(run.mesh.shape))} ({log.processes(jax.process_count())}), steps"
           f" {run.start_step + 1}..{grpo.steps}, run directory {cfg.run_path}", flush=True)
   agreement = Agreement(run.mesh)
   made, control = run.data.first, run.data.entropy_control

@@ -39,6 +39,7 @@ class Config:
   preset: str = "tiny"
   init_from: str | None = None
   qk_norm: str | None = None
+  mlp: str | None = None
   num_layers: int | None = None
   hidden_size: int | None = None
   num_attention_heads: int | None = None
@@ -251,7 +252,7 @@ class Config:
         raise UsageError(f"--init-from {self.init_from}: expected hf:DIR, a Hugging Face"
                          " checkpoint directory (config.json + safetensors), or hf:ORG/NAME[@REVISION]")
       shape_flags = [f"--{n.replace('_', '-')}" for n in ("num_layers", "hidden_size", "num_attention_heads",
-                                                          "qk_norm", "num_experts", "moe_top_k", "moe_every",
+                                                          "qk_norm", "mlp", "num_experts", "moe_top_k", "moe_every",
                                                           "moe_ffn_hidden_size")
                      if getattr(self, n) is not None]
       shape_flags += ["--moe-shared-expert"] if self.moe_shared_expert else []

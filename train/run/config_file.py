@@ -98,7 +98,12 @@ def _value(path: str, key: str, value, field: dataclasses.Field, parser: argpars
   return tuple(parsed[key]) if several else parsed[key]
 
 
-def to_yaml(values: dict) -> str:
-  """``values`` (a Config's fields) as a config file."""
+def to_yaml(values: dict, notes: dict[str, str] | None = None) -> str:
+  """``values`` (a Config's fields) as a config file; ``notes``: a comment after each of
+  those keys whose value is null (what the run makes of it)."""
   plain = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
-  return yaml.safe_dump(plain, sort_keys=False, default_flow_style=False)
+  lines = yaml.safe_dump(plain, sort_keys=False, default_flow_style=False).splitlines()
+  notes = notes or {}
+  return "".join(line + (f"  # at start: {notes[line[:-len(': null')]]}"
+                         if line.endswith(": null") and line[:-len(": null")] in notes else "") + "\n"
+                 for line in lines)

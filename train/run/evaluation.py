@@ -1,9 +1,10 @@
 """The validation loss, one definition for the trainer and ``python -m train.eval``.
 
+    rows_RxT = evaluation.rows(source, seq_len, eval_tokens, eod)
     loss, targets = evaluation.mean_loss(loss_sum, params, rows_RxT, batch_size, sharding)
 
-The rows [R, T] (a fine-tuning file's packed examples, or the first windows of a token
-stream) are read in order, ``batch_size`` at a time, each exactly once; the last batch is
+The rows [R, T] (:func:`rows`: a fine-tuning file's packed examples, or the first
+``eval_tokens // T`` windows of a token source) are read in order, ``batch_size`` at a time, each exactly once; the last batch is
 filled up with padding rows (inputs 0, targets -1), so every batch has one compiled shape
 and no row is dropped or repeated. Each batch's token losses are summed over its counted
 targets (those >= 0: not a prompt, not padding) in float32, the sums added in float64,
@@ -22,6 +23,20 @@ from typing import Any, Callable
 import jax
 import numpy as np
 from jax.sharding import Sharding
+
+import data
+
+
+def rows(source: Any, seq_len: int, eval_tokens: int, eod: int | None = None) -> dict[str, np.ndarray]:
+  """The validation rows of ``source`` (``data.load_source``'s), int32 [R, seq_len] each:
+  every packed row of a fine-tuning file, or of token data the first
+  R = max(1, eval_tokens // seq_len) windows in order (``data.ordered_rows``: window i of
+  a stream holds its tokens [i·T, i·T + T], T = seq_len, the inputs then the targets
+  shifted by one; a window never crosses from one stream to the next), R·T targets: with
+  ``--eval-tokens 16384`` and T = 128, 128 windows and 16384 targets. ``eod``: with
+  ``--document-mask``, the windows carry segment ids and positions as in training."""
+  limit = None if isinstance(source, data.SFTSource) else max(1, eval_tokens // seq_len)
+  return data.ordered_rows(source, seq_len=seq_len, limit=limit, eod=eod)
 
 
 def mean_loss(loss_sum: Callable[[Any, dict], jax.Array], params: Any, rows_RxT: dict[str, np.ndarray],

@@ -16,7 +16,7 @@ DECAY_STYLES = ("constant", "linear", "cosine", "wsd")
 # The values of each flag with a fixed set of them (argparse's choices=).
 CHOICES = {"preset": PRESET_NAMES, "dtype": ("float32", "bfloat16", "float16"),
            "attention": ("auto", "xla", "cudnn"), "optimizer": OPTIMIZERS,
-           "qk_norm": ("none", "rms", "rms_scale"),
+           "qk_norm": ("none", "rms", "rms_scale"), "mlp": ("relu2", "swiglu"),
            "lr_decay_style": DECAY_STYLES, "dion_qr_method": ("auto", "shifted_cqr", "cqr", "rcqr", "qr", "polar"),
            "dion_power_precision": ("default", "float32", "tensorfloat32", "bfloat16"),
            "dion_qr_precision": ("float32", "tensorfloat32x3"),
@@ -52,6 +52,8 @@ HELP = {
     "preset": "model size: %s (default tiny: 4 layers x 128, seq 128)" % "|".join(PRESET_NAMES),
     "qk_norm": "none|rms|rms_scale: QK-norm of the preset's attention (default rms, the reference's;"
                " none as Llama, rms_scale as Qwen3)",
+    "mlp": "relu2|swiglu: the preset's MLP (default relu2, the reference's; swiglu as Llama and Qwen3:"
+           " with --qk-norm none a Llama, with rms_scale a Qwen3, which train.export writes)",
     "init_from": "hf:DIR or hf:ORG/NAME[@REVISION]: start from a Hugging Face Llama, Qwen3 or Qwen3-MoE"
                  " checkpoint instead of a random preset: the local folder DIR (config.json +"
                  " safetensors; a folder wins over a Hub id of the same name) or a Hub repository,"

@@ -21,7 +21,7 @@ from train.run import step as step_lib
 from train.run.interrupt import Agreement, Interrupt
 from train.run.setup import Run
 from train.store import checkpoint as ckpt_lib
-from train.store import profiling
+from train.store import log, profiling
 from train.store.log import Logger
 
 EXIT_FAILED = 1
@@ -70,14 +70,15 @@ class Progress:
       self.diverged = self.skipped_in_a_row
 
 
-def run_loop(run: Run, steps: Callable[[Progress, Interrupt], None]) -> int:
+def run_loop(run: Run, steps: Callable[[Progress, Interrupt], None], done_before: float = 0.0) -> int:
   """Runs ``steps(progress, interrupt)``, the loop, holding the run's directory until it
-  returns, and its end as an exit code: 0 done, 1 a checkpoint failed to save, the
+  returns, and its end as an exit code (``done_before``: seconds of the first step spent in
+  set-up, GRPO's first rollout, which the last line counts): 0 done, 1 a checkpoint failed to save, the
   device ran out of memory or another process was lost (``train/run/peers.py``), 3 diverged (``--max-skipped`` updates in a row skipped, or a
   state that ends non-finite), 130 / 143 stopped by SIGINT / SIGTERM (``train/run/interrupt.py``),
   each but 0 with one ``error: ...`` line."""
   progress = Progress(run.start_step, run.state)
-  start = time.perf_counter()
+  start = time.perf_counter() - done_before
   with peers.together(run.directory.close):  # several processes: an error in one, or a lost one, ends all
     try:
       with Interrupt(run.directory.close) as interrupt:
@@ -150,8 +151,9 @@ def _steps(run: Run, progress: Progress, interrupt: Interrupt) -> None:
   profile = profiling.Steps(cfg.profile_range, profiling.directory(cfg.run_path))
   logger.message(f"training {cfg.init_from or cfg.preset} ({run.model_cfg.num_params() / 1e6:.2f}M parameters,"
                  f" {run.model_cfg.dtype}) with {cfg.optimizer} on mesh {format_mesh_spec(dict(run.mesh.shape))}"
-                 f" ({jax.process_count()} process(es)), steps {run.start_step + 1}..{cfg.steps},"
-                 f" run directory {cfg.run_path}")
+                 f" ({log.processes(jax.process_count())}),"
+                 f" steps {run.start_step + 1}..{cfg.steps}, run directory {cfg.run_path}")
+  logger.legend(cfg.clip_grad)
   if cfg.ignored_flags():
     logger.message(f"warning: --optimizer {cfg.optimizer} does not read {', '.join(cfg.ignored_flags())};"
                    " they are recorded in config.json but change nothing")
@@ -167,7 +169,7 @@ def _steps(run: Run, progress: Progress, interrupt: Interrupt) -> None:
                 None if examples is None else int(examples), bool(m.spike) if cfg.skip_spikes else None)
     progress.count(bool(m.skipped), cfg.max_skipped)
     peers.progress(step)
-    if step % cfg.log_interval == 0 or step == cfg.steps:
+    if step % cfg.log_interval == 0 or step == cfg.steps or step == run.start_step + 1:  # the first as it ends
       logger.flush(step)
 
   agreement = Agreement(run.mesh)

@@ -17,6 +17,7 @@ import jax
 
 import models
 from train.cli import UsageError
+from train.run import config as config_lib
 from train.run import restore as restore_lib
 from train.run.config import Config
 from train.store import hf as hf_io
@@ -26,9 +27,41 @@ from train.store import hub, rundir
 _ROUTING_FLAGS = ("moe_capacity_factor", "moe_aux_loss_coeff", "moe_z_loss_coeff")
 # Flag -> GPTConfig field of the flags that shape a preset.
 _PRESET_FLAGS = (("num_layers", "num_layers"), ("hidden_size", "d_model"), ("num_attention_heads", "num_heads"),
-                 ("seq_len", "seq_len"), ("qk_norm", "qk_norm"), ("num_experts", "num_experts"),
+                 ("seq_len", "seq_len"), ("qk_norm", "qk_norm"), ("mlp", "mlp"), ("num_experts", "num_experts"),
                  ("moe_top_k", "moe_top_k"), ("moe_every", "moe_every"), ("moe_ffn_hidden_size", "moe_mlp_dim"),
                  *((name, name) for name in _ROUTING_FLAGS))
+
+
+# The flags of a preset's dense shape, which --print-config writes out.
+_SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_len", "qk_norm", "mlp")
+# What --print-config says of the defaults that only the run decides (the machine, the data, --steps).
+RESOLVED_AT_START = {
+    "dtype": "float32 on CPU, bfloat16 on a GPU",
+    "mesh": "fs= every device",
+    "lr_decay_steps": "--steps",
+    "lr_warmup_steps": "a twentieth of the decay steps",
+    "vocab_size": "the data's",
+    "valid_data": "stdlib:val with the embedded corpus, else none",
+    "micro_batch_size": "the rank's whole share of the batch (pp micro-batches with pp > 1)",
+}
+
+
+def resolved_flags(cfg: Config) -> Config:
+  """``cfg`` with the defaults that the flags decide written out, as ``--print-config``
+  prints them: ``--lr`` (the optimizer's default), the preset's shape (not an imported
+  model's, which is its checkpoint's) and Dion's ``--dion-rank-fraction`` (by the width:
+  ``train.run.optim.default_rank_fraction``)."""
+  from train.run import optim  # imports the optimizers: only here, for --print-config
+
+  values = {"lr": cfg.learning_rate}
+  if cfg.init_from is None:
+    shape = models.preset(cfg.preset)
+    fields = dict(_PRESET_FLAGS)
+    values |= {flag: getattr(cfg, flag) if getattr(cfg, flag) is not None else getattr(shape, fields[flag])
+               for flag in _SHAPE_FLAGS}
+    if "dion_rank_fraction" in config_lib.OPTIMIZER_FLAGS[cfg.optimizer] and cfg.dion_rank_fraction is None:
+      values["dion_rank_fraction"] = optim.default_rank_fraction(values["hidden_size"])
+  return dataclasses.replace(cfg, **values)
 
 
 def compute_settings(cfg: Config) -> dict:
@@ -75,6 +108,8 @@ class ModelSource:
     overrides |= {field: getattr(cfg, flag) for flag, field in _PRESET_FLAGS if getattr(cfg, flag) is not None}
     if cfg.moe_shared_expert:
       overrides["moe_shared_expert"] = True
+    if cfg.mlp == "swiglu":  # a Llama or Qwen3 shape: its export has no padding rows to train
+      overrides["mask_vocab_padding"] = True
     try:
       return models.preset(self.preset, **overrides)
     except ValueError as e:
@@ -86,6 +121,8 @@ class ModelSource:
     preset initialized from ``seed``; ``resuming``, the preset's initialization stands in for
     weights a checkpoint of the run replaces. Call under ``jax.set_mesh(par.mesh)``."""
     if self.imported and not resuming:
+      if jax.process_index() == 0:
+        print(f"reading the Hugging Face checkpoint {self.hf_dir}", flush=True)
       return hf_io.load(self.hf_dir, model_cfg, par)
     return models.init(model_cfg, par, seed)
 

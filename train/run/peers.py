@@ -89,6 +89,9 @@ def join(cfg: Config) -> None:
           " --process-id, or raise --distributed-timeout", file=sys.stderr, flush=True)
     os._exit(EXIT_FAILED)
 
+  print(f"waiting for {cfg.num_processes or 'all'} processes to join the coordinator"
+        f" {cfg.coordinator or '(auto-detected)'} (this is --process-id {cfg.process_id if cfg.process_id is not None else '(auto)'};"
+        f" up to --distributed-timeout {cfg.distributed_timeout} s)", flush=True)
   timer = threading.Timer(cfg.distributed_timeout, give_up)
   timer.daemon = True
   timer.start()

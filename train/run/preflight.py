@@ -11,11 +11,13 @@ import sys
 from collections.abc import Iterator
 
 import jax
+import numpy as np
 
 import data
 import models
 from models import context
 from train.cli import UsageError
+from train.run import optim
 from train.run.config import Config
 from train.store import rundir
 
@@ -30,7 +32,7 @@ def check_experts(model_cfg: models.GPTConfig, mesh: jax.sharding.Mesh) -> None:
     return
   if model_cfg.num_experts % sizes["ep"]:
     raise UsageError(f"--mesh ep={sizes['ep']} does not divide the {model_cfg.num_experts} experts;"
-                     " choose an ep that divides --num-experts (each ep rank holds experts/ep)")
+                     " choose an ep that divides the model's experts (each ep rank holds experts/ep)")
 
 
 def check_model(cfg: Config, model_cfg: models.GPTConfig, mesh: jax.sharding.Mesh) -> None:
@@ -78,6 +80,9 @@ def check_data(cfg: Config, model_cfg: models.GPTConfig, source, valid_source, e
   made with its tokenizer), and the validation data holds a row."""
   fix = ("tokenize the data with --init-from's tokenizer (python -m data.convert tokenize"
          " --tokenizer DIR)" if imported else None)
+  if imported and isinstance(source, data.SFTSource):  # read here, with the checkpoint's tokenizer or bytes
+    fix = ("sft: files are read with the checkpoint's tokenizer.json, else as bytes (ids 0..256):"
+           " put its tokenizer.json beside config.json")
   check_token_ids("--data", source, model_cfg.vocab_size, fix)
   if valid_source is None or cfg.eval_tokens == 0:
     return
@@ -95,7 +100,9 @@ def damaged(command: str, ckpt_path: str, step: int | None, error: BaseException
   in train.gpt, ``--step`` in train.eval and train.export)."""
   existing = rundir.existing_steps(ckpt_path)
   step = max(existing, default=0) if step is None else step
-  cause = f"{type(error).__name__}: {error}".split(" See full")[0].splitlines()[0][:200]
+  # The library's first line, cut short: its full text (paths, codes) can run to many lines.
+  cause = f"{type(error).__name__}: {error}".split(" See full")[0].splitlines()[0]
+  cause = cause if len(cause) <= 120 else cause[:119] + "…"
   older = [s for s in existing if s < step]
   fix = (f"use an older one with {command} {max(older)}" if older
          else "no older checkpoint exists: start a new --run-dir")
@@ -145,9 +152,33 @@ def check_memory(stats, mesh: jax.sharding.Mesh, model_cfg: models.GPTConfig) ->
                      " --remat, or shard over more devices (--mesh)")
 
 
-def schedule_warning(cfg: Config, saved_train: dict) -> None:
+def _kept_schedule(cfg: Config, saved_train: dict) -> bool:
+  """Whether ``--resume`` with a new --steps kept the saved run's lr decay length
+  (``train.run.config``'s ``_kept_schedule``)."""
+  return saved_train.get("lr_decay_steps") is None and cfg.lr_decay_steps == saved_train.get("steps") != cfg.steps
+
+
+def _resumed_lr(cfg: Config, start_step: int) -> tuple[float, float]:
+  """The smallest and largest learning rate of steps ``start_step + 1 .. --steps``."""
+  lr = np.asarray(optim.schedule(cfg)(np.arange(start_step, cfg.steps)))
+  return float(lr.min()), float(lr.max())
+
+
+def check_schedule(cfg: Config, start_step: int, saved_train: dict) -> None:
+  """Refuses a ``--resume`` whose kept lr schedule has decayed to 0 before the new steps:
+  they would train at learning rate 0, changing nothing."""
+  if cfg.resume and _kept_schedule(cfg, saved_train) and _resumed_lr(cfg, start_step)[1] == 0:
+    raise UsageError(f"--resume --steps {cfg.steps}: the run's lr schedule decayed to 0 by step"
+                     f" {cfg.lr_decay_steps}, so steps {start_step + 1}..{cfg.steps} would train at learning"
+                     f" rate 0; pass --lr-decay-steps {cfg.steps} to stretch the schedule over the new"
+                     " length (or a --min-lr above 0)")
+
+
+def schedule_warning(cfg: Config, saved_train: dict, start_step: int) -> None:
   """One line when ``--resume`` with a new --steps kept the saved run's lr decay length."""
-  if saved_train.get("lr_decay_steps") is None and cfg.lr_decay_steps == saved_train.get("steps") != cfg.steps:
+  if _kept_schedule(cfg, saved_train):
+    low, high = _resumed_lr(cfg, start_step)
+    rate = f"{low:.3E}" if low == high else f"{high:.3E} to {low:.3E}"
     print(f"warning: --resume --steps {cfg.steps} keeps the run's lr schedule, which decays over"
-          f" {cfg.lr_decay_steps} steps; pass --lr-decay-steps {cfg.steps} to stretch it over the"
-          " new length instead", file=sys.stderr)
+          f" {cfg.lr_decay_steps} steps: steps {start_step + 1}..{cfg.steps} train at learning rate {rate};"
+          f" pass --lr-decay-steps {cfg.steps} to stretch it over the new length instead", file=sys.stderr)

@@ -50,13 +50,14 @@ def open_checkpoint(run_dir: str, step: int | None = None
   trainer saved beside them, or one leaf at a time (``train.export``).
   ``train.store.checkpoint.Checkpoints`` restores whole states only."""
   if not os.path.isdir(run_dir):
-    raise UsageError(f"run directory {run_dir} does not exist; pass the --run-dir of a"
-                     " python -m train.gpt run (default runs/PRESET-OPTIMIZER)")
+    raise UsageError(f"run directory {run_dir} does not exist; name the directory of a python -m"
+                     " train.gpt run (by default runs/PRESET-OPTIMIZER, e.g. runs/tiny-dion)")
   where = checkpoint_path(run_dir)
   if not os.path.isdir(where):
     raise UsageError(f"{where} does not exist: the run has no checkpoints yet; train it"
                      " (python -m train.gpt --run-dir RUN_DIR) first")
   # "meta" is registered so that Orbax does not warn about an item it cannot read.
+  ckpt_lib.quiet_orbax_logs()
   manager = ocp.CheckpointManager(
       where, options=ocp.CheckpointManagerOptions(create=False),
       item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),

@@ -25,11 +25,11 @@ import dion_jax
 import models
 from dion_jax.parallel import format_mesh_spec
 from train.cli import UsageError
-from train.run import comm, optim, preflight, trainer
+from train.run import comm, evaluation, optim, preflight, trainer
 from train.run import grad_norm as grad_norm_lib
 from train.run import model_source as model_source_lib
 from train.run import step as step_lib
-from train.run.config import Config
+from train.run.config import Config, saved_config
 from train.store import checkpoint as ckpt_lib
 from train.store import rundir, tracking
 
@@ -102,15 +102,18 @@ def setup(cfg: Config) -> Run:
     open_directory(run)
     origin.keep_tokenizer(cfg.run_path)
     if saved is not None:
-      preflight.schedule_warning(cfg, saved["train"])
+      preflight.schedule_warning(cfg, saved["train"], start_step)
   return run
 
 
 def check_directory(cfg: Config) -> tuple[rundir.RunDirectory, int]:
   """The run's directory, checked (``RunDirectory.check``; its lock and whether it is usable
   by process 0 only), and the step the run starts after."""
+  ckpt_lib.quiet_orbax_logs()
   directory = rundir.RunDirectory(cfg.run_path, cfg.ckpt_path)
-  return directory, directory.check(cfg.resume, cfg.step, cfg.steps, primary=jax.process_index() == 0)
+  start_step = directory.check(cfg.resume, cfg.step, cfg.steps, primary=jax.process_index() == 0)
+  preflight.check_schedule(cfg, start_step, saved_config(cfg.run_path, cfg.ckpt_path))
+  return directory, start_step
 
 
 def make_mesh(spec: str) -> jax.sharding.Mesh:
@@ -145,17 +148,18 @@ def _batches(cfg: Config, model_cfg: models.GPTConfig, mesh: jax.sharding.Mesh, 
              eod: int | None, eval_step) -> Batches:
   valid_rows = None
   if valid_source is not None and cfg.eval_tokens > 0:
-    # Fine-tuning data is evaluated whole, as train.eval evaluates it; token data up to --eval-tokens.
-    limit = None if isinstance(valid_source, data.SFTSource) else max(1, cfg.eval_tokens // model_cfg.seq_len)
-    valid_rows = data.ordered_rows(valid_source, seq_len=model_cfg.seq_len, limit=limit, eod=eod)
+    valid_rows = evaluation.rows(valid_source, model_cfg.seq_len, cfg.eval_tokens, eod)
   steps_per_epoch = None
-  if isinstance(source, data.SFTSource):
-    steps_per_epoch = len(data.make_dataset(source, seq_len=model_cfg.seq_len,
-                                            global_batch_size=cfg.global_batch_size, num_epochs=1))
   sharding = NamedSharding(mesh, P(models.BATCH_AXES))
   shard = data.process_batch_shard(sharding, (cfg.global_batch_size, model_cfg.seq_len))
-  loader = data.make_loader(source, seq_len=model_cfg.seq_len, global_batch_size=cfg.global_batch_size,
-                            seed=cfg.seed, shard_index=shard[0], shard_count=shard[1], eod=eod)
+  try:
+    if isinstance(source, data.SFTSource):
+      steps_per_epoch = len(data.make_dataset(source, seq_len=model_cfg.seq_len,
+                                              global_batch_size=cfg.global_batch_size, num_epochs=1))
+    loader = data.make_loader(source, seq_len=model_cfg.seq_len, global_batch_size=cfg.global_batch_size,
+                              seed=cfg.seed, shard_index=shard[0], shard_count=shard[1], eod=eod)
+  except data.DataError as e:
+    raise UsageError(f"--data {e}; pass more data, or a smaller --global-batch-size or --seq-len") from None
   return Batches(loader, sharding, (cfg.global_batch_size, model_cfg.seq_len), valid_rows, eval_step, steps_per_epoch, 0)
 
 

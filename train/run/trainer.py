@@ -73,6 +73,8 @@ def resume_state(checkpoints: ckpt_lib.Checkpoints, step: int, state: step_lib.T
   mesh, after checking it holds this model and optimizer; ``state`` and None, None at step 0."""
   if not step:
     return state, None, None
+  if jax.process_index() == 0:
+    print(f"restoring the checkpoint of step {step} from {checkpoints.directory}", flush=True)
   with preflight.reading("--resume --step", checkpoints.directory, step):
     meta, saved = checkpoints.read_json(step)
     preflight.check_same_model(saved, model_cfg, cfg, checkpoints.directory)

@@ -210,6 +210,13 @@ class _QuietSaveThreads(logging.Filter):
 _QUIET = _QuietSaveThreads()
 
 
+def quiet_orbax_logs() -> None:
+  """Drops Orbax's own warning and error logs from here on (:class:`_QuietSaveThreads`): a
+  damaged file it reads past (a truncated ``_CHECKPOINT_METADATA``) is no log line beside
+  the run's own."""
+  logging.getLogger("absl").addFilter(_QUIET)
+
+
 def _closed_loop_callback(error: BaseException | None, tb) -> bool:
   """Whether ``error`` is what TensorStore reports (``PyErr_Print``, ``PyErr_WriteUnraisable``)
   when writes of a failed save complete after Orbax closed that save's event loop: a
@@ -250,8 +257,8 @@ class Checkpoints:
                                            cleanup_tmp_directories=True)
     handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
                 "config": ocp.JsonCheckpointHandler()}
+    quiet_orbax_logs()
     self.manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
-    logging.getLogger("absl").addFilter(_QUIET)
     _QUIET.failure = None
     _quiet_hooks()
 

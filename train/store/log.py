@@ -4,7 +4,10 @@
     tokens/s: 3345 | TFLOP/s per device: 0.02 | learning rate: 1.000000E-02 |
     lm loss: 5.123456E+00 | grad norm: 1.234 | skipped iterations: 0 | nan iterations: 0
 
-(one line). MFU appears where the device's peak is known, the loss scale (after the lm
+(one line), for the first iteration as it ends, then every ``--log-interval`` and at the last
+step; a legend (:meth:`Logger.legend`) says once what the numbers are: ``lm loss`` the
+interval's mean, in nats per token, ``grad norm`` its last applied step's before clipping,
+the counts the interval's. MFU appears where the device's peak is known, the loss scale (after the lm
 loss, as Megatron's) in float16 runs: that of the interval's last step; with --skip-spikes,
 the skipped iterations that were spikes (``spike iterations``). Where Dion's replicas
 keep their own gradients, the grad norm's name says how it was taken (``grad norm (sketch
@@ -158,11 +161,18 @@ class Logger:
   def validation(self, step: int, loss: float, targets: int, seconds: float) -> None:
     """Logs an evaluation over ``targets`` counted targets that took ``seconds``, which do
     not count as training time."""
-    ppl = math.exp(min(loss, 700.0))
-    self._write(f"validation at iteration {step:8d} | validation lm loss: {loss:.6E} |"
-                f" validation lm loss PPL: {ppl:.6E} | targets: {targets}",
-                {"step": step, "tokens": step * self.tokens_per_step, "val_loss": loss, "val_ppl": ppl})
+    self._write(f"validation at iteration {step:8d} | {validation_fields(loss, targets)}",
+                {"step": step, "tokens": step * self.tokens_per_step, "val_loss": loss,
+                 "val_ppl": math.exp(min(loss, 700.0))})
     self.start += seconds
+
+  def legend(self, clip_grad: float) -> None:
+    """What the line's numbers are, once before the first (``--clip-grad``: the clipping)."""
+    clipped = f"clipping to --clip-grad {clip_grad:g}" if clip_grad else "no clipping (--clip-grad 0)"
+    self.message("each line: lm loss = the mean over the interval's applied steps, in nats per token"
+                 f" (per byte with the byte tokenizer); grad norm = its last applied step's, before {clipped};"
+                 " skipped iterations = the interval's steps not applied (non-finite or a spike),"
+                 " nan iterations = those with a non-finite loss")
 
   def message(self, text: str) -> None:
     if self.primary:
@@ -178,6 +188,17 @@ class Logger:
       self.metrics.close()
 
 
+def processes(count: int) -> str:
+  """``1 process``, ``2 processes``."""
+  return f"{count} process{'es' if count > 1 else ''}"
+
+
+def validation_fields(loss: float, targets: int) -> str:
+  """The validation loss as the trainer and ``train.eval`` print it (nats per target token)."""
+  return (f"validation lm loss: {loss:.6E} | validation lm loss PPL: {math.exp(min(loss, 700.0)):.6E} |"
+          f" targets: {targets}")
+
+
 def read_metrics(run_dir: str) -> tuple[dict[int, dict], dict[int, dict]]:
   """The run's interval records (with ``loss``) and validation records (with ``val_loss``).
 
@@ -187,8 +208,8 @@ def read_metrics(run_dir: str) -> tuple[dict[int, dict], dict[int, dict]]:
   directory or metrics.jsonl, a line that is not JSON, or a file without records.
   """
   if not os.path.isdir(run_dir):
-    raise UsageError(f"run directory {run_dir} does not exist; pass the --run-dir of a"
-                     " python -m train.gpt run")
+    raise UsageError(f"run directory {run_dir} does not exist; name the directory of a python -m"
+                     " train.gpt or train.grpo run (by default runs/PRESET-OPTIMIZER, e.g. runs/tiny-dion)")
   path = os.path.join(run_dir, "metrics.jsonl")
   if not os.path.isfile(path):
     raise UsageError(f"{path} does not exist: the run has logged nothing yet")

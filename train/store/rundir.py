@@ -103,6 +103,7 @@ class Lock:
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
       except FileExistsError:
         self.check()
+        print(f"warning: taking over {self.path}, left by a run that is gone", file=sys.stderr)
         os.remove(self.path)  # stale: its process is gone
         continue
       with os.fdopen(fd, "w") as f:
@@ -260,18 +261,18 @@ class RunDirectory:
     existing = self.existing_steps()
     if resume and not os.path.isdir(self.ckpt_path):
       raise UsageError(f"--resume: the checkpoint directory {self.ckpt_path} does not exist; check"
-                       " --run-dir/--name/--ckpt-dir, or drop --resume to start a new run")
+                       " --run-dir, or drop --resume to start a new run")
     if resume and not existing:
       raise UsageError(f"--resume: {self.ckpt_path} holds no complete checkpoint; drop --resume to start"
                        " a new run")
     if not resume and existing:
       raise UsageError(f"{self.ckpt_path} already holds checkpoints (latest step {max(existing)}); pass"
-                       " --resume to continue that run, or --name/--run-dir for a new one")
+                       " --resume to continue that run, or another --run-dir for a new one")
     # A run killed before its first save left a log: appending to it would mix two runs.
     metrics = os.path.join(self.path, "metrics.jsonl")
     if not resume and os.path.exists(metrics) and os.path.getsize(metrics):
       raise UsageError(f"{self.path} already holds a run's metrics.jsonl but no checkpoint; choose a"
-                       " new --run-dir/--name, or delete the old run directory")
+                       " new --run-dir, or delete the old run directory")
     if not resume:
       return 0
     if step is not None and step not in existing:
@@ -279,8 +280,10 @@ class RunDirectory:
                        f" {', '.join(map(str, sorted(existing)))}; pass one of them")
     start = max(existing) if step is None else step
     if start >= steps:
-      raise UsageError(f"--resume: the checkpoint is at step {start}, which already reaches"
-                       f" --steps {steps}; pass a larger --steps to train further")
+      raise UsageError(f"--resume: the run is complete, its checkpoint at step {start} reaches --steps"
+                       f" {steps}; to train it further pass a larger --steps with --lr-decay-steps as large"
+                       f" (e.g. --steps {2 * start} --lr-decay-steps {2 * start}), which stretches the lr"
+                       " schedule over the new length")
     return start
 
   def open(self, record: dict, start_step: int) -> bool:
