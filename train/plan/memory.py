@@ -1,0 +1,158 @@
+"""What one training step holds per device, device and host memory apart, on paper: the
+memory half of ``python -m train.plan``, checked against the compiled step's
+``memory_analysis()`` (``train/plan/compiled.py``) by ``tests/test_train_plan_memory.py``.
+
+The step is ``train.run.setup.setup``'s as XLA schedules it on one device (b sequences of
+T/cp tokens per micro-batch, a the compute dtype's bytes, L the layers of a pipeline stage):
+
+- persistent (the step's donated arguments): the parameters' float32 shards, the optimizer
+  state (in host memory with ``--offload-optimizer``);
+- the gradients' float32 shards, held from the backward pass to the update (twice with
+  micro-batches: the running sum and the micro-batch's own);
+- the residuals the recompute policy keeps, per layer and micro-batch in flight
+  (:func:`layer_tensors`, named as ``models/remat.py`` names them): the layer's input
+  (float32 [b, T/cp, d], the scan's carry, always kept) and, where the policy keeps them,
+  the query, key and value projections, the attention scores (float32 [b, N/tp, T/cp, T],
+  XLA's attention), the attention's output, its out projection (a row-parallel product,
+  whole d before the reduction over tp), the MLP's gate, up and down products; on the
+  device or, offloaded, on the host;
+- the loss: two vocabulary tables' worth (the LM head gathered and its gradient, the
+  embedding's gradient) in float32, V·d/tp each, and three float32 logits-sized buffers
+  (logits, softmax, their gradient), b·(T/cp)·V/tp each, of one loss chunk's tokens when
+  the loss is chunked;
+- the backward pass of one layer: its kernels gathered (the forward's, for the
+  recomputation, and the backward's) in float32, the causal mask XLA materializes
+  (float32 and bool, scores-sized), three scores-sized float32 buffers (probabilities,
+  their gradient, the scores' gradient), four float32 [b, T/cp, d] cotangents.
+
+XLA packs these buffers into one temporary allocation whose size is above the peak of
+the live ones (buffers of different lifetimes do not tile: ``tiny`` at T = 256 holds
+14.0 MB live at its peak in 18.1 MB); the planner adds the phases (loss and layer) rather
+than taking their maximum, which covers that packing: on the cases the test compiles,
+planned / compiled is between 1.0 and 1.25 (the test states the worst).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+
+import models
+from train.plan.model import Leaf, Step, local_bytes
+
+# The tensors a recompute policy may keep, in ``models/remat.py``'s names; "scores" (the
+# attention's pre-softmax logits) only ``none`` keeps: it keeps every matrix product.
+RESIDUALS = ("layer_input", "query_proj", "key_proj", "value_proj", "scores", "attention_out", "out_proj",
+             "mlp_gate", "mlp_up", "mlp_down", "expert_gate", "expert_up", "expert_down")
+
+
+def placements(policy: str) -> dict[str, str]:
+  """What ``policy`` keeps and where (``"device"`` or ``"host"``); the layer's input is
+  always kept (the scan's carry). ``models.remat`` answers for every policy it knows."""
+  try:
+    from models import remat  # noqa: PLC0415  the recompute policies, where they are built
+  except ImportError:
+    remat = None
+  if policy == "none":
+    return {name: "device" for name in RESIDUALS}
+  if remat is not None:
+    kept = dict(remat.placements(policy))
+  elif policy == "full":
+    kept = {}
+  else:
+    raise ValueError(f"--remat {policy}: choose none or full")
+  return {"layer_input": "device", **kept}
+
+
+def layer_tensors(cfg: models.GPTConfig, sizes: dict[str, int], micro: int) -> dict[str, int]:
+  """Bytes per device of each of a layer's named tensors, one micro-batch of ``micro``
+  sequences (an MoE layer's expert products for its tokens' top-k assignments)."""
+  tp, a = sizes["tp"], jnp.dtype(cfg.dtype).itemsize
+  tokens = micro * cfg.seq_len // sizes["cp"]
+  heads, kv = cfg.num_heads // tp * cfg.head_dim, cfg.kv_heads // tp * cfg.head_dim
+  out = {"layer_input": tokens * cfg.d_model * 4, "query_proj": tokens * heads * a, "key_proj": tokens * kv * a,
+         "value_proj": tokens * kv * a, "attention_out": tokens * heads * a, "out_proj": tokens * cfg.d_model * a,
+         "scores": 0 if cfg.attention == "cudnn" else tokens * cfg.num_heads // tp * cfg.seq_len * 4}
+  dense = cfg.d_mlp // tp
+  out |= {"mlp_up": tokens * dense * a, "mlp_down": tokens * cfg.d_model * a,
+          "mlp_gate": tokens * dense * a if cfg.mlp == "swiglu" else 0}
+  if cfg.num_experts:
+    rows = tokens * cfg.moe_top_k * sizes["ep"]  # the tokens of the ep group, routed here, dropless
+    expert = cfg.d_expert // tp
+    out |= {"expert_up": rows * expert * a, "expert_down": rows * cfg.d_model * a,
+            "expert_gate": rows * expert * a if cfg.mlp == "swiglu" else 0}
+  return out
+
+
+def _layer_kernels(params: Sequence[Leaf], sizes: dict[str, int]) -> int:
+  """One layer's kernels as the layer uses them: whole but for tp (experts: their ep
+  shard), float32."""
+  total = 0
+  for leaf in params:
+    if leaf.name.startswith("['blocks']"):
+      gathered = {**sizes, "rp": 1, "fs": 1, "cp": 1, "pp": 1, **({} if "experts" in leaf.name else {"ep": 1})}
+      total += local_bytes(leaf, gathered) // (leaf.shape[0] * leaf.shape[1])
+  return total
+
+
+def memory(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, params: Sequence[Leaf], state_bytes: int,
+           policy: str = "none", offload_optimizer: bool = False, loss_chunk: int = 0, optimizer: str = "adamw") -> dict:
+  """The step's memory per device (module docstring): ``{"device": {part: bytes},
+  "host": {part: bytes}, "device_total", "host_total", "residuals": {name: bytes per
+  layer}}``; ``loss_chunk`` tokens per chunk of the loss (0: unchunked)."""
+  kept = placements(policy)
+  per_layer = layer_tensors(cfg, sizes, step.micro)
+  layers = cfg.num_layers // sizes["pp"]
+  # A pipeline differentiates its whole loop: every iteration's residuals wait for the backward pass.
+  in_flight = step.accum + sizes["pp"] - 1 if sizes["pp"] > 1 else 1
+  residuals = {"device": 0, "host": 0}
+  for name, nbytes in per_layer.items():
+    if name in kept:
+      residuals[kept[name]] += layers * in_flight * nbytes
+  p_bytes = sum(local_bytes(leaf, sizes) for leaf in params)
+  accumulating = step.accum > 1 and sizes["pp"] == 1
+  tp, tokens = sizes["tp"], step.micro * cfg.seq_len // sizes["cp"]
+  if loss_chunk:
+    tokens = min(tokens, loss_chunk)
+  table, logits = cfg.padded_vocab * cfg.d_model // tp * 4, tokens * cfg.padded_vocab // tp * 4
+  t = step.micro * cfg.seq_len // sizes["cp"]
+  scores = 0 if cfg.attention == "cudnn" else t * cfg.num_heads // tp * cfg.seq_len
+  backward = 2 * _layer_kernels(params, sizes) + (5 + 3 * 4) * scores + 12 * t * cfg.d_model * 4
+  if cfg.num_experts:
+    # Each local expert's dropless buffer of every assignment its ep group routes ([E/ep, R, d]):
+    # three float32 and a mask of them, and two of the experts' hidden width.
+    rows, local = t * cfg.moe_top_k * sizes["ep"], cfg.num_experts // sizes["ep"]
+    backward += local * rows * (13 * cfg.d_model + 8 * cfg.d_expert // tp)
+  matrices = sum(local_bytes(leaf, sizes) for leaf in params if leaf.label == "dion")
+  device = {
+      "parameters": p_bytes,
+      "gradients": p_bytes * (2 if accumulating else 1),
+      "optimizer_state": 0 if offload_optimizer else state_bytes,
+      # A pipeline's loop copies its residuals' stacks once more.
+      "residuals": residuals["device"] * (2 if sizes["pp"] > 1 else 1),
+      "loss": 2 * table + 3 * logits,
+      "layer_backward": backward,
+      # A matrix optimizer stacks each geometry's gradients and state into megabatches: a copy of both.
+      # (the state of the others is AdamW's, two float32 copies of each parameter)
+      "update": 0 if optimizer == "adamw" else matrices + state_bytes - 2 * (p_bytes - matrices),
+  }
+  host = {"optimizer_state": state_bytes if offload_optimizer else 0, "residuals": residuals["host"]}
+  return {"device": device, "host": host, "device_total": sum(device.values()), "host_total": sum(host.values()),
+          "policy": policy, "offload_optimizer": offload_optimizer, "loss_chunk": loss_chunk,
+          "residuals_per_layer": {n: b for n, b in per_layer.items() if n in kept and b}}
+
+
+def recompute_flops(cfg: models.GPTConfig, policy: str) -> float:
+  """Flops per token the policy's recomputation adds to a step: the forward products it
+  does not keep, once more (``full``: a whole forward pass of the layers, 2·N + the
+  attention's 4·L·T·d; elementwise work left out)."""
+  kept = placements(policy)
+  d, heads, kv = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+  mlp = cfg.d_expert * cfg.moe_top_k if cfg.num_experts else cfg.d_mlp
+  flops = {"query_proj": 2 * d * heads, "key_proj": 2 * d * kv, "value_proj": 2 * d * kv,
+           "scores": 2 * cfg.seq_len * heads, "attention_out": 2 * cfg.seq_len * heads, "out_proj": 2 * heads * d,
+           "mlp_up": 2 * d * mlp, "mlp_down": 2 * mlp * d, "mlp_gate": 2 * d * mlp if cfg.mlp == "swiglu" else 0}
+  if cfg.num_experts:  # the experts' products carry the expert_* names
+    flops |= {f"expert_{k}": flops.pop(f"mlp_{k}") for k in ("up", "down", "gate")}
+  return cfg.num_layers * sum(f for name, f in flops.items() if name not in kept)
