@@ -16,6 +16,8 @@ import math
 
 import numpy as np
 
+from models import remat as remat_lib
+
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
 MLP_KINDS = ("relu2", "swiglu")
@@ -51,7 +53,10 @@ class GPTConfig:
     dtype: compute dtype, ``"float32"``, ``"bfloat16"`` or ``"float16"``; parameters
       and optimizer state stay float32, softmax and the loss run in float32. float16's
       narrow range needs loss scaling in training (``train/run/step.py``).
-    remat: recompute each layer's activations in the backward pass.
+    remat: the recompute policy, what each layer keeps for its backward pass: a name of
+      ``models.remat.POLICIES`` (``"none"``: every matrix product, ``"full"``: the layer's
+      input only, ...) or ``"custom:NAME=PLACE,..."``; the booleans of configs saved before
+      the names read as ``"full"`` (True) and ``"none"`` (False).
     rope_base: base of the rotary embedding's frequencies.
     rope_llama3: Llama 3.1's frequency scaling for long contexts, ``(factor,
       low_freq_factor, high_freq_factor, original_max_position_embeddings)``, or None.
@@ -93,7 +98,7 @@ class GPTConfig:
   tie_embeddings: bool = False
   mask_vocab_padding: bool = False
   dtype: str = "float32"
-  remat: bool = False
+  remat: str = "none"
   rope_base: float = 10000.0
   rope_llama3: tuple[float, float, float, int] | None = None
   attention: str = "xla"
@@ -109,6 +114,9 @@ class GPTConfig:
   moe_z_loss_coeff: float = 0.001
 
   def __post_init__(self):
+    if isinstance(self.remat, bool):
+      object.__setattr__(self, "remat", "full" if self.remat else "none")
+    remat_lib.placements(self.remat)  # a one-line ValueError naming the policies
     for name in ("vocab_size", "num_layers", "d_model", "num_heads", "seq_len", "mlp_ratio",
                  "num_kv_heads", "head_dim", "mlp_dim", "moe_mlp_dim"):
       value = getattr(self, name)

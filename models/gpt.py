@@ -50,8 +50,9 @@ from dion_jax import parallel
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
-from models import context, moe, pipeline
+from models import context, moe, pipeline, remat
 from models.config import GPTConfig
 from models.layers import MLP, Dense, embedding_lookup, rms_norm
 from models.sharding import Parallelism, param_specs, shardings, to_stages
@@ -85,12 +86,12 @@ class Attention(nnx.Module):
     B, T, _ = x_BxTxD.shape
     H = self.cfg.head_dim
 
-    def heads(dense):
+    def heads(dense, name):
       z = dense(x_BxTxD, par)
-      return par.constrain(z.reshape(B, T, z.shape[-1] // H, H), "batch", None, "heads", None)
+      return checkpoint_name(par.constrain(z.reshape(B, T, z.shape[-1] // H, H), "batch", None, "heads", None), name)
 
-    return (self._qk(heads(self.query), "query_norm", rope), self._qk(heads(self.key), "key_norm", rope),
-            heads(self.value))
+    return (self._qk(heads(self.query, "query_proj"), "query_norm", rope),
+            self._qk(heads(self.key, "key_proj"), "key_norm", rope), heads(self.value, "value_proj"))
 
   def __call__(self, x_BxTxD: jax.Array, rope: tuple[jax.Array, jax.Array], par: Parallelism,
                segment_ids_BxT: jax.Array | None = None, logit_max: bool = False
@@ -108,7 +109,7 @@ class Attention(nnx.Module):
     o_BxTxNxH = context.attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, implementation=self.cfg.attention,
                                   cp=par.cp, segment_ids_BxT=segment_ids_BxT, spec=kv_spec)
     o_BxTxNxH = par.constrain(o_BxTxNxH.astype(dtype), "batch", None, "heads", None)
-    out = self.out(o_BxTxNxH.reshape(B, T, -1), par)
+    out = checkpoint_name(self.out(checkpoint_name(o_BxTxNxH.reshape(B, T, -1), "attention_out"), par), "out_proj")
     if not logit_max:
       return out, None
     return out, context.logit_max(q_BxTxNxH, k_BxTxKxH, cp=par.cp, segment_ids_BxT=segment_ids_BxT, spec=kv_spec)
@@ -200,6 +201,7 @@ class Block(nnx.Module):
     # each column-parallel product is the all-gather, the one after each row-parallel
     # product the reduce-scatter.
     aux = {}
+    x_BxTxD = checkpoint_name(x_BxTxD, "layer_input")
     h = par.constrain(self.attn_norm(x_BxTxD).astype(self.dtype), "batch", None, None)
     if cache is None:
       attn, logits_N = self.attn(h, rope, par, segment_ids_BxT, logit_max)
@@ -314,19 +316,17 @@ def apply_layers(block_graphdef: Any, layers: Any, x_BxTxD: jax.Array, rope,
   ``cfg.group_size`` > 1) over ``x`` with a scan; returns ``(x, aux)``, aux the units'
   :class:`Block` (:class:`Group`) aux stacked ``[L, ...]`` (``[L / moe_every, ...]``).
 
-  The backward pass keeps only matrix products (``dots_saveable``; nothing with
-  ``remat``): each layer's parameters are sliced from the stack inside the checkpointed
-  body, so their fs-gathered copies are gathered again in the backward pass instead of
-  being kept for all layers at once (ZeRO-3).
+  The backward pass keeps what ``cfg.remat``'s policy names (``models/remat.py``) and
+  recomputes the rest: each layer's parameters are sliced from the stack inside the
+  checkpointed body, so their fs-gathered copies are gathered again in the backward pass
+  instead of being kept for all layers at once (ZeRO-3).
   """
 
   def layer(x, i):
     params = jax.tree.map(lambda stack: stack[i], layers)
     return nnx.merge(block_graphdef, params)(x, rope, par, segment_ids_BxT, logit_max)
 
-  policies = jax.checkpoint_policies
-  policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
-  layer = jax.checkpoint(layer, policy=policy)
+  layer = jax.checkpoint(layer, policy=remat.policy(cfg.remat))
   num_layers = jax.tree.leaves(layers)[0].shape[0]
   nested = bool(jax.sharding.get_abstract_mesh().manual_axes)
   return pipeline.scan(layer, x_BxTxD, num_layers, cfg.unroll, python_loop=bool(cfg.num_experts) and nested)

@@ -8,6 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from dion_jax import parallel
@@ -52,11 +53,13 @@ class MLP(nnx.Module):
     self.kind = cfg.mlp
 
   def __call__(self, x_BxTxD: jax.Array, par: Parallelism) -> jax.Array:
-    h_BxTxF = par.constrain(self.up(x_BxTxD, par), "batch", None, "mlp")
+    h_BxTxF = checkpoint_name(par.constrain(self.up(x_BxTxD, par), "batch", None, "mlp"), "mlp_up")
     if self.kind == "swiglu":
-      g_BxTxF = par.constrain(self.gate(x_BxTxD, par), "batch", None, "mlp")
-      return self.down(jax.nn.silu(g_BxTxF) * h_BxTxF, par)
-    return self.down(jnp.square(jax.nn.relu(h_BxTxF)), par)
+      g_BxTxF = checkpoint_name(par.constrain(self.gate(x_BxTxD, par), "batch", None, "mlp"), "mlp_gate")
+      a_BxTxF = jax.nn.silu(g_BxTxF) * h_BxTxF
+    else:
+      a_BxTxF = jnp.square(jax.nn.relu(h_BxTxF))
+    return checkpoint_name(self.down(a_BxTxF, par), "mlp_down")
 
 
 def embedding_lookup(table_VxD: jax.Array, tokens_BxT: jax.Array, par: Parallelism) -> jax.Array:

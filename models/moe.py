@@ -71,6 +71,7 @@ from dion_jax import parallel
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from models.config import GPTConfig
@@ -205,13 +206,15 @@ def _expert_mlp(rows_RxD: jax.Array, weights: dict[str, jax.Array], group_sizes_
                 kind: str) -> jax.Array:
   """The experts' MLPs on rows grouped by expert (group g: the next ``group_sizes[g]`` rows;
   rows past the groups give zeros)."""
-  dot = lambda x, w: jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes_G)  # noqa: E731
-  h_RxF = dot(rows_RxD, weights["up"])
+  def dot(x, name):
+    return checkpoint_name(jax.lax.ragged_dot(x, weights[name].astype(x.dtype), group_sizes_G), f"expert_{name}")
+
+  h_RxF = dot(rows_RxD, "up")
   if kind == "swiglu":
-    h_RxF = jax.nn.silu(dot(rows_RxD, weights["gate"])) * h_RxF
+    h_RxF = jax.nn.silu(dot(rows_RxD, "gate")) * h_RxF
   else:
     h_RxF = jnp.square(jax.nn.relu(h_RxF))
-  return dot(h_RxF, weights["down"])
+  return dot(h_RxF, "down")
 
 
 def _exchange(sorted_AxD: jax.Array, sorted_experts_A: jax.Array, counts_E: jax.Array,
