@@ -57,6 +57,10 @@ class GPTConfig:
       ``models.remat.POLICIES`` (``"none"``: every matrix product, ``"full"``: the layer's
       input only, ...) or ``"custom:NAME=PLACE,..."``; the booleans of configs saved before
       the names read as ``"full"`` (True) and ``"none"`` (False).
+    loss_chunk: tokens of each device that go through the LM head and the loss at a time
+      (``models/lm_head.py``): the peak holds one chunk's logits [loss_chunk, V/tp] and
+      their softmax and gradient, not the whole batch's, for the head's product done
+      twice; 0 forms all the logits at once.
     rope_base: base of the rotary embedding's frequencies.
     rope_llama3: Llama 3.1's frequency scaling for long contexts, ``(factor,
       low_freq_factor, high_freq_factor, original_max_position_embeddings)``, or None.
@@ -99,6 +103,7 @@ class GPTConfig:
   mask_vocab_padding: bool = False
   dtype: str = "float32"
   remat: str = "none"
+  loss_chunk: int = 0
   rope_base: float = 10000.0
   rope_llama3: tuple[float, float, float, int] | None = None
   attention: str = "xla"
@@ -166,6 +171,9 @@ class GPTConfig:
     for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
       if not getattr(self, name) >= 0:
         raise ValueError(f"GPTConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+    if not isinstance(self.loss_chunk, int) or isinstance(self.loss_chunk, bool) or self.loss_chunk < 0:
+      raise ValueError(f"GPTConfig.loss_chunk must be 0 (unchunked) or a positive number of tokens,"
+                       f" got {self.loss_chunk!r}")
     if not self.norm_eps >= 0:
       raise ValueError(f"GPTConfig.norm_eps must be >= 0, got {self.norm_eps!r}")
     if self.dtype not in COMPUTE_DTYPES:

@@ -55,6 +55,7 @@ from jax.ad_checkpoint import checkpoint_name
 from models import context, moe, pipeline, remat
 from models.config import GPTConfig
 from models.layers import MLP, Dense, embedding_lookup, rms_norm
+from models.lm_head import head_terms, vocab_logits
 from models.sharding import Parallelism, param_specs, shardings, to_stages
 
 
@@ -279,34 +280,34 @@ class GPT(nnx.Module):
     table_VxD = par.weight(self.embed.embedding[...], "row")
     return par.constrain(embedding_lookup(table_VxD, tokens_BxT, par), "batch", "seq", None)
 
+  def normed(self, x_BxTxD: jax.Array, par: Parallelism) -> jax.Array:
+    """The final norm of the residual stream, in the compute dtype, the sequence whole."""
+    return par.constrain(self.final_norm(x_BxTxD).astype(self.cfg.dtype), "batch", None, None)
+
+  def head(self, par: Parallelism) -> jax.Array:
+    """The LM head [D, padded vocab], float32, vocab-parallel over tp, gathered over fs
+    (the embedding's transpose when ``tie_embeddings``)."""
+    if self.cfg.tie_embeddings:
+      return par.weight(self.embed.embedding[...], "row").T
+    return par.weight(self.lm_head.kernel[...], "column")
+
   def logits(self, x_BxTxD: jax.Array, par: Parallelism) -> jax.Array:
     """Final norm and LM head: float32 logits [B, T, padded vocab], vocab-parallel over tp;
-    -inf on the padding rows with ``mask_vocab_padding``."""
-    h = par.constrain(self.final_norm(x_BxTxD).astype(self.cfg.dtype), "batch", None, None)
-    if self.cfg.tie_embeddings:
-      table_VxD = par.weight(self.embed.embedding[...], "row").astype(h.dtype)
-      logits_BxTxV = h @ table_VxD.T
-    else:
-      logits_BxTxV = self.lm_head(h, par)
-    logits_BxTxV = par.constrain(logits_BxTxV.astype(jnp.float32), "batch", None, "vocab")
-    if self.cfg.mask_vocab_padding:
-      real_V = jnp.arange(logits_BxTxV.shape[-1]) < self.cfg.vocab_size
-      logits_BxTxV = jnp.where(real_V, logits_BxTxV, -jnp.inf)
-    return logits_BxTxV
+    -inf on the padding rows with ``mask_vocab_padding``. (The losses never form them
+    whole: :meth:`token_losses`.)"""
+    return vocab_logits(self.normed(x_BxTxD, par), self.head(par), par, self._masked_vocab)
 
   def token_losses(self, x_BxTxD: jax.Array, targets_BxT: jax.Array, par: Parallelism) -> jax.Array:
-    """Cross-entropy of each position [B, T], float32, never gathering the vocabulary
-    (a target -1 gives the log-sum-exp alone: the caller leaves it out).
+    """Cross-entropy of each position [B, T], float32, ``loss_chunk`` tokens at a time,
+    never gathering the vocabulary (``models/lm_head.py``; a target -1 gives the
+    log-sum-exp alone: the caller leaves it out)."""
+    terms = head_terms(self.normed(x_BxTxD, par), self.head(par), targets_BxT, par,
+                       vocab_size=self._masked_vocab, chunk=self.cfg.loss_chunk)
+    return terms.normalizer - terms.target
 
-    The logits stay vocab-parallel over tp: the log-sum-exp and the target's logit
-    (a one-hot contraction, not a gather) reduce over tp as [B, T] partial results.
-    """
-    logits_BxTxV = self.logits(x_BxTxD, par)
-    onehot_BxTxV = jax.nn.one_hot(targets_BxT, logits_BxTxV.shape[-1], dtype=jnp.float32)
-    onehot_BxTxV = par.constrain(onehot_BxTxV, "batch", None, "vocab")
-    # where, not a product: -inf padding logits times a zero one-hot would be NaN.
-    target_logit_BxT = jnp.sum(jnp.where(onehot_BxTxV > 0, logits_BxTxV, 0.0), -1)
-    return jax.nn.logsumexp(logits_BxTxV, -1) - target_logit_BxT
+  @property
+  def _masked_vocab(self) -> int | None:
+    return self.cfg.vocab_size if self.cfg.mask_vocab_padding else None
 
 
 def apply_layers(block_graphdef: Any, layers: Any, x_BxTxD: jax.Array, rope,

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from dion_jax import parallel
 from models import context, moe, pipeline
 from models.gpt import apply_layers, rotary_tables
+from models.lm_head import head_terms
 from models.sharding import Parallelism, param_specs, to_layers, to_stages
 
 
@@ -144,23 +145,17 @@ def _token_fields(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
 def _target_logps(model: Any, x_BxTxD: jax.Array, targets_BxT: jax.Array, par: Parallelism,
                   temperature: float, entropy: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
   """log softmax(logits / temperature) of each target [B, T], float32, 0 where the target
-  is -1; vocab-parallel over tp as ``GPT.token_losses``, the padding rows left out (as the
-  sampler draws). With ``entropy`` also each distribution's entropy [B, T]."""
-  logits_BxTxV = model.logits(x_BxTxD, par)
-  real_V = jnp.arange(logits_BxTxV.shape[-1]) < model.cfg.vocab_size
-  logits_BxTxV = jnp.where(real_V, logits_BxTxV, -jnp.inf) / temperature
-  onehot_BxTxV = par.constrain(jax.nn.one_hot(targets_BxT, logits_BxTxV.shape[-1], dtype=jnp.float32),
-                               "batch", None, "vocab")
-  target_logit_BxT = jnp.sum(jnp.where(onehot_BxTxV > 0, logits_BxTxV, 0.0), -1)
-  normalizer_BxT = jax.nn.logsumexp(logits_BxTxV, -1)
+  is -1; vocab-parallel over tp and ``loss_chunk`` tokens at a time as ``GPT.token_losses``,
+  the padding rows left out (as the sampler draws). With ``entropy`` also each
+  distribution's entropy [B, T]."""
+  terms = head_terms(model.normed(x_BxTxD, par), model.head(par), targets_BxT, par,
+                     vocab_size=model.cfg.vocab_size, chunk=model.cfg.loss_chunk, temperature=temperature,
+                     entropy=entropy)
   counted_BxT = targets_BxT >= 0
-  logps_BxT = jnp.where(counted_BxT, target_logit_BxT - normalizer_BxT, 0.0)
+  logps_BxT = jnp.where(counted_BxT, terms.target - terms.normalizer, 0.0)
   if not entropy:
     return logps_BxT
-  probs_BxTxV = jnp.exp(logits_BxTxV - normalizer_BxT[..., None])
-  # The padding rows' logits are -inf: zeroed before the product, whose gradient would be 0·inf.
-  mean_logit_BxT = jnp.sum(probs_BxTxV * jnp.where(real_V, logits_BxTxV, 0.0), -1)
-  return logps_BxT, jnp.where(counted_BxT, normalizer_BxT - mean_logit_BxT, 0.0)
+  return logps_BxT, jnp.where(counted_BxT, terms.normalizer - terms.mean_logit, 0.0)
 
 
 def _token_terms(model: Any, x_BxTxD: jax.Array, fields: dict[str, jax.Array], par: Parallelism,

@@ -42,6 +42,8 @@ def test_overrides_and_bad_values():
     models.preset("tiny", attention="cudnn")
   with pytest.raises(ValueError, match="num_layers must be a positive integer"):
     models.preset("tiny", num_layers=0)
+  with pytest.raises(ValueError, match="loss_chunk must be 0 .unchunked. or a positive number of tokens"):
+    models.preset("tiny", loss_chunk=-8)
 
 
 def test_parallelism_checks():

@@ -22,6 +22,7 @@ from train.store import rundir
     (["--coordinator", "10.0.0.1:99999", "--num-processes", "2", "--process-id", "0"], "expected HOST:PORT"),
     (["--step", "3"], "--step 3 picks the checkpoint to resume from; add --resume"),
     (["--distributed-timeout", "0"], "--distributed-timeout must be positive"),
+    (["--loss-chunk", "-1"], "--loss-chunk must be >= 0, got -1"),
 ])
 def test_nonsense_values_are_one_line_exit_2(tmp_path, capsys, argv, message):
   assert gpt.main([*argv, "--run-dir", str(tmp_path / "run")]) == 2

@@ -45,6 +45,7 @@ class Config:
   dtype: str | None = None
   attention: str = "auto"
   remat: bool = False
+  loss_chunk: int = 0
   sequence_parallel: bool = False
   virtual_stages: int = 1
   # mixture of experts (None: the preset's)
@@ -204,7 +205,7 @@ class Config:
         raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
     for name in ("eval_every", "eval_tokens", "save_every", "lr_warmup_steps", "clip_grad", "skip_spikes",
                  "weight_decay", "scalar_weight_decay", "min_lr", "lr_decay_steps", "lr_wsd_decay_steps",
-                 "num_experts", "moe_aux_loss_coeff", "moe_z_loss_coeff"):
+                 "num_experts", "moe_aux_loss_coeff", "moe_z_loss_coeff", "loss_chunk"):
       if (getattr(self, name) or 0) < 0:
         raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
     if self.min_lr > self.learning_rate:

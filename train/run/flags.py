@@ -52,6 +52,10 @@ HELP = {
     "attention": "auto|xla|cudnn: implementation of attention (default auto: cuDNN's fused"
                  " attention on an NVIDIA GPU in bfloat16 or float16, XLA's otherwise)",
     "remat": "recompute each layer's activations in the backward pass (less memory)",
+    "loss_chunk": "tokens of each device that go through the LM head and the loss at a time: the"
+                  " peak holds that many tokens' logits (and softmax and gradient), not the whole"
+                  " micro-batch's, for the head's product done twice; 0 forms them all at once"
+                  " (default 0)",
     "sequence_parallel": "shard activations along the sequence over tp between layers",
     "virtual_stages": "stages per pp device of a circular (interleaved) pipeline (default 1)",
     "num_experts": "mixture of experts: the MLP of every layer (every --moe-every-th) becomes"

@@ -32,15 +32,15 @@ _PRESET_FLAGS = (("num_layers", "num_layers"), ("hidden_size", "d_model"), ("num
 
 
 def compute_settings(cfg: Config) -> dict:
-  """The model's compute dtype, attention and remat of the flags (``--dtype`` default:
-  bfloat16 on GPU, float32 on CPU)."""
+  """The model's compute dtype, attention, remat and loss chunk of the flags (``--dtype``
+  default: bfloat16 on GPU, float32 on CPU)."""
   dtype = cfg.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
   fused = jax.default_backend() == "gpu" and dtype in ("bfloat16", "float16")
   if cfg.attention == "cudnn" and not fused:
     raise UsageError(f"--attention cudnn needs an NVIDIA GPU and --dtype bfloat16 or float16"
                      f" (here: {jax.default_backend()}, {dtype}); use --attention xla")
   attention = ("cudnn" if fused else "xla") if cfg.attention == "auto" else cfg.attention
-  return {"dtype": dtype, "attention": attention, "remat": cfg.remat}
+  return {"dtype": dtype, "attention": attention, "remat": cfg.remat, "loss_chunk": cfg.loss_chunk}
 
 
 @dataclasses.dataclass(frozen=True)
