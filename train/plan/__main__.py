@@ -11,6 +11,7 @@ import jax
 
 from dion_jax.parallel.mesh import AXES
 from train.plan import optimizer as plan_optimizer
+from train.plan.grpo import GRPO
 from train.plan import planner
 from train.plan.planner import GPUS, LINKS, TRAINER, Link, format_plan, format_sweep, plan, sweep
 from train.run.optim import RANK_BY_WIDTH
@@ -68,6 +69,15 @@ def main(argv: list[str] | None = None) -> int:
                       help="the optimizer state in host memory between steps (python -m train.gpt --offload-optimizer)")
   parser.add_argument("--loss-chunk", type=int, default=0,
                       help="tokens per chunk of the LM head and loss (python -m train.gpt --loss-chunk; default 0: unchunked)")
+  grpo = parser.add_argument_group("GRPO (--grpo: python -m train.grpo's step, its rollout and update)")
+  grpo.add_argument("--grpo", action="store_true", help="plan a GRPO step: the rollout's memory and time, then the update")
+  grpo.add_argument("--prompts-per-step", type=int, default=GRPO().prompts, help="prompts per step (default %(default)s)")
+  grpo.add_argument("--group-size", type=int, default=GRPO().group, help="completions per prompt (default %(default)s)")
+  grpo.add_argument("--prompt-len", type=int, default=GRPO().prompt, help="the prompts' padded length (default %(default)s)")
+  grpo.add_argument("--max-new-tokens", type=int, default=GRPO().completion,
+                    help="completion tokens (default %(default)s)")
+  grpo.add_argument("--beta", type=float, default=GRPO().beta,
+                    help="the KL penalty's weight; > 0 holds the reference policy (default %(default)s)")
   parser.add_argument("--json", action="store_true", help="print one JSON object")
   parser.add_argument("--sweep", action="store_true", help="rank the meshes of --devices that fit")
   parser.add_argument("--devices", type=int, default=0, help="with --sweep: the device count")
@@ -75,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
   kwargs = dict(optimizer=args.optimizer, rank_fraction=args.rank_fraction, fraction=args.fraction,
                 global_batch=args.global_batch_size, micro=args.micro_batch_size, seq_len=args.seq_len,
                 gpu=args.gpu, per_node=args.gpus_per_node, mfu=args.mfu, dtype=args.dtype, loss_chunk=args.loss_chunk)
+  if args.grpo:
+    kwargs["grpo"] = GRPO(args.prompts_per_step, args.group_size, args.prompt_len, args.max_new_tokens, args.beta)
   try:
     kwargs["links"] = _links(args.links)
     kwargs["network"] = {"nvlink": _link("--nvlink", args.nvlink), "ib": _link("--ib", args.ib)}

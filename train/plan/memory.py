@@ -25,11 +25,13 @@ T/cp tokens per micro-batch, a the compute dtype's bytes, L the layers of a pipe
   (float32 and bool, scores-sized), three scores-sized float32 buffers (probabilities,
   their gradient, the scores' gradient), four float32 [b, T/cp, d] cotangents.
 
-XLA packs these buffers into one temporary allocation whose size is above the peak of
-the live ones (buffers of different lifetimes do not tile: ``tiny`` at T = 256 holds
-14.0 MB live at its peak in 18.1 MB); the planner adds the phases (loss and layer) rather
-than taking their maximum, which covers that packing: on the cases the test compiles,
-planned / compiled is between 1.0 and 1.25 (the test states the worst).
+The step's temporaries are the gradients, the residuals, the update's and the larger of
+the two transients (the loss's, one layer's backward pass). XLA packs its buffers into one
+temporary allocation above the peak of the live ones (buffers of different lifetimes do
+not tile: ``tiny`` at T = 256 holds 14.0 MB live at its peak in an allocation of 16.8 MB),
+which the planner counts as :data:`PACKING` of the temporaries. On the cases
+``benchmarks/plan_memory.py`` compiles, planned / compiled is between 1.0 and 1.25
+(``docs/planning.md`` gives each).
 """
 from __future__ import annotations
 
@@ -39,30 +41,22 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 
 import models
+from models import remat
 from train.plan.model import Leaf, Step, local_bytes
 
-# The tensors a recompute policy may keep, in ``models/remat.py``'s names; "scores" (the
-# attention's pre-softmax logits) only ``none`` keeps: it keeps every matrix product.
-RESIDUALS = ("layer_input", "query_proj", "key_proj", "value_proj", "scores", "attention_out", "out_proj",
-             "mlp_gate", "mlp_up", "mlp_down", "expert_gate", "expert_up", "expert_down")
+PACKING = 0.1  # XLA's temporary allocation over its live peak (module docstring)
 
 
-def placements(policy: str) -> dict[str, str]:
-  """What ``policy`` keeps and where (``"device"`` or ``"host"``); the layer's input is
-  always kept (the scan's carry). ``models.remat`` answers for every policy it knows."""
-  try:
-    from models import remat  # noqa: PLC0415  the recompute policies, where they are built
-  except ImportError:
-    remat = None
+def placements(policy: str, devices: int = 1) -> dict[str, str]:
+  """What ``policy`` keeps and where (``models.remat.placements``), with the attention's
+  scores, which ``none`` keeps besides its named products. On a mesh (``devices`` > 1) the
+  experts' dispatch keeps only its input and weights under every policy (``models/moe.py``)."""
+  kept = remat.placements(policy)
   if policy == "none":
-    return {name: "device" for name in RESIDUALS}
-  if remat is not None:
-    kept = dict(remat.placements(policy))
-  elif policy == "full":
-    kept = {}
-  else:
-    raise ValueError(f"--remat {policy}: choose none or full")
-  return {"layer_input": "device", **kept}
+    kept["scores"] = "device"
+  if devices > 1:
+    kept = {name: place for name, place in kept.items() if not name.startswith("expert_")}
+  return kept
 
 
 def layer_tensors(cfg: models.GPTConfig, sizes: dict[str, int], micro: int) -> dict[str, int]:
@@ -101,7 +95,7 @@ def memory(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, params: Seq
   """The step's memory per device (module docstring): ``{"device": {part: bytes},
   "host": {part: bytes}, "device_total", "host_total", "residuals": {name: bytes per
   layer}}``; ``loss_chunk`` tokens per chunk of the loss (0: unchunked)."""
-  kept = placements(policy)
+  kept = placements(policy, math.prod(sizes.values()))
   per_layer = layer_tensors(cfg, sizes, step.micro)
   layers = cfg.num_layers // sizes["pp"]
   # A pipeline differentiates its whole loop: every iteration's residuals wait for the backward pass.
@@ -118,41 +112,49 @@ def memory(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, params: Seq
   table, logits = cfg.padded_vocab * cfg.d_model // tp * 4, tokens * cfg.padded_vocab // tp * 4
   t = step.micro * cfg.seq_len // sizes["cp"]
   scores = 0 if cfg.attention == "cudnn" else t * cfg.num_heads // tp * cfg.seq_len
-  backward = 2 * _layer_kernels(params, sizes) + (5 + 3 * 4) * scores + 12 * t * cfg.d_model * 4
+  backward = 2 * _layer_kernels(params, sizes) + (5 + 3 * 4) * scores + 6 * t * cfg.d_model * 4
   if cfg.num_experts:
     # Each local expert's dropless buffer of every assignment its ep group routes ([E/ep, R, d]):
     # three float32 and a mask of them, and two of the experts' hidden width.
     rows, local = t * cfg.moe_top_k * sizes["ep"], cfg.num_experts // sizes["ep"]
     backward += local * rows * (13 * cfg.d_model + 8 * cfg.d_expert // tp)
   matrices = sum(local_bytes(leaf, sizes) for leaf in params if leaf.label == "dion")
-  device = {
-      "parameters": p_bytes,
+  transients = {"loss": 2 * table + 3 * logits, "layer_backward": backward}
+  temporaries = {
       "gradients": p_bytes * (2 if accumulating else 1),
-      "optimizer_state": 0 if offload_optimizer else state_bytes,
       # A pipeline's loop copies its residuals' stacks once more.
       "residuals": residuals["device"] * (2 if sizes["pp"] > 1 else 1),
-      "loss": 2 * table + 3 * logits,
-      "layer_backward": backward,
-      # A matrix optimizer stacks each geometry's gradients and state into megabatches: a copy of both.
-      # (the state of the others is AdamW's, two float32 copies of each parameter)
-      "update": 0 if optimizer == "adamw" else matrices + state_bytes - 2 * (p_bytes - matrices),
+      "update": _update(optimizer, matrices, state_bytes - 2 * (p_bytes - matrices)),
+      "transient": max(transients.values()),
   }
+  device = {"parameters": p_bytes, "optimizer_state": 0 if offload_optimizer else state_bytes, **temporaries,
+            "packing": int(PACKING * sum(temporaries.values()))}
   host = {"optimizer_state": state_bytes if offload_optimizer else 0, "residuals": residuals["host"]}
   return {"device": device, "host": host, "device_total": sum(device.values()), "host_total": sum(host.values()),
-          "policy": policy, "offload_optimizer": offload_optimizer, "loss_chunk": loss_chunk,
-          "residuals_per_layer": {n: b for n, b in per_layer.items() if n in kept and b}}
+          "transients": transients, "policy": policy, "offload_optimizer": offload_optimizer,
+          "loss_chunk": loss_chunk, "residuals_per_layer": {n: b for n, b in per_layer.items() if n in kept and b}}
+
+
+def _update(optimizer: str, matrices: int, matrix_state: int) -> int:
+  """The update's temporaries beside the state: Dion stacks each geometry's gradients and
+  state into megabatches (a float32 copy of both); Muon and Dion2 move their blocks in
+  bfloat16 (half the gradients); AdamW works in place."""
+  if optimizer == "adamw":
+    return 0
+  return matrices + matrix_state if optimizer == "dion" else matrices // 2
 
 
 def recompute_flops(cfg: models.GPTConfig, policy: str) -> float:
   """Flops per token the policy's recomputation adds to a step: the forward products it
   does not keep, once more (``full``: a whole forward pass of the layers, 2·N + the
-  attention's 4·L·T·d; elementwise work left out)."""
+  attention's 4·L·T·d, but for the MLP's down projection, whose output the backward pass
+  never reads; elementwise work left out)."""
   kept = placements(policy)
   d, heads, kv = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
   mlp = cfg.d_expert * cfg.moe_top_k if cfg.num_experts else cfg.d_mlp
   flops = {"query_proj": 2 * d * heads, "key_proj": 2 * d * kv, "value_proj": 2 * d * kv,
            "scores": 2 * cfg.seq_len * heads, "attention_out": 2 * cfg.seq_len * heads, "out_proj": 2 * heads * d,
-           "mlp_up": 2 * d * mlp, "mlp_down": 2 * mlp * d, "mlp_gate": 2 * d * mlp if cfg.mlp == "swiglu" else 0}
+           "mlp_up": 2 * d * mlp, "mlp_gate": 2 * d * mlp if cfg.mlp == "swiglu" else 0}
   if cfg.num_experts:  # the experts' products carry the expert_* names
-    flops |= {f"expert_{k}": flops.pop(f"mlp_{k}") for k in ("up", "down", "gate")}
+    flops |= {f"expert_{k}": flops.pop(f"mlp_{k}") for k in ("up", "gate")}
   return cfg.num_layers * sum(f for name, f in flops.items() if name not in kept)

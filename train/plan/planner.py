@@ -41,7 +41,9 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import models
+from models import remat
 from dion_jax.parallel.mesh import AXES, format_mesh_spec
+from train.plan import grpo as plan_grpo
 from train.plan import memory as plan_memory
 from train.plan import model as plan_model
 from train.plan import optimizer as plan_optimizer
@@ -117,12 +119,15 @@ def plan(model: str | models.GPTConfig = "small", mesh: str | dict = "", optimiz
          micro: int | None = None, seq_len: int | None = None, gpu: str = "h100", per_node: int = 8,
          links: dict[str, str] | None = None, mfu: float = 0.5, dtype: str = "bfloat16", compare: bool = True,
          network: dict[str, Link] = LINKS, remat: str = "none", offload_optimizer: bool = False,
-         loss_chunk: int | None = None) -> dict[str, Any]:
+         loss_chunk: int | None = None, grpo: plan_grpo.GRPO | None = None) -> dict[str, Any]:
   """The plan of one step as a JSON-ready dict (see the module docstring); ``links``
   overrides the link kind of some axes, ``network`` the kinds' bandwidth and latency.
   Defaults are ``python -m train.gpt``'s (Dion at its default rank for the model's width,
   ``train.run.optim.default_rank_fraction``; Dion2's fraction 1/4) on a GPU (bfloat16
-  activations)."""
+  activations). With ``grpo`` the step is GRPO's: its rollout (``train.plan.grpo``) and
+  an update on its prompts x group sequences of prompt + completion tokens."""
+  if grpo is not None:
+    global_batch, seq_len = grpo.sequences, grpo.length
   cfg = plan_model.load_config(model, seq_len, dtype)
   sizes = plan_model.sizes_of(mesh)
   devices = math.prod(sizes.values())
@@ -171,12 +176,32 @@ def plan(model: str | models.GPTConfig = "small", mesh: str | dict = "", optimiz
       "bound": "communication" if comm > compute else "compute",
   }
   out["caveats"] = caveats(sizes)
+  if grpo is not None:
+    _add_rollout(out, cfg, sizes, params, grpo, hw, mfu)
   if compare:
     out["versus"] = {o: _summary(plan(model, sizes, o, rank_fraction, fraction, global_batch, micro, seq_len, gpu,
                                       per_node, links, mfu, dtype, compare=False, network=network, remat=remat,
-                                      offload_optimizer=offload_optimizer, loss_chunk=loss_chunk))
+                                      offload_optimizer=offload_optimizer, loss_chunk=loss_chunk, grpo=grpo))
                      for o in ("adamw", "muon") if o != optimizer}
   return out
+
+
+def _add_rollout(out: dict, cfg: models.GPTConfig, sizes: dict[str, int], params, grpo: plan_grpo.GRPO, hw: GPU,
+                 mfu: float) -> None:
+  """GRPO's part of a plan: the reference policy (beta > 0) held beside the update, and the
+  rollout's memory and time (``train.plan.grpo``); the step fits when both phases do."""
+  memory = out["memory"]
+  if grpo.beta > 0:
+    memory["device"]["reference"] = memory["device"]["parameters"]
+    memory["device_total"] += memory["device"]["reference"]
+  resident = sum(memory["device"].get(k, 0) for k in ("parameters", "optimizer_state", "reference"))
+  rollout = plan_grpo.rollout(cfg, sizes, params, grpo, resident, hw.peak_flops, mfu, hw.hbm_bandwidth)
+  out["grpo"] = dict(grpo._asdict(), rollout=rollout)
+  out["fits"] = memory["device_total"] <= hw.hbm_bytes and rollout["device_total"] <= hw.hbm_bytes
+  t = out["time"]
+  t["rollout"] = rollout["seconds"]
+  t["step"] += rollout["seconds"]
+  t["step_overlapped"] += rollout["seconds"]
 
 
 def caveats(sizes: dict[str, int]) -> list[str]:
@@ -219,12 +244,8 @@ def meshes(devices: int, cfg, experts: bool) -> list[dict[str, int]]:
 
 
 def remat_policies() -> tuple[str, ...]:
-  """The trainer's named recompute policies (``models.remat.NAMES``), today's two without it."""
-  try:
-    from models import remat  # noqa: PLC0415  built by the recompute policies' change
-  except ImportError:
-    return ("none", "full")
-  return tuple(remat.NAMES)
+  """The trainer's named recompute policies (``models.remat.POLICIES``)."""
+  return tuple(remat.POLICIES)
 
 
 def sweep(model: str, devices: int, top: int = 10, policies: Sequence[str] | None = None,
@@ -282,6 +303,17 @@ def format_memory(m: dict, hbm: float) -> list[str]:
           f"residuals kept per layer: {', '.join(m['residuals_per_layer'])}"]
 
 
+def format_rollout(p: dict) -> list[str]:
+  """GRPO's rollout line, if the plan has one."""
+  if "grpo" not in p:
+    return []
+  g, r = p["grpo"], p["grpo"]["rollout"]
+  parts = ", ".join(f"{k.replace('_', ' ')} {size(v)}" for k, v in r["device"].items() if v)
+  return [f"GRPO: {g['prompts']} prompts x {g['group']} completions of {g['prompt']} + {g['completion']} tokens,"
+          f" beta {g['beta']:g}; rollout {r['seconds'] * 1e3:,.0f} ms (prefill {r['prefill_seconds'] * 1e3:,.0f},"
+          f" decode {r['decode_seconds'] * 1e3:,.0f}), device {size(r['device_total'])} ({parts})"]
+
+
 def format_plan(p: dict) -> str:
   t, m = p["time"], p["memory"]
   lines = [f"{p['model']} ({p['parameters_total'] / 1e9:.2f}B) on {p['mesh']} ({p['devices']} x {p['gpu']}),"
@@ -297,9 +329,34 @@ def format_plan(p: dict) -> str:
             f"time: compute {t['compute'] * 1e3:.1f} ms, communication {t['communication'] * 1e3:.1f} ms,"
             f" bubble {t['bubble'] * 1e3:.1f} ms; step {t['step'] * 1e3:.1f} ms"
             f" ({t['step_overlapped'] * 1e3:.1f} ms if communication overlaps compute)",
-            *format_memory(m, p["hbm"]),
+            *format_memory(m, p["hbm"]), *format_rollout(p),
             f"verdict: {'fits' if p['fits'] else 'does not fit'}, {p['bound']}-bound"] + [f"caveat: {c}" for c in p["caveats"]]
   for o, v in p.get("versus", {}).items():
     lines.append(f"  vs {o}: {size(v['bytes_total'])}/device/step, step {v['step_seconds'] * 1e3:.1f} ms,"
                  f" optimizer state {size(v['optimizer_state'])}{'' if v['fits'] else ', does not fit'}")
   return "\n".join(lines)
+
+
+def cheapest_fix(cfg: models.GPTConfig, sizes: dict[str, int], need: float, limit: float, offload: bool = True,
+                 **kwargs) -> str | None:
+  """The flags of the fastest step that fits ``limit`` bytes per device where the compiled
+  step needs ``need``: a recompute policy and optimizer offload (``offload``: the trainer
+  has the flag) on this mesh, else a mesh of as many devices with them; None when nothing
+  fits. Plans are scaled by the compiled step's need over its own plan (``kwargs``: the
+  step's ``plan`` arguments, ``remat`` and ``offload_optimizer`` among them)."""
+  scale = need / plan(cfg, sizes, compare=False, **kwargs)["memory"]["device_total"]
+  kwargs = {k: v for k, v in kwargs.items() if k not in ("remat", "offload_optimizer")}
+  choices = list(itertools.product(remat_policies(), (False, True) if offload else (False,)))
+  for where in ([sizes], meshes(math.prod(sizes.values()), cfg, cfg.num_experts > 0)):
+    best = None
+    for mesh, (policy, off) in itertools.product(where, choices):
+      try:
+        p = plan(cfg, mesh, compare=False, remat=policy, offload_optimizer=off, **kwargs)
+      except ValueError:
+        continue
+      if p["memory"]["device_total"] * scale <= limit and (best is None or p["time"]["step"] < best["time"]["step"]):
+        best = p
+    if best is not None:
+      flags = ([] if where[0] is sizes else [f"--mesh {best['mesh']}"]) + [f"--remat {best['memory']['policy']}"]
+      return " ".join(flags + (["--offload-optimizer"] if best["memory"]["offload_optimizer"] else []))
+  return None
