@@ -64,33 +64,31 @@ def _kept(device: tuple[str, ...] = (), host: tuple[str, ...] = ()) -> dict[str,
   return {"layer_input": "device", **dict.fromkeys(device, "device"), **dict.fromkeys(host, "host")}
 
 
-# Name -> (what it keeps, one line of --help).
-POLICIES: dict[str, tuple[dict[str, str], str]] = {
-    "none": (_kept(_DOTS), "keep every matrix product, the attention's scores too (the default)"),
-    "full": (_kept(), "keep each layer's input only and recompute the layer (Megatron's full)"),
-    "selective": (_kept((*_QKV, "attention_out", "out_proj", *_MLP)),
-                  "recompute the attention's core, keep the projections and its output (Megatron's selective)"),
-    "save_qkv_proj": (_kept(_QKV), "keep the query, key and value projections"),
-    "save_dot_except_mlp": (_kept((*_QKV, "out_proj")), "keep the attention's projections, recompute the MLP"),
-    "save_out_proj": (_kept(("out_proj",)), "keep the attention's out projection"),
-    "qkv_proj_offloaded": (_kept(host=_QKV), "save_qkv_proj with the projections in pinned host memory"),
-    "minimal_offloaded": (_kept(host=(*_QKV, "out_proj", *_MLP)),
-                          "every projection and MLP product in pinned host memory, the attention's core recomputed"),
+# Name -> what it keeps (one line of --help each: ``train.run.flags.REMAT_POLICIES``).
+POLICIES: dict[str, dict[str, str]] = {
+    "none": _kept(_DOTS),
+    "full": _kept(),
+    "selective": _kept((*_QKV, "attention_out", "out_proj", *_MLP)),
+    "save_qkv_proj": _kept(_QKV),
+    "save_dot_except_mlp": _kept((*_QKV, "out_proj")),
+    "save_out_proj": _kept(("out_proj",)),
+    "qkv_proj_offloaded": _kept(host=_QKV),
+    "minimal_offloaded": _kept(host=(*_QKV, "out_proj", *_MLP)),
 }
 
 
 def _bad(name: str, detail: str) -> ValueError:
-  return ValueError(f"recompute policy {name!r}: {detail}; choose one of {', '.join(POLICIES)}, or"
+  return ValueError(f"recompute policy (--remat) {name!r}: {detail}; choose one of {', '.join(POLICIES)}, or"
                     f" {CUSTOM}NAME=PLACE,... with NAME in {', '.join(NAMES)} and PLACE device or host")
 
 
 def placements(policy: str) -> dict[str, str]:
   """What the policy named ``policy`` keeps for the backward pass and where: tag name ->
   ``"device"`` or ``"host"``; names absent are recomputed (``mlp_down`` is never kept).
-  ``none`` keeps besides these the attention's score products, which carry no name. Raises a one-line ValueError naming
-  the policies for an unknown name."""
+  ``none`` keeps besides these the attention's score products, which carry no name.
+  Raises a one-line ValueError naming the policies for an unknown name."""
   if policy in POLICIES:
-    return dict(POLICIES[policy][0])
+    return dict(POLICIES[policy])
   if not isinstance(policy, str) or not policy.startswith(CUSTOM):
     raise _bad(policy, "unknown")
   kept = {"layer_input": "device"}

@@ -59,6 +59,16 @@ def test_resume_keeps_the_saved_schedule_and_batch(tmp_path):
     config_lib.parse(["--resume", "--run-dir", run, "--global-batch-size", "16"])
 
 
+def test_remat_takes_a_policy_and_alone_means_full(tmp_path):
+  assert (config_lib.parse([]).remat, config_lib.parse(["--remat"]).remat) == ("none", "full")
+  assert config_lib.parse(["--remat", "custom:query_proj=host", "--steps", "3"]).remat == "custom:query_proj=host"
+  for saved, read in ((True, "full"), (False, "none")):  # runs saved when --remat was a switch
+    (tmp_path / str(saved)).mkdir()
+    run = saved_run(tmp_path / str(saved), remat=saved)
+    assert config_lib.parse(["--resume", "--run-dir", run]).remat == read
+    assert config_lib.parse(["--config", os.path.join(run, "config.json")]).remat == read
+
+
 def test_resume_without_config_json_reads_the_checkpoint(tmp_path):
   run = tmp_path / "run"
   for step, layers in ((2, 3), (4, 5)):

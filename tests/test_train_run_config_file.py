@@ -91,7 +91,7 @@ def test_command_line_flags_override_the_file(tmp_path):
     ("lr: fast\n", "lr: invalid float value: 'fast'"),
     ("steps: 2.5\n", "steps: invalid int value: '2.5'"),
     ("optimizer: sgd\n", "optimizer: invalid choice: 'sgd'"),
-    ("remat: 1\n", "remat: expected true or false, got 1"),
+    ("remat: 1\n", "recompute policy (--remat) '1': unknown; choose one of none, full"),
     ("steps: true\n", "steps: expected one value of --steps, got True"),
     ("mesh: [fs=2]\n", "mesh: expected one value of --mesh"),
     ("steps: null\n", "steps: null is no value of --steps"),

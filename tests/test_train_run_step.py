@@ -112,3 +112,34 @@ def test_replicas_reduce_gradients_once_per_step():
   # Besides the shard, five float32 scalars (20 bytes: the loss, the targets' count, the aux's).
   assert shard <= once <= shard + 32
   assert bytes_over_rp(4) == once
+
+
+def test_an_offloaded_optimizer_state_lives_in_pinned_host_memory_between_steps():
+  """``--offload-optimizer``'s step: Dion's state enters and leaves the compiled step in
+  pinned host memory (its shardings, kept), the parameters on the device; in the program
+  JAX builds for CUDA every state array moves to the device for the update and back (XLA:CPU
+  lowers those moves to nothing)."""
+  from jax import export
+
+  from train.run import config as config_lib
+  from train.run import trainer
+  cfg = config_lib.parse(["--offload-optimizer", "--global-batch-size", "8", "--dion-rank-fraction", "0.5"])
+  mesh = model_meshes.mesh("rp=2,fs=2")  # Dion's per-replica momentum and its sharded Q
+  par, accum = trainer.parallelism(cfg, mesh)
+  with jax.set_mesh(mesh):
+    graphdef, params = models.init(CFG, par)
+    state, train_step = trainer.make_trainer(cfg, CFG, graphdef, params, par, accum)
+    batch = jax.device_put(_batch(), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(models.BATCH_AXES)))
+    compiled = train_step.lower(state, batch).compile()
+    exported = export.export(train_step, platforms=("cuda",))(state, batch).mlir_module()
+  kinds = lambda tree: {s.memory_kind for s in jax.tree.leaves(tree)}  # noqa: E731
+  live = jax.tree.map(lambda x: x.sharding, state)
+  assert kinds(live.opt_state) == {"pinned_host"} and kinds(live.params) == {"device"}
+  (state_in, _), _ = compiled.input_shardings
+  state_out, _ = compiled.output_shardings
+  for shardings in (state_in, state_out):
+    assert kinds(shardings.opt_state) == {"pinned_host"} and kinds(shardings.params) == {"device"}
+  arrays = len(jax.tree.leaves(state.opt_state))
+  assert exported.count('_xla_buffer_placement = "device"') == arrays
+  assert exported.count('_xla_buffer_placement = "pinned_host"') == arrays
+  assert all(jax.tree.leaves(jax.tree.map(lambda a, b: a.spec == b.spec, state_out.opt_state, live.opt_state)))

@@ -37,12 +37,12 @@ SHARED = ("optimizer", "lr", "min_lr", "lr_warmup_steps", "lr_decay_style", "lr_
           "weight_decay", "scalar_weight_decay", "clip_grad", "grad_norm", "skip_spikes", "max_skipped", "qk_clip_threshold",
           "initial_loss_scale", "loss_scale_window", "min_loss_scale", "dion_rank_fraction", "dion_momentum",
           "dion_qr_method", "dion_scale_rule", "dion_scalar_optimizer", "dion_replicate_sync",
-          "dion_mixed_precision", "ortho_dtype", "dtype", "attention", "remat", "loss_chunk",
+          "dion_mixed_precision", "ortho_dtype", "offload_optimizer", "dtype", "attention", "remat", "loss_chunk",
           "sequence_parallel", "micro_batch_size", "mesh", "save_every", "keep", "step", "tensorboard", "wandb",
           *MULTI_HOST)
 # Flags a resumed run may give anew with another value.
 MAY_CHANGE = ("resume", "run_dir", "step", "steps", "save_every", "keep", "mesh", "micro_batch_size", "max_skipped",
-              "tensorboard", "wandb", *MULTI_HOST)
+              "remat", "offload_optimizer", "tensorboard", "wandb", *MULTI_HOST)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +208,8 @@ def saved_flags(run_dir: str) -> dict:
     raise UsageError(f"--resume: {run_dir} holds no GRPO run (config.json with a \"grpo\" record);"
                      " start it without --resume")
   grpo = {k: tuple(v) if k == "reward" else v for k, v in record["grpo"].items() if k in _GRPO_FIELDS}
-  return {**grpo, **{k: v for k, v in record["train"].items() if k in SHARED and k not in config_lib.PER_INVOCATION}}
+  shared = {k: v for k, v in record["train"].items() if k in SHARED and k not in config_lib.PER_INVOCATION}
+  return {**grpo, **config_lib.current_values(shared)}
 
 
 def train_config(grpo: GRPOConfig, shared: dict, start: dict) -> config_lib.Config:

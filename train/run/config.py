@@ -19,7 +19,7 @@ import os
 
 from train.cli import Parser, UsageError
 from train.run import config_file
-from train.run.flags import ALIASES, CHOICES, DEFAULT_LR, HELP, METAVARS
+from train.run.flags import ALIASES, BARE_VALUES, CHOICES, DEFAULT_LR, FORMER_VALUES, HELP, METAVARS
 from train.store import hub, rundir, tracking
 
 # The optimizer flags each --optimizer reads (train/run/optim.py); the others do nothing there.
@@ -44,7 +44,7 @@ class Config:
   seq_len: int | None = None
   dtype: str | None = None
   attention: str = "auto"
-  remat: bool = False
+  remat: str = "none"
   loss_chunk: int = 0
   sequence_parallel: bool = False
   virtual_stages: int = 1
@@ -92,6 +92,7 @@ class Config:
   dion_replicate_sync: bool = True
   dion_mixed_precision: bool = False
   ortho_dtype: str = "bfloat16"
+  offload_optimizer: bool = False
   # batch and steps
   global_batch_size: int = 16
   micro_batch_size: int | None = None
@@ -268,8 +269,9 @@ def strip_format(spec: str) -> str:
 def add_flags(parser: argparse.ArgumentParser, fields: list[dataclasses.Field], help: dict[str, str]) -> None:
   """One flag per dataclass field, named as it (``lr_warmup_steps``: ``--lr-warmup-steps``),
   typed by its annotation, its values from :data:`train.run.flags.CHOICES`, its help from
-  ``help``, its other names from :data:`train.run.flags.ALIASES`; a bool field is a switch (``--no-X`` too when it defaults to on), a tuple field
-  takes one or more values (repeated flags add up). Left off, a flag sets nothing (the
+  ``help``, its other names from :data:`train.run.flags.ALIASES`; a bool field is a switch
+  (``--no-X`` too when it defaults to on), a tuple field takes one or more values (repeated
+  flags add up), a field of :data:`train.run.flags.BARE_VALUES` may leave its value off. Left off, a flag sets nothing (the
   parser's ``argument_default`` should be SUPPRESS), so a resumed run tells the flags given
   from the saved ones."""
   for field in fields:
@@ -278,8 +280,9 @@ def add_flags(parser: argparse.ArgumentParser, fields: list[dataclasses.Field], 
     if kind == "bool":
       action = argparse.BooleanOptionalAction if field.default else "store_true"
       parser.add_argument(*names, action=action, help=help[field.name])
-    elif field.name == "tensorboard":
-      parser.add_argument(*names, nargs="?", const="", metavar="DIR", help=help[field.name])
+    elif field.name in BARE_VALUES:
+      parser.add_argument(*names, nargs="?", const=BARE_VALUES[field.name], metavar=METAVARS.get(field.name),
+                          help=help[field.name])
     elif kind.startswith("tuple"):
       parser.add_argument(*names, nargs="+", action="extend", metavar=METAVARS.get(field.name), help=help[field.name])
     else:
@@ -350,4 +353,11 @@ def saved_config(run_path: str, ckpt_path: str | None = None) -> dict:
   if "weight_decay" in saved:  # Runs saved before --scalar-weight-decay decayed all alike.
     saved.setdefault("scalar_weight_decay", saved["weight_decay"])
   saved.setdefault("grad_norm", "exact")  # Runs saved before --grad-norm took the mean's norm.
-  return saved
+  return current_values(saved)
+
+
+def current_values(saved: dict) -> dict:
+  """``saved`` flags, the values runs wrote before a flag took words read as today's
+  (:data:`train.run.flags.FORMER_VALUES`: ``remat: true`` is ``full``)."""
+  return {k: FORMER_VALUES[k].get(v, v) if k in FORMER_VALUES and isinstance(v, bool) else v
+          for k, v in saved.items()}

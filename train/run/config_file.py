@@ -9,7 +9,7 @@ without its dashes, ``lr_warmup_steps`` or ``lr-warmup-steps``::
     lr: 0.02
     mesh: rp=1,fs=4,tp=2
     data: [0.7, "fineweb:data/*.bin", 0.3, stdlib]
-    remat: true
+    remat: selective
     tensorboard: ""      # the flag without a value: RUN_DIR/tensorboard
 
 Flags on the command line override the file. A value goes through the parser of its
@@ -34,6 +34,7 @@ from collections.abc import Iterable
 import yaml
 
 from train.cli import UsageError
+from train.run.flags import FORMER_VALUES
 
 
 def read(path: str) -> tuple[dict, bool]:
@@ -85,6 +86,8 @@ def _value(path: str, key: str, value, field: dataclasses.Field, parser: argpars
       raise UsageError(f"{where}: expected true or false, got {value!r}")
     return value
   several = field.type.startswith("tuple")
+  if isinstance(value, bool) and value in FORMER_VALUES.get(key, {}):
+    value = FORMER_VALUES[key][value]
   if isinstance(value, bool) or isinstance(value, dict) or (isinstance(value, list) and not several):
     raise UsageError(f"{where}: expected one value of {flag}, got {value!r}")
   words = [str(v) for v in value] if isinstance(value, list) else [str(value)]

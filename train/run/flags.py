@@ -29,7 +29,24 @@ CHOICES = {"preset": PRESET_NAMES, "dtype": ("float32", "bfloat16", "float16"),
 # Other names of a flag: TRL's, where it names the same thing differently.
 ALIASES = {"updates_per_rollout": ("--num-iterations",)}
 # The placeholder --help shows for a flag's value, where its name does not say it.
-METAVARS = {"data": "SPEC", "reward": "NAME[=WEIGHT]", "prompts": "PATH"}
+METAVARS = {"data": "SPEC", "reward": "NAME[=WEIGHT]", "prompts": "PATH", "tensorboard": "DIR", "remat": "POLICY"}
+# The value of a flag given without one, for flags whose value may be left off.
+BARE_VALUES = {"tensorboard": "", "remat": "full"}
+# What runs saved before a flag took words wrote for it, and the word it reads as now.
+FORMER_VALUES = {"remat": {True: "full", False: "none"}}
+# --remat's policies (models.remat.POLICIES: what each keeps), one line of --help each.
+REMAT_POLICIES = {
+    "none": "keep every matrix product, the attention's scores too (the default)",
+    "full": "keep each layer's input only, recompute the rest (Megatron's full; --remat alone)",
+    "selective": "recompute the attention's core, keep the projections, its output and the MLP's"
+                 " products (Megatron's selective)",
+    "save_qkv_proj": "keep the query, key and value projections (MaxText's)",
+    "save_dot_except_mlp": "keep the attention's projections and out projection, recompute the MLP (MaxText's)",
+    "save_out_proj": "keep the attention's out projection (MaxText's)",
+    "qkv_proj_offloaded": "save_qkv_proj's tensors in pinned host memory (MaxText's)",
+    "minimal_offloaded": "every projection and MLP product in pinned host memory, the attention's core"
+                         " recomputed (MaxText's)",
+}
 
 HELP = {
     "preset": "model size: %s (default tiny: 4 layers x 128, seq 128)" % "|".join(PRESET_NAMES),
@@ -51,7 +68,12 @@ HELP = {
              " dynamically (Megatron's --fp16)",
     "attention": "auto|xla|cudnn: implementation of attention (default auto: cuDNN's fused"
                  " attention on an NVIDIA GPU in bfloat16 or float16, XLA's otherwise)",
-    "remat": "recompute each layer's activations in the backward pass (less memory)",
+    "remat": "recompute policy: what each layer keeps for the backward pass, the rest recomputed"
+             " (less memory, more compute): %s; custom:NAME=PLACE,... keeps the named tensors (layer_input,"
+             " query_proj, key_proj, value_proj, attention_out, out_proj, mlp_gate, mlp_up, expert_gate,"
+             " expert_up, expert_down) on the device or the host, recomputes the others; --remat alone is"
+             " full; on CPU host placements stay on the device (XLA:CPU does not move them)"
+             % "; ".join(f"{k}: {v}" for k, v in REMAT_POLICIES.items()),
     "loss_chunk": "tokens of each device that go through the LM head and the loss at a time: the"
                   " peak holds that many tokens' logits (and softmax and gradient), not the whole"
                   " micro-batch's, for the head's product done twice; 0 forms them all at once"
@@ -151,6 +173,10 @@ HELP = {
                             " mixed_precision: true; default off: the parameter's dtype)",
     "dion_replicate_sync": "with rp > 1 keep per-replica momentum and average only Dion's"
                            " low-rank factors over rp (default on)",
+    "offload_optimizer": "keep the optimizer state (Dion's, Muon's, AdamW's, ...) in pinned host memory"
+                         " between steps, moved to the device for the update only (Megatron's"
+                         " --optimizer-cpu-offload, MaxText's optimizer_memory_host_offload; default off);"
+                         " on CPU it changes no memory (host and device are one RAM)",
     "global_batch_size": "sequences per optimizer step over all devices (default 16)",
     "micro_batch_size": "sequences per data-parallel rank per micro-step (default: all of"
                         " them); micro-batches = global / (micro x rp x fs) feed gradient"
@@ -222,7 +248,7 @@ GRPO_HELP = {
     "seed": "seed of the prompts' order and the sampler (default 0)",
     "resume": "continue the run in --run-dir from its latest checkpoint (or --step) with the flags"
               " saved in its config.json; only --steps, --save-every, --keep, --mesh,"
-              " --micro-batch-size and --max-skipped may change",
+              " --micro-batch-size, --max-skipped, --remat and --offload-optimizer may change",
     "prompts_per_step": "prompts of each rollout, in a seeded order, epoch after epoch (default 8)",
     "group_size": "completions of each prompt, G >= 2 (default 8; TRL's num_generations)",
     "max_new_tokens": "most tokens of a completion (default 64; TRL's max_completion_length)",

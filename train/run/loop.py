@@ -119,7 +119,8 @@ def _exit_code(run: Run, progress: Progress, interrupt: Interrupt, seconds: floa
           f" gradient or update{spiking} (--max-skipped {cfg.max_skipped}); {kept}; lower --lr, raise"
           " --lr-warmup-steps or check the data", file=sys.stderr)
     return EXIT_DIVERGED
-  if not jax.jit(step_lib.all_finite)(progress.state.params, progress.state.opt_state):
+  if not jax.jit(lambda p, o: step_lib.all_finite(p, step_lib.on_device(o)))(progress.state.params,
+                                                                               progress.state.opt_state):
     # The step's guard keeps a finite state finite, so this one started non-finite.
     origin = (f"as in the checkpoint of step {run.start_step} in {cfg.ckpt_path} it resumed from"
               if run.start_step else "from the initialization")

@@ -27,6 +27,14 @@ loss is the objective's terms summed over the global batch, their weights alread
 normalization (no division by the counted targets); its statistics are summed over
 micro-batches and replicas like the loss and reported in :class:`StepMetrics`.
 
+With ``offload_optimizer`` the optimizer state lives in pinned host memory between steps
+(its arrays' memory kind ``pinned_host``, Megatron's ``--optimizer-cpu-offload`` of the whole
+state, MaxText's ``optimizer_memory_host_offload``): the step moves it to the device for the
+update and back to the host after it, so that the forward and backward passes, where the
+activations peak, run without it on the device. XLA:CPU keeps the step's arguments and
+outputs in the host memory space as asked, but lowers the moves inside the step to nothing
+(host and device memory are the same RAM there).
+
 A mixture-of-experts model's loss includes its routers' auxiliary losses, averaged over the
 global batch's sequences in the same way; their statistics (tokens per expert, drops) are
 summed over micro-batches and replicas for the log.
@@ -123,6 +131,16 @@ def all_finite(*trees: Any) -> jax.Array:
   return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
 
 
+def on_device(tree: Any) -> Any:
+  """``tree``'s arrays in device memory, their shardings kept (a copy from pinned host memory)."""
+  return jax.device_put(tree, jax.memory.Space.Device)
+
+
+def on_host(tree: Any) -> Any:
+  """``tree``'s arrays in pinned host memory, their shardings kept."""
+  return jax.device_put(tree, jax.memory.Space.Host)
+
+
 def split_micro(batch: dict[str, jax.Array], accum: int) -> dict[str, jax.Array]:
   """[B, T] -> [accum, B / accum, T]; micro-batch i holds rows i, i + accum, ..., so each
   data-parallel shard splits its own rows and the batch sharding carries over."""
@@ -208,13 +226,15 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
                     clip_grad: float, scaling: Scaling | None = None,
                     qk_clip: tuple[float, models.GPTConfig] | None = None, skip_spikes: float = 0.0,
                     objective: Callable | None = None, temperature: float = 1.0, grad_norm: str = "rms",
-                    ) -> Callable[[TrainState, dict], tuple[TrainState, StepMetrics]]:
+                    offload_optimizer: bool = False) -> Callable[[TrainState, dict], tuple[TrainState, StepMetrics]]:
   """The jitted step; ``scaling`` None leaves the loss unscaled (the state's scale unused);
   ``qk_clip`` is (threshold, the model's config) or None; ``skip_spikes`` > 0 skips a step
   whose loss or gradient norm is that many standard deviations above the state's window
   (``train/run/spikes.py``; the state must keep one), 0 applies it; ``objective`` a per-token
   objective of ``models.loss`` (at ``temperature``) in place of the cross-entropy;
-  ``grad_norm`` "rms" or "exact": the norm of per-replica gradients (module docstring)."""
+  ``grad_norm`` "rms" or "exact": the norm of per-replica gradients; ``offload_optimizer``:
+  the state's optimizer state is in pinned host memory, and so is the new one (module
+  docstring)."""
   if grad_norm not in GRAD_NORMS:
     raise ValueError(f"grad_norm {grad_norm!r}: choose one of {', '.join(GRAD_NORMS)}")
   logit_max = qk_clip is not None
@@ -238,7 +258,8 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
     if clip_grad > 0:
       factor = jnp.minimum(1.0, clip_grad / jnp.maximum(norm, 1e-30))
       grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    old_opt_state = on_device(state.opt_state) if offload_optimizer else state.opt_state
+    updates, opt_state = tx.update(grads, old_opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     clipped, max_logit = jnp.zeros((), jnp.int32), jnp.asarray(-jnp.inf, jnp.float32)
     if logit_max:
@@ -247,14 +268,14 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
     finite = jnp.isfinite(loss) & jnp.isfinite(norm)
     spike = spikes.is_spike(state.spikes, loss, norm, skip_spikes) if skip_spikes else jnp.zeros((), bool)
     applied = finite & ~spike if skip_spikes else finite
-    params, opt_state = keep_if(applied, (params, opt_state), (state.params, state.opt_state))
+    params, opt_state = keep_if(applied, (params, opt_state), (state.params, old_opt_state))
     # A second select for the new state's own check: folding it into the first changes how
     # XLA fuses the update, and float32 results by an ulp from step 3. Measured on CPU
     # (tiny, one device): step time and temporary memory unchanged within noise.
     finite &= all_finite(params, opt_state)
     applied = finite & ~spike if skip_spikes else finite
-    params, opt_state = keep_if(applied, (params, opt_state), (state.params, state.opt_state))
-    new = TrainState(params, opt_state, state.updates + applied.astype(state.updates.dtype),
+    params, opt_state = keep_if(applied, (params, opt_state), (state.params, old_opt_state))
+    new = TrainState(params, on_host(opt_state) if offload_optimizer else opt_state, state.updates + applied.astype(state.updates.dtype),
                      next_loss_scale(state.loss_scale, finite, scaling) if scaling else state.loss_scale,
                      None if state.spikes is None else spikes.record(state.spikes, loss, norm))
     routing = (jnp.zeros(()), jnp.zeros(())) if aux.router is None else _routing(aux.router)

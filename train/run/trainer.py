@@ -48,17 +48,21 @@ def make_trainer(cfg: Config, model_cfg: models.GPTConfig, graphdef: Any, params
   """The optimizer's initial state and the jitted step (``train/run/step.py``) of ``cfg``'s
   optimizer, schedule, clipping, float16 loss scaling, QK-clip and spike skipping, over ``accum``
   micro-batches; with ``objective`` (at ``temperature``) a per-token objective in place of
-  the cross-entropy (``models.loss``'s). Call under ``jax.set_mesh(par.mesh)``."""
+  the cross-entropy (``models.loss``'s); with ``--offload-optimizer`` the optimizer state in
+  pinned host memory. Call under ``jax.set_mesh(par.mesh)``."""
   tx = optim.optimizer(cfg, params, par.mesh, models.param_specs(params))
   scaling = step_lib.Scaling(cfg.loss_scale_window, cfg.min_loss_scale) if model_cfg.dtype == "float16" else None
   # float16's initial loss scale (--initial-loss-scale); 1 for other dtypes.
   loss_scale = step_lib.initial_loss_scale(cfg.initial_loss_scale if model_cfg.dtype == "float16" else 1.0)
-  state = step_lib.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), loss_scale, spikes.empty())
+  opt_state = tx.init(params)
+  if cfg.offload_optimizer:
+    opt_state = step_lib.on_host(opt_state)
+  state = step_lib.TrainState(params, opt_state, jnp.zeros((), jnp.int32), loss_scale, spikes.empty())
   qk_clip = None if cfg.qk_clip_threshold is None else (cfg.qk_clip_threshold, model_cfg)
   train_step = step_lib.make_train_step(graphdef, par, tx, optim.schedule(cfg),
                                         optim.per_replica_mask(cfg, params, par.mesh), 1 if par.pp > 1 else accum,
                                         cfg.clip_grad, scaling, qk_clip, cfg.skip_spikes, objective, temperature,
-                                        cfg.grad_norm)
+                                        cfg.grad_norm, cfg.offload_optimizer)
   return state, train_step
 
 

@@ -90,11 +90,17 @@ def to_saved(tree: Any, pp: int, virtual_stages: int) -> dict:
   replicas = [_has_replica_axis(x) for x in leaves]
 
   def leaf(path, x, replica):
+    # An optimizer state kept in pinned host memory (--offload-optimizer) is laid out on the
+    # device, one leaf at a time, and saved from the host as it lives.
+    space = jax.typeof(x).memory_space
+    x = jax.device_put(x, jax.memory.Space.Device)
     if not _is_stacked(path):
-      return jnp.copy(x)
-    if replica:
-      return jax.vmap(lambda m: models.to_layers(m, pp, virtual_stages))(x)
-    return models.to_layers(x, pp, virtual_stages)
+      x = jnp.copy(x)
+    elif replica:
+      x = jax.vmap(lambda m: models.to_layers(m, pp, virtual_stages))(x)
+    else:
+      x = models.to_layers(x, pp, virtual_stages)
+    return jax.device_put(x, space)
 
   @jax.jit
   def convert(leaves):
