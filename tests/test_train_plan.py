@@ -298,13 +298,14 @@ def test_hf_model_plans_train_gpt_s_length(tmp_path):
   assert plan_model.load_config(f"hf:{tmp_path}").seq_len == 1024
 
 
-def test_a_closed_pipe_ends_quietly():
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  out = subprocess.run(f"{sys.executable} -m train.plan --model tiny --sweep --devices 8 --global-batch-size 64"
-                       " | head -n 1", shell=True, cwd=root, env={**os.environ, "JAX_PLATFORMS": "cpu"},
-                       capture_output=True, text=True)
-  assert out.stdout.startswith("| mesh |") and out.stdout.count("\n") == 1
-  assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
+def test_a_closed_pipe_ends_quietly(monkeypatch):
+  """`| head` closes the pipe before the plan is written: exit 0, no BrokenPipeError."""
+  read, write = os.pipe()
+  os.close(read)
+  with open(write, "w") as closed:
+    monkeypatch.setattr(sys, "stdout", closed)
+    assert plan_cmd.main(["--model", "tiny", "--mesh", "fs=8"]) == 0
+    monkeypatch.undo()
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -7,8 +7,8 @@ T/cp tokens per micro-batch, a the compute dtype's bytes, L the layers of a pipe
 
 - persistent (the step's donated arguments): the parameters' float32 shards, the optimizer
   state (in host memory with ``--offload-optimizer``);
-- the gradients' float32 shards, held from the backward pass to the update (twice with
-  micro-batches: the running sum and the micro-batch's own);
+- the gradients' float32 shards, held from the backward pass to the update (with
+  micro-batches the running sum, which XLA updates in place);
 - the residuals the recompute policy keeps, per layer and micro-batch in flight
   (:func:`layer_tensors`, named as ``models/remat.py`` names them): the layer's input
   (float32 [b, T/cp, d], the scan's carry, always kept) and, where the policy keeps them,
@@ -17,9 +17,9 @@ T/cp tokens per micro-batch, a the compute dtype's bytes, L the layers of a pipe
   whole d before the reduction over tp), the MLP's gate, up and down products; on the
   device or, offloaded, on the host;
 - the loss: two vocabulary tables' worth (the LM head gathered and its gradient, the
-  embedding's gradient) in float32, V·d/tp each, and three float32 logits-sized buffers
-  (logits, softmax, their gradient), b·(T/cp)·V/tp each, of one loss chunk's tokens when
-  the loss is chunked;
+  embedding's gradient) in float32, V·d/tp each (three when chunked: the chunks' scan
+  holds them all), and three float32 logits-sized buffers (logits, softmax, their
+  gradient), b·(T/cp)·V/tp each, of one loss chunk's tokens when the loss is chunked;
 - the backward pass of one layer: its kernels gathered (the forward's, for the
   recomputation, and the backward's) in float32, the causal mask XLA materializes
   (float32 and bool, scores-sized), three scores-sized float32 buffers (probabilities,
@@ -105,7 +105,6 @@ def memory(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, params: Seq
     if name in kept:
       residuals[kept[name]] += layers * in_flight * nbytes
   p_bytes = sum(local_bytes(leaf, sizes) for leaf in params)
-  accumulating = step.accum > 1 and sizes["pp"] == 1
   tp, tokens = sizes["tp"], step.micro * cfg.seq_len // sizes["cp"]
   if loss_chunk:
     tokens = min(tokens, loss_chunk)
@@ -115,16 +114,23 @@ def memory(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, params: Seq
   backward = 2 * _layer_kernels(params, sizes) + (5 + 3 * 4) * scores + 6 * t * cfg.d_model * 4
   if cfg.num_experts:
     # Each local expert's dropless buffer of every assignment its ep group routes ([E/ep, R, d]):
-    # three float32 and a mask of them, and two of the experts' hidden width.
+    # about 3.5 float32 and a mask of them, and 2.5 of the experts' hidden width.
     rows, local = t * cfg.moe_top_k * sizes["ep"], cfg.num_experts // sizes["ep"]
-    backward += local * rows * (13 * cfg.d_model + 8 * cfg.d_expert // tp)
+    backward += local * rows * (15 * cfg.d_model + 10 * cfg.d_expert // tp)
+  # The backward pass of a layer recomputes what the policy dropped of ``none``'s products.
+  backward += sum(b for n, b in per_layer.items() if n in placements("none", math.prod(sizes.values()))
+                  and n not in kept)
   matrices = sum(local_bytes(leaf, sizes) for leaf in params if leaf.label == "dion")
-  transients = {"loss": 2 * table + 3 * logits, "layer_backward": backward}
+  # Chunked, the loss's scan holds the gathered head and both tables' gradients throughout.
+  transients = {"loss": (3 if loss_chunk else 2) * table + 3 * logits, "layer_backward": backward}
   temporaries = {
-      "gradients": p_bytes * (2 if accumulating else 1),
+      "gradients": p_bytes,
       # A pipeline's loop copies its residuals' stacks once more.
       "residuals": residuals["device"] * (2 if sizes["pp"] > 1 else 1),
       "update": _update(optimizer, matrices, state_bytes - 2 * (p_bytes - matrices)),
+      # A pipeline's loop state: every micro-batch's embedded input and stage output, and
+      # their cotangents, float32 [b, T/cp, d] each.
+      "pipeline": 4 * step.accum * per_layer["layer_input"] if sizes["pp"] > 1 else 0,
       "transient": max(transients.values()),
   }
   device = {"parameters": p_bytes, "optimizer_state": 0 if offload_optimizer else state_bytes, **temporaries,
