@@ -247,7 +247,9 @@ def test_json_plan_and_the_verdict(capsys):
   # And float32 scalars: each micro-batch's loss, and the targets' count once.
   assert grads == 8 * 4 * ((cfg.num_params() - norms) // 8 + norms) + 8 * 4 + 4
   assert p["fits"] and set(p["versus"]) == {"adamw", "muon"}
-  assert p["memory"]["optimizer_state"] < p["versus"]["adamw"]["optimizer_state"]
+  assert p["memory"]["device"]["optimizer_state"] < p["versus"]["adamw"]["optimizer_state"]
+  assert p["memory"]["device_total"] == sum(p["memory"]["device"].values()) and p["memory"]["host_total"] == 0
+  assert not p["caveats"]
 
 
 def test_sweep_ranks_meshes_that_fit(capsys):
@@ -255,6 +257,55 @@ def test_sweep_ranks_meshes_that_fit(capsys):
   found = json.loads(capsys.readouterr().out)
   steps = [p["time"]["step"] for p in found]
   assert found and steps == sorted(steps) and all(p["devices"] == 8 for p in found)
+  # Everything fits tiny: each mesh's fastest choice recomputes nothing and offloads nothing.
+  assert {(p["memory"]["policy"], p["memory"]["offload_optimizer"]) for p in found} == {("none", False)}
+
+
+def test_sweep_picks_the_fastest_policy_and_offload_that_fit():
+  """8B on 16 H100 at fs=16: none of the choices but recomputation fits the 80 GB; each
+  mesh's choice fits, and no faster choice on its mesh does (checked by planning them all)."""
+  found = plan.sweep("8b", 16, top=3, global_batch=16, micro=1, seq_len=4096)
+  assert found
+  for p in found:
+    assert p["fits"]
+    for policy in plan.remat_policies():
+      for offload in (False, True):
+        other = plan.plan("8b", p["mesh"], compare=False, global_batch=16, micro=1, seq_len=4096, remat=policy,
+                          offload_optimizer=offload)
+        assert not other["fits"] or other["time"]["step"] >= p["time"]["step"], (p["mesh"], policy, offload)
+
+
+def test_sweep_text_shows_the_caveats_and_small_models_their_bytes(capsys):
+  assert plan_cmd.main(["--model", "tiny", "--sweep", "--devices", "8", "--global-batch-size", "16"]) == 0
+  text = capsys.readouterr().out
+  header, rule, *rows = text.splitlines()
+  assert header.endswith("| caveats |") and rows and all(r.endswith("| none |") for r in rows)
+  assert "0.00 GiB" not in text and "KiB" in text
+  assert plan_cmd.main(["--model", "tiny", "--mesh", "fs=8"]) == 0
+  text = capsys.readouterr().out
+  assert "0.00 GiB" not in text and "MiB" in text and "residuals kept per layer: layer_input" in text
+
+
+def test_hf_model_plans_train_gpt_s_length(tmp_path):
+  """An hf:DIR without --seq-len plans min(max_position_embeddings, 1024) tokens, as
+  python -m train.gpt trains it (train/run/model_source.py)."""
+  hf = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2, "vocab_size": 256,
+        "max_position_embeddings": 128}
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+  assert plan_model.load_config(f"hf:{tmp_path}").seq_len == 128
+  (tmp_path / "config.json").write_text(json.dumps({**hf, "max_position_embeddings": 131072}))
+  assert plan_model.load_config(f"hf:{tmp_path}").seq_len == 1024
+
+
+def test_a_closed_pipe_ends_quietly(monkeypatch):
+  """`| head` closes the pipe before the plan is written: exit 0, no BrokenPipeError."""
+  read, write = os.pipe()
+  os.close(read)
+  with open(write, "w") as closed:
+    monkeypatch.setattr(sys, "stdout", closed)
+    assert plan_cmd.main(["--model", "tiny", "--mesh", "fs=8"]) == 0
+    monkeypatch.undo()
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -10,8 +11,9 @@ import jax
 
 from dion_jax.parallel.mesh import AXES
 from train.plan import optimizer as plan_optimizer
+from train.plan.grpo import GRPO
 from train.plan import planner
-from train.plan.planner import GPUS, LINKS, TRAINER, Link, format_plan, plan, sweep
+from train.plan.planner import GPUS, LINKS, TRAINER, Link, format_plan, format_sweep, plan, sweep
 from train.run.optim import RANK_BY_WIDTH
 
 
@@ -52,20 +54,39 @@ def main(argv: list[str] | None = None) -> int:
                            " its CPU default, to compare with a CPU run)")
   parser.add_argument("--global-batch-size", type=int, default=0, help="sequences per step (default: one per rank)")
   parser.add_argument("--micro-batch-size", type=int, default=None, help="sequences per rank and micro-batch")
-  parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
+  parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's; for hf:DIR min(max_position_embeddings,"
+                           " 1024), as python -m train.gpt)")
   parser.add_argument("--gpu", default="h100", choices=tuple(GPUS))
   parser.add_argument("--gpus-per-node", type=int, default=8)
   parser.add_argument("--links", default="", help="per-axis link overrides, e.g. tp=nvlink,fs=ib")
   parser.add_argument("--nvlink", default="450:5", help="NVLink GB/s per device and direction : µs per step")
   parser.add_argument("--ib", default="50:10", help="InfiniBand/RoCE GB/s per device and direction : µs per step")
   parser.add_argument("--mfu", type=float, default=0.5, help="fraction of peak flops the compute reaches (default 0.5)")
+  parser.add_argument("--remat", nargs="?", const="full", default=None, metavar="POLICY",
+                      help="the trainer's recompute policy (python -m train.gpt --remat; alone: full; default none;"
+                           " with --sweep: every policy)")
+  parser.add_argument("--offload-optimizer", action="store_true",
+                      help="the optimizer state in host memory between steps (python -m train.gpt --offload-optimizer)")
+  parser.add_argument("--loss-chunk", type=int, default=0,
+                      help="tokens per chunk of the LM head and loss (python -m train.gpt --loss-chunk; default 0: unchunked)")
+  grpo = parser.add_argument_group("GRPO (--grpo: python -m train.grpo's step, its rollout and update)")
+  grpo.add_argument("--grpo", action="store_true", help="plan a GRPO step: the rollout's memory and time, then the update")
+  grpo.add_argument("--prompts-per-step", type=int, default=GRPO().prompts, help="prompts per step (default %(default)s)")
+  grpo.add_argument("--group-size", type=int, default=GRPO().group, help="completions per prompt (default %(default)s)")
+  grpo.add_argument("--prompt-len", type=int, default=GRPO().prompt, help="the prompts' padded length (default %(default)s)")
+  grpo.add_argument("--max-new-tokens", type=int, default=GRPO().completion,
+                    help="completion tokens (default %(default)s)")
+  grpo.add_argument("--beta", type=float, default=GRPO().beta,
+                    help="the KL penalty's weight; > 0 holds the reference policy (default %(default)s)")
   parser.add_argument("--json", action="store_true", help="print one JSON object")
   parser.add_argument("--sweep", action="store_true", help="rank the meshes of --devices that fit")
   parser.add_argument("--devices", type=int, default=0, help="with --sweep: the device count")
   args = parser.parse_args(argv)
   kwargs = dict(optimizer=args.optimizer, rank_fraction=args.rank_fraction, fraction=args.fraction,
                 global_batch=args.global_batch_size, micro=args.micro_batch_size, seq_len=args.seq_len,
-                gpu=args.gpu, per_node=args.gpus_per_node, mfu=args.mfu, dtype=args.dtype)
+                gpu=args.gpu, per_node=args.gpus_per_node, mfu=args.mfu, dtype=args.dtype, loss_chunk=args.loss_chunk)
+  if args.grpo:
+    kwargs["grpo"] = GRPO(args.prompts_per_step, args.group_size, args.prompt_len, args.max_new_tokens, args.beta)
   try:
     kwargs["links"] = _links(args.links)
     kwargs["network"] = {"nvlink": _link("--nvlink", args.nvlink), "ib": _link("--ib", args.ib)}
@@ -74,23 +95,20 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("--sweep needs --devices N (the device count to split)")
       if not args.global_batch_size:
         raise ValueError("--sweep needs --global-batch-size (it fixes the work every mesh splits)")
+      if args.remat is not None or args.offload_optimizer:
+        kwargs |= {"policies": [args.remat or "none"], "offloads": [args.offload_optimizer]}
       result: Any = sweep(args.model, args.devices, **kwargs)
     else:
-      result = plan(args.model, args.mesh, **kwargs)
+      result = plan(args.model, args.mesh, remat=args.remat or "none", offload_optimizer=args.offload_optimizer,
+                    **kwargs)
   except (ValueError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  if args.json:
-    print(json.dumps(result))
-  elif args.sweep:
-    print("| mesh | step ms | compute | communication | bubble | GiB/device/step | bound | caveats |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for p in result:
-      t = p["time"]
-      print(f"| {p['mesh']} | {t['step'] * 1e3:.1f} | {t['compute'] * 1e3:.1f} | {t['communication'] * 1e3:.1f}"
-            f" | {t['bubble'] * 1e3:.1f} | {p['bytes_total'] / 2**30:.2f} | {p['bound']} | {len(p['caveats'])} |")
-  else:
-    print(format_plan(result))
+  text = json.dumps(result) if args.json else format_sweep(result) if args.sweep else format_plan(result)
+  try:
+    print(text, flush=True)
+  except BrokenPipeError:  # `| head` closed the pipe: what it took is the answer, no traceback
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
   return 0
 
 

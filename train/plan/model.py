@@ -129,7 +129,9 @@ def load_config(model: str | models.GPTConfig, seq_len: int | None = None, dtype
     with open(path) as f:
       record = json.load(f)
     if model.startswith("hf:") or "architectures" in record:
-      return hf.from_hf_config(record, seq_len=seq_len or 4096, dtype=dtype)
+      # train.gpt's default length for an imported model (train/run/model_source.py)
+      longest = record.get("max_position_embeddings") or 1024
+      return hf.from_hf_config(record, seq_len=seq_len or min(longest, 1024), dtype=dtype)
     return models.GPTConfig(**{**record, **over})
   except (json.JSONDecodeError, KeyError, TypeError) as e:
     raise ValueError(f"--model {model}: {path} is no Hugging Face config.json or GPTConfig record ({e})") from e
@@ -328,26 +330,3 @@ def model_collectives(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, 
 
 def param_bytes(params: Sequence[Leaf], sizes: dict[str, int]) -> int:
   return sum(local_bytes(leaf, sizes) for leaf in params)
-
-
-def activation_bytes(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, remat: bool) -> int:
-  """Estimated activations held for the backward pass, per device.
-
-  With ``remat`` each layer keeps its input (b, T/cp, d); without, the matrix products
-  (``dots_saveable``): q, k, v, the attention scores (b, N/tp, T/cp, T) and its output,
-  the two projections, and the MLP's up (and gate) products, tp-sharded. The pipeline
-  holds pp micro-batches in flight on its first stage.
-  """
-  b, T, d = step.micro, cfg.seq_len // sizes["cp"], cfg.d_model
-  tp, ab = sizes["tp"], jnp.dtype(cfg.dtype).itemsize
-  layers = cfg.num_layers // sizes["pp"]
-  in_flight = min(step.accum, sizes["pp"]) if sizes["pp"] > 1 else 1
-  if remat:
-    per_layer = b * T * d * ab
-  else:
-    qkv = (cfg.num_heads + 2 * cfg.kv_heads) * cfg.head_dim // tp
-    scores = cfg.num_heads // tp * cfg.seq_len * (0 if cfg.attention == "cudnn" else 1)
-    mlp = (3 if cfg.mlp == "swiglu" else 2) * (cfg.d_expert * cfg.moe_top_k if cfg.num_experts else cfg.d_mlp) // tp
-    per_layer = b * T * (qkv + scores + cfg.num_heads * cfg.head_dim // tp + 2 * d + mlp) * ab
-  logits = b * T * cfg.padded_vocab // tp * 4
-  return in_flight * layers * per_layer + logits

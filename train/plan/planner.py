@@ -21,17 +21,30 @@ step as XLA partitions it, checked against compiled steps on CPU meshes by
   bound); the overlapped bound max(compute, communication) is printed beside it;
 - the pipeline bubble: (pp−1)/(M+pp−1) of the step with M micro-batches.
 
-Memory per device: parameters, gradients (float32), optimizer state and activations
-(with and without remat; an estimate) against the GPU's HBM.
+- recomputation: the forward products the recompute policy (``--remat POLICY``, the
+  trainer's) does not keep, once more (``train.plan.memory.recompute_flops``), at the same MFU;
+- offload: what the step moves between host and device (the offloaded residuals, the
+  optimizer state with ``--offload-optimizer``), both ways, at the GPU's host link.
+
+Memory per device (``train.plan.memory``): device and host apart, for the trainer's
+``--remat POLICY``, ``--offload-optimizer`` and ``--loss-chunk``: parameters, gradients,
+optimizer state, the residuals the policy keeps (named), the loss and the backward pass's
+transient peak, checked against the compiled step's ``memory_analysis()`` on CPU meshes of
+every kind (``tests/test_train_plan_memory.py``: never below it, at most 25% above).
+``--sweep`` picks, for each mesh, the fastest policy and offload that fit.
 """
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import models
+from models import remat
 from dion_jax.parallel.mesh import AXES, format_mesh_spec
+from train.plan import grpo as plan_grpo
+from train.plan import memory as plan_memory
 from train.plan import model as plan_model
 from train.plan import optimizer as plan_optimizer
 from train.run.config import Config
@@ -44,12 +57,13 @@ class GPU(NamedTuple):
   peak_flops: float  # dense bf16, flop/s
   hbm_bytes: float
   hbm_bandwidth: float  # bytes/s
+  host_bandwidth: float  # bytes/s each way between host and device (PCIe 5 x16; B200: NVLink-C2C in GB200 aside)
 
 
 GPUS = {  # NVIDIA's data sheets (SXM)
-    "h100": GPU(989e12, 80e9, 3.35e12),
-    "h200": GPU(989e12, 141e9, 4.8e12),
-    "b200": GPU(2250e12, 180e9, 8e12),
+    "h100": GPU(989e12, 80e9, 3.35e12, 55e9),
+    "h200": GPU(989e12, 141e9, 4.8e12, 55e9),
+    "b200": GPU(2250e12, 180e9, 8e12, 55e9),
 }
 
 
@@ -104,12 +118,16 @@ def plan(model: str | models.GPTConfig = "small", mesh: str | dict = "", optimiz
          rank_fraction: float | None = None, fraction: float = 0.25, global_batch: int = 0,
          micro: int | None = None, seq_len: int | None = None, gpu: str = "h100", per_node: int = 8,
          links: dict[str, str] | None = None, mfu: float = 0.5, dtype: str = "bfloat16", compare: bool = True,
-         network: dict[str, Link] = LINKS) -> dict[str, Any]:
+         network: dict[str, Link] = LINKS, remat: str = "none", offload_optimizer: bool = False,
+         loss_chunk: int | None = None, grpo: plan_grpo.GRPO | None = None) -> dict[str, Any]:
   """The plan of one step as a JSON-ready dict (see the module docstring); ``links``
   overrides the link kind of some axes, ``network`` the kinds' bandwidth and latency.
   Defaults are ``python -m train.gpt``'s (Dion at its default rank for the model's width,
   ``train.run.optim.default_rank_fraction``; Dion2's fraction 1/4) on a GPU (bfloat16
-  activations)."""
+  activations). With ``grpo`` the step is GRPO's: its rollout (``train.plan.grpo``) and
+  an update on its prompts x group sequences of prompt + completion tokens."""
+  if grpo is not None:
+    global_batch, seq_len = grpo.sequences, grpo.length
   cfg = plan_model.load_config(model, seq_len, dtype)
   sizes = plan_model.sizes_of(mesh)
   devices = math.prod(sizes.values())
@@ -132,17 +150,16 @@ def plan(model: str | models.GPTConfig = "small", mesh: str | dict = "", optimiz
   tokens = global_batch * cfg.seq_len
   model_flops = cfg.flops_per_token() * tokens / devices
   opt_flops = plan_optimizer.flops(params, sizes, optimizer, rank_fraction, fraction)
-  compute = (model_flops + opt_flops) / (hw.peak_flops * mfu)
+  recompute = plan_memory.recompute_flops(cfg, remat) * tokens / devices / (hw.peak_flops * mfu)
+  compute = (model_flops + opt_flops) / (hw.peak_flops * mfu) + recompute
   bubble = compute * (sizes["pp"] - 1) / step.accum if sizes["pp"] > 1 else 0.0
   rows = [dict(c._asdict(), axes=list(c.axes), seconds=collective_time(c, sizes, link_of, network)) for c in collectives]
   comm = sum(r["seconds"] for r in rows)
-  p_bytes = plan_model.param_bytes(params, sizes)
-  memory = {
-      "parameters": p_bytes, "gradients": p_bytes, "optimizer_state": state,
-      "activations": plan_model.activation_bytes(cfg, sizes, step, remat=False),
-      "activations_remat": plan_model.activation_bytes(cfg, sizes, step, remat=True),
-  }
-  fits = {k: 2 * p_bytes + state + memory[k] <= hw.hbm_bytes for k in ("activations", "activations_remat")}
+  if loss_chunk is None:
+    loss_chunk = getattr(cfg, "loss_chunk", 0)
+  memory = plan_memory.memory(cfg, sizes, step, params, state, remat, offload_optimizer, loss_chunk, optimizer)
+  # What crosses to the host and back each step: the offloaded residuals, the optimizer state.
+  offload = 2 * memory["host_total"] / hw.host_bandwidth
   out = {
       "model": model if isinstance(model, str) else "GPTConfig", "mesh": format_mesh_spec(sizes), "devices": devices, "optimizer": optimizer,
       "rank_fraction": rank_fraction if optimizer == "dion" else None, "gpu": gpu,
@@ -151,26 +168,46 @@ def plan(model: str | models.GPTConfig = "small", mesh: str | dict = "", optimiz
       "bytes_by_axes": _by(rows, lambda r: ",".join(r["axes"])),
       "bytes_by_purpose": _by(rows, lambda r: r["purpose"]),
       "bytes_total": sum(r["bytes"] for r in rows),
-      "time": {"compute": compute, "communication": comm, "bubble": bubble, "step": compute + comm + bubble,
-               "step_overlapped": max(compute, comm) + bubble,
+      "time": {"compute": compute, "recompute": recompute, "communication": comm, "bubble": bubble,
+               "offload": offload, "step": compute + comm + bubble + offload,
+               "step_overlapped": max(compute, comm, offload) + bubble,
                "model_flops": model_flops, "optimizer_flops": opt_flops},
-      "memory": memory, "hbm": hw.hbm_bytes, "fits": fits["activations"] or fits["activations_remat"],
-      "needs_remat": not fits["activations"] and fits["activations_remat"],
+      "memory": memory, "hbm": hw.hbm_bytes, "fits": memory["device_total"] <= hw.hbm_bytes,
       "bound": "communication" if comm > compute else "compute",
   }
   out["caveats"] = caveats(sizes)
+  if grpo is not None:
+    _add_rollout(out, cfg, sizes, params, grpo, hw, mfu)
   if compare:
     out["versus"] = {o: _summary(plan(model, sizes, o, rank_fraction, fraction, global_batch, micro, seq_len, gpu,
-                                      per_node, links, mfu, dtype, compare=False, network=network))
+                                      per_node, links, mfu, dtype, compare=False, network=network, remat=remat,
+                                      offload_optimizer=offload_optimizer, loss_chunk=loss_chunk, grpo=grpo))
                      for o in ("adamw", "muon") if o != optimizer}
   return out
+
+
+def _add_rollout(out: dict, cfg: models.GPTConfig, sizes: dict[str, int], params, grpo: plan_grpo.GRPO, hw: GPU,
+                 mfu: float) -> None:
+  """GRPO's part of a plan: the reference policy (beta > 0) held beside the update, and the
+  rollout's memory and time (``train.plan.grpo``); the step fits when both phases do."""
+  memory = out["memory"]
+  if grpo.beta > 0:
+    memory["device"]["reference"] = memory["device"]["parameters"]
+    memory["device_total"] += memory["device"]["reference"]
+  resident = sum(memory["device"].get(k, 0) for k in ("parameters", "optimizer_state", "reference"))
+  rollout = plan_grpo.rollout(cfg, sizes, params, grpo, resident, hw.peak_flops, mfu, hw.hbm_bandwidth)
+  out["grpo"] = dict(grpo._asdict(), rollout=rollout)
+  out["fits"] = memory["device_total"] <= hw.hbm_bytes and rollout["device_total"] <= hw.hbm_bytes
+  t = out["time"]
+  t["rollout"] = rollout["seconds"]
+  t["step"] += rollout["seconds"]
+  t["step_overlapped"] += rollout["seconds"]
 
 
 def caveats(sizes: dict[str, int]) -> list[str]:
   """Where the plan is not the compiler's (tests/test_train_plan.py and
   tests/test_train_run_comm.py check the rest)."""
-  out = ["activations are an estimate, 1.4-3.9x below the compiled step's temporary memory on CPU"
-         " (docs/planning.md): the loss's vocabulary-sized buffers and remat's recomputed layer are not counted"]
+  out = []
   if sizes["cp"] > 1 and sizes["pp"] > 1:
     out.append("cp beside pp is planned as designed; compiled on CPU, the tables' gathers, their gradients and"
                " the pipeline's sends group differently over cp and pp (tiny, cp=2,tp=2,pp=2: tp exact)")
@@ -186,7 +223,8 @@ def _by(rows, key) -> dict[str, int]:
 
 def _summary(p: dict) -> dict:
   return {"bytes_total": p["bytes_total"], "step_seconds": p["time"]["step"],
-          "optimizer_state": p["memory"]["optimizer_state"], "fits": p["fits"]}
+          "optimizer_state": p["memory"]["device"]["optimizer_state"] + p["memory"]["host"]["optimizer_state"],
+          "fits": p["fits"]}
 
 
 def meshes(devices: int, cfg, experts: bool) -> list[dict[str, int]]:
@@ -205,22 +243,75 @@ def meshes(devices: int, cfg, experts: bool) -> list[dict[str, int]]:
   return out
 
 
-def sweep(model: str, devices: int, top: int = 10, **kwargs) -> list[dict]:
-  """The meshes of ``devices`` that fit, fastest (non-overlapped step) first."""
+def remat_policies() -> tuple[str, ...]:
+  """The trainer's named recompute policies (``models.remat.POLICIES``)."""
+  return tuple(remat.POLICIES)
+
+
+def sweep(model: str, devices: int, top: int = 10, policies: Sequence[str] | None = None,
+          offloads: Sequence[bool] = (False, True), **kwargs) -> list[dict]:
+  """For each mesh of ``devices``, the fastest (non-overlapped step) recompute policy and
+  optimizer offload that fit; the meshes that have one, fastest first."""
   cfg = plan_model.load_config(model, kwargs.get("seq_len"), kwargs.get("dtype", "bfloat16"))
   ok = []
   for sizes in meshes(devices, cfg, cfg.num_experts > 0):
-    try:
-      p = plan(model, sizes, compare=False, **kwargs)
-    except ValueError:
-      continue  # the batch or a dimension does not split on this mesh
-    if p["fits"]:
-      ok.append(p)
+    best = None
+    for policy, offload in itertools.product(policies or remat_policies(), offloads):
+      try:
+        p = plan(model, sizes, compare=False, remat=policy, offload_optimizer=offload, **kwargs)
+      except ValueError:
+        break  # the batch or a dimension does not split on this mesh
+      if p["fits"] and (best is None or p["time"]["step"] < best["time"]["step"]):
+        best = p
+    if best is not None:
+      ok.append(best)
   return sorted(ok, key=lambda p: p["time"]["step"])[:top]
 
 
-def _gib(n: float) -> str:
-  return f"{n / 2**30:.2f} GiB"
+def format_sweep(found: list[dict]) -> str:
+  """The sweep as a Markdown table, each mesh's caveats in its last column."""
+  lines = ["| mesh | --remat | --offload-optimizer | step ms | compute (recompute) | communication | bubble | offload"
+           " | device memory | host memory | communication/device/step | bound | caveats |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for p in found:
+    t, m = p["time"], p["memory"]
+    lines.append(f"| {p['mesh']} | {m['policy']} | {'yes' if m['offload_optimizer'] else 'no'} | {t['step'] * 1e3:.1f}"
+                 f" | {t['compute'] * 1e3:.1f} ({t['recompute'] * 1e3:.1f}) | {t['communication'] * 1e3:.1f}"
+                 f" | {t['bubble'] * 1e3:.1f} | {t['offload'] * 1e3:.1f} | {size(m['device_total'])}"
+                 f" | {size(m['host_total'])} | {size(p['bytes_total'])} | {p['bound']}"
+                 f" | {'; '.join(p['caveats']) or 'none'} |")
+  return "\n".join(lines)
+
+
+def size(n: float) -> str:
+  """Bytes in the unit that shows them: GiB, MiB or KiB."""
+  for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+    if n >= scale:
+      return f"{n / scale:,.2f} {unit}"
+  return f"{n / 2**10:,.1f} KiB"
+
+
+def format_memory(m: dict, hbm: float) -> list[str]:
+  """The memory lines of a plan: device and host parts per device."""
+  def parts(where):
+    return ", ".join(f"{k.replace('_', ' ')} {size(v)}" for k, v in m[where].items() if v)
+
+  flags = f"--remat {m['policy']}" + (" --offload-optimizer" if m["offload_optimizer"] else "")
+  flags += f" --loss-chunk {m['loss_chunk']}" if m["loss_chunk"] else ""
+  host = f"; host {size(m['host_total'])} ({parts('host')})" if m["host_total"] else "; host 0"
+  return [f"memory ({flags}): device {size(m['device_total'])} of {size(hbm)} ({parts('device')}){host}",
+          f"residuals kept per layer: {', '.join(m['residuals_per_layer'])}"]
+
+
+def format_rollout(p: dict) -> list[str]:
+  """GRPO's rollout line, if the plan has one."""
+  if "grpo" not in p:
+    return []
+  g, r = p["grpo"], p["grpo"]["rollout"]
+  parts = ", ".join(f"{k.replace('_', ' ')} {size(v)}" for k, v in r["device"].items() if v)
+  return [f"GRPO: {g['prompts']} prompts x {g['group']} completions of {g['prompt']} + {g['completion']} tokens,"
+          f" beta {g['beta']:g}; rollout {r['seconds'] * 1e3:,.0f} ms (prefill {r['prefill_seconds'] * 1e3:,.0f},"
+          f" decode {r['decode_seconds'] * 1e3:,.0f}), device {size(r['device_total'])} ({parts})"]
 
 
 def format_plan(p: dict) -> str:
@@ -233,17 +324,39 @@ def format_plan(p: dict) -> str:
     link = "/".join(sorted({p["links"][a] for a in r["axes"]}))
     lines.append(f"| {r['purpose']} | {r['op']} | {','.join(r['axes'])} | {link} | {r['bytes'] / 2**20:,.1f}"
                  f" | {r['seconds'] * 1e3:.2f} |")
-  lines += ["", f"communication {p['bytes_total'] / 2**30:.2f} GiB/device/step: "
-            + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in p["bytes_by_purpose"].items()),
+  lines += ["", f"communication {size(p['bytes_total'])}/device/step: "
+            + ", ".join(f"{k} {size(v)}" for k, v in p["bytes_by_purpose"].items()),
             f"time: compute {t['compute'] * 1e3:.1f} ms, communication {t['communication'] * 1e3:.1f} ms,"
             f" bubble {t['bubble'] * 1e3:.1f} ms; step {t['step'] * 1e3:.1f} ms"
             f" ({t['step_overlapped'] * 1e3:.1f} ms if communication overlaps compute)",
-            f"memory: parameters {_gib(m['parameters'])}, gradients {_gib(m['gradients'])}, optimizer state"
-            f" {_gib(m['optimizer_state'])}, activations {_gib(m['activations'])} ({_gib(m['activations_remat'])}"
-            f" with remat); HBM {_gib(p['hbm'])}",
-            f"verdict: {'fits' if p['fits'] else 'does not fit'}{' with remat' if p['needs_remat'] else ''},"
-            f" {p['bound']}-bound"] + [f"caveat: {c}" for c in p["caveats"]]
+            *format_memory(m, p["hbm"]), *format_rollout(p),
+            f"verdict: {'fits' if p['fits'] else 'does not fit'}, {p['bound']}-bound"] + [f"caveat: {c}" for c in p["caveats"]]
   for o, v in p.get("versus", {}).items():
-    lines.append(f"  vs {o}: {v['bytes_total'] / 2**30:.2f} GiB/device/step, step {v['step_seconds'] * 1e3:.1f} ms,"
-                 f" optimizer state {_gib(v['optimizer_state'])}{'' if v['fits'] else ', does not fit'}")
+    lines.append(f"  vs {o}: {size(v['bytes_total'])}/device/step, step {v['step_seconds'] * 1e3:.1f} ms,"
+                 f" optimizer state {size(v['optimizer_state'])}{'' if v['fits'] else ', does not fit'}")
   return "\n".join(lines)
+
+
+def cheapest_fix(cfg: models.GPTConfig, sizes: dict[str, int], need: float, limit: float, offload: bool = True,
+                 **kwargs) -> str | None:
+  """The flags of the fastest step that fits ``limit`` bytes per device where the compiled
+  step needs ``need``: a recompute policy and optimizer offload (``offload``: the trainer
+  has the flag) on this mesh, else a mesh of as many devices with them; None when nothing
+  fits. Plans are scaled by the compiled step's need over its own plan (``kwargs``: the
+  step's ``plan`` arguments, ``remat`` and ``offload_optimizer`` among them)."""
+  scale = need / plan(cfg, sizes, compare=False, **kwargs)["memory"]["device_total"]
+  kwargs = {k: v for k, v in kwargs.items() if k not in ("remat", "offload_optimizer")}
+  choices = list(itertools.product(remat_policies(), (False, True) if offload else (False,)))
+  for where in ([sizes], meshes(math.prod(sizes.values()), cfg, cfg.num_experts > 0)):
+    best = None
+    for mesh, (policy, off) in itertools.product(where, choices):
+      try:
+        p = plan(cfg, mesh, compare=False, remat=policy, offload_optimizer=off, **kwargs)
+      except ValueError:
+        continue
+      if p["memory"]["device_total"] * scale <= limit and (best is None or p["time"]["step"] < best["time"]["step"]):
+        best = p
+    if best is not None:
+      flags = ([] if where[0] is sizes else [f"--mesh {best['mesh']}"]) + [f"--remat {best['memory']['policy']}"]
+      return " ".join(flags + (["--offload-optimizer"] if best["memory"]["offload_optimizer"] else []))
+  return None

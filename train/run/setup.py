@@ -92,7 +92,7 @@ def setup(cfg: Config) -> Run:
   position = batches.loader.get_state()
   first = batches.to_global(next(batches.loader))
   batches.loader.set_state(position)
-  compiled = compile_within_memory(train_step, state, first, mesh, model_cfg)
+  compiled = compile_within_memory(train_step, state, first, mesh, model_cfg, cfg)
   run = Run(cfg=cfg, model_cfg=model_cfg, mesh=mesh, par=par, directory=directory, checkpoints=checkpoints,
             record=config_record(cfg, model_cfg, origin), state=state, start_step=start_step,
             train_step=train_step, data=batches)
@@ -164,7 +164,7 @@ def _batches(cfg: Config, model_cfg: models.GPTConfig, mesh: jax.sharding.Mesh, 
 
 
 def compile_within_memory(train_step, state: Any, batch: dict, mesh: jax.sharding.Mesh,
-                          model_cfg: models.GPTConfig) -> jax.stages.Compiled:
+                          model_cfg: models.GPTConfig, cfg: Config | None = None) -> jax.stages.Compiled:
   """Compiles the step for ``state`` and ``batch`` (later calls reuse the executable) and
   refuses one whose memory the devices cannot hold (``preflight.check_memory``), before
   anything is written."""
@@ -174,7 +174,7 @@ def compile_within_memory(train_step, state: Any, batch: dict, mesh: jax.shardin
   t0 = time.perf_counter()
   with jax.set_mesh(mesh):
     compiled = train_step.lower(state, batch).compile()
-  preflight.check_memory(compiled.memory_analysis(), mesh, model_cfg)
+  preflight.check_memory(compiled.memory_analysis(), mesh, model_cfg, cfg)
   if primary:
     print(f"compiled the training step in {time.perf_counter() - t0:.1f} s", flush=True)
   return compiled

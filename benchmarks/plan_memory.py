@@ -1,0 +1,66 @@
+"""The planner's memory against the trainer's compiled step, per mesh kind and recompute
+policy: ``python -m benchmarks.plan_memory`` prints a Markdown table (planned device total,
+compiled arguments + outputs - aliased + temporaries, their ratio, and the planned parts),
+the numbers ``docs/planning.md`` quotes; ``tests/test_train_plan_memory.py`` holds the bound.
+
+    python -m benchmarks.plan_memory                      # tiny, every mesh kind and policy
+    python -m benchmarks.plan_memory --case "--preset small --mesh fs=8"   # one case (heavy)
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from benchmarks.harness import setup_process
+
+setup_process(8, "cpu")
+
+from train.plan import compiled as compiled_lib  # noqa: E402
+from train.plan.planner import size  # noqa: E402
+
+TINY = "--preset tiny --global-batch-size 8 --vocab-size 2048"
+DION = "--optimizer dion --dion-rank-fraction 0.25"  # tiny's default rank is 1: whole matrices, not a scale's
+CASES = [
+    f"{TINY} --mesh fs=8 --optimizer adamw",
+    f"{TINY} --mesh fs=8 --optimizer adamw --remat full",
+    f"{TINY} --mesh fs=4,tp=2 --optimizer adamw",
+    f"{TINY} --mesh fs=4,tp=2 {DION} --remat selective",
+    f"{TINY} --mesh rp=2,fs=2,tp=2 {DION}",
+    f"{TINY} --mesh rp=8 {DION} --remat save_out_proj --global-batch-size 16 --micro-batch-size 1",
+    f"{TINY} --mesh fs=2,cp=2,tp=2 --remat save_dot_except_mlp --optimizer muon",
+    f"{TINY} --mesh pp=2,fs=2,tp=2 --remat full {DION}",
+    f"{TINY} --mesh pp=2,fs=2,tp=2 --optimizer adamw",
+    f"{TINY} --mesh fs=8 --optimizer adamw --remat minimal_offloaded --loss-chunk 32",
+    f"{TINY} --mesh fs=8 --optimizer adamw --remat qkv_proj_offloaded",
+    f"{TINY} --mesh fs=4,tp=2 --optimizer adamw --offload-optimizer",
+    "--preset tiny-moe --global-batch-size 8 --vocab-size 2048 --mesh ep=2,fs=2,tp=2 --optimizer adamw"
+    " --remat save_qkv_proj",
+    f"--preset tiny-moe --global-batch-size 8 --vocab-size 2048 --mesh ep=2,fs=4 {DION}",
+]
+
+
+def row(case: str) -> str:
+  argv = case.split()
+  t0 = time.perf_counter()
+  step = compiled_lib.compile_step(argv)
+  got = compiled_lib.footprint(step.compiled.memory_analysis())
+  plan = compiled_lib.planned(argv)
+  # On CPU what is offloaded stays on the device (models/remat.py).
+  planned = plan["device_total"] + plan["host_total"]
+  parts = ", ".join(f"{k} {size(v)}" for k, v in plan["device"].items() if v)
+  return (f"| `{case}` | {size(planned)} | {size(got.device)} | {planned / got.device:.3f} | {size(got.host)}"
+          f" | {parts} | {time.perf_counter() - t0:.0f} s |")
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--case", action="append", help="train.gpt flags of one case (repeatable); default: CASES")
+  args = parser.parse_args()
+  print("| flags | planned device | compiled device | ratio | compiled host | planned parts | compile |")
+  print("| --- | --- | --- | --- | --- | --- | --- |")
+  for case in args.case or CASES:
+    print(row(case), flush=True)
+
+
+if __name__ == "__main__":
+  main()
