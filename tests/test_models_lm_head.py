@@ -131,7 +131,9 @@ def test_chunked_loss_matches_float64_and_the_unchunked_gradients(unchunked):
 
 
 MESHES = [
-    ("fs=2,tp=2", {"sequence_parallel": True}),  # the vocabulary over tp, chunks of each fs shard's tokens
+    # The vocabulary over tp, chunks of each fs shard's tokens, inside Dion's per-replica
+    # gradient (a shard_map manual over rp).
+    ("rp=2,fs=2,tp=2", {"sequence_parallel": True}),
     ("cp=2", {}),
     ("pp=2", {"microbatches": 4}),
 ]
