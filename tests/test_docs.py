@@ -1,27 +1,22 @@
 """The pages hold: every command README.md and docs/*.md show takes the flags it is shown
-with (each command's own ``--help``), and the quick start runs as the README writes it and
-prints what the pages claim of it: the first logged loss (6.6), one validation loss in the
-trainer's log and in ``train.eval``'s line, ``--print-config`` read back to itself, a
-finished run's ``--resume`` and the default model's export refused in one line that names
-the way on.
+with (each command's own ``--help``; about 2 s, no JAX).
 
-The run is the README's ``python -m train.gpt`` cut to 2 steps on one device with 2,048
-validation targets (about 25 s here, most of it the compile); the flags' check needs no
-JAX and takes about a second.
+What the pages claim of the commands' output is checked on runs the suite makes anyway:
+the quick start's (``tests/test_train_gpt.py::test_default_command_trains``: the first
+logged loss, the legend, one validation loss in the trainer's line and in ``train.eval``'s,
+the refusals of a finished ``--resume`` and of the default model's export), a run of
+fs=2,tp=2 evaluated on one device (``tests/test_train_sample.py``), ``--print-config``
+read back to itself with its resolved defaults (``tests/test_train_run_config_file.py``),
+a from-scratch Qwen3's export (``tests/test_train_store_hf.py``).
 """
 import contextlib
 import importlib
 import io
-import json
 import pathlib
 import re
 import shlex
 
 import pytest
-
-from train import eval as eval_lib
-from train import export as export_lib
-from train import gpt
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -70,50 +65,3 @@ def test_every_documented_flag_is_one_of_its_commands():
     wrong += [f"{page}: python -m {command} {' '.join(argv)}: {a}" for a in argv
               if a.startswith("--") and a.split("=")[0] not in flags[command, sub]]
   assert not wrong, "\n".join(wrong)
-
-
-def _run(main, argv: list[str], capsys) -> tuple[int, str, str]:
-  code = main(argv)
-  out, err = capsys.readouterr()
-  return code, out, err
-
-
-def test_the_quick_start_prints_what_the_pages_say(tmp_path, monkeypatch, capsys):
-  monkeypatch.chdir(tmp_path)  # the commands' default run directory is runs/ where they run
-  code, out, err = _run(gpt.main, ["--steps", "2", "--mesh", "fs=1", "--eval-tokens", "2048"], capsys)
-  assert code == 0, err
-  lines = out.splitlines()
-  iterations = [line for line in lines if line.startswith("iteration")]
-  # README: "the logged lm loss falls from 6.6 (step 1, the first line)"; training.md: the legend
-  assert iterations[0].startswith("iteration        1/       2 |") and len(iterations) == 2
-  assert round(float(re.search(r"lm loss: (\S+)", iterations[0]).group(1)), 1) == 6.6
-  assert any(line.startswith("each line: lm loss = the mean over the interval's applied steps") for line in lines)
-  validation = [line for line in lines if line.startswith("validation at iteration")][-1]
-  trainer = validation.split(" | ", 1)[1]
-  assert trainer.endswith("| targets: 2048")
-
-  # training.md, huggingface.md: train.eval RUN_DIR repeats the run's validation loss and count
-  code, out, err = _run(eval_lib.main, ["runs/tiny-dion"], capsys)
-  assert code == 0, err
-  evaluated = out.strip().splitlines()[-1]
-  assert evaluated.startswith("validation lm loss: ") and "| targets: 2048 |" in evaluated
-  # two compiled programs (the trainer's step and eval's): the same 7 digits, within 1e-6
-  assert float(evaluated.split()[3]) == pytest.approx(float(trainer.split()[3]), rel=1e-6)
-
-  # README: "python -m train.gpt --resume" continues after a stop; a finished run says how to go on
-  code, _, err = _run(gpt.main, ["--resume", "--steps", "2"], capsys)
-  assert code == 2 and err.count("\n") == 1 and "--steps 4 --lr-decay-steps 4" in err, err
-  code, _, err = _run(gpt.main, ["--resume", "--steps", "3"], capsys)
-  assert code == 2 and "pass --lr-decay-steps 3" in err and err.count("\n") == 1, err
-
-  # training.md: --print-config writes the resolved flags, which --config reads back to themselves
-  code, printed, _ = _run(gpt.main, ["--preset", "small", "--print-config"], capsys)
-  (tmp_path / "small.yaml").write_text(printed)
-  assert "seq_len: 1024\n" in printed and "lr: 0.02\n" in printed
-  assert _run(gpt.main, ["--config", "small.yaml", "--print-config"], capsys)[1] == printed
-
-  # huggingface.md: the default model does not export, and the line names the flags that would
-  code, _, err = _run(export_lib.main, ["runs/tiny-dion", "--output", "exported"], capsys)
-  assert code == 2 and err.count("\n") == 1 and "--mlp swiglu --qk-norm none" in err, err
-  assert not (tmp_path / "exported").exists()
-  assert json.loads((tmp_path / "runs" / "tiny-dion" / "config.json").read_text())["train"]["steps"] == 2

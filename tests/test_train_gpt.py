@@ -22,6 +22,8 @@ import pytest
 import data
 from tests import xla_env
 from tests.test_train_run_optim import expected_lr
+from train import eval as eval_lib
+from train import export as export_lib
 from train import gpt
 
 SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-len", "16",
@@ -84,8 +86,12 @@ def assert_trees_equal(a, b):
     np.testing.assert_array_equal(x, y)
 
 
-def test_default_command_trains(compile_cache, tmp_path):
-  """The README's first command, cut short: from another directory, tiny preset, Dion."""
+def test_default_command_trains(compile_cache, tmp_path, monkeypatch, capsys):
+  """The README's first command, cut short: from another directory, tiny preset, Dion; and
+  what the pages claim of its run (``tests/test_docs.py`` holds the pages' flags): the first
+  logged loss (README: 6.6), the legend, one validation loss in the trainer's line and in
+  ``train.eval RUN_DIR``'s, the one-line refusals of a finished ``--resume`` and of the
+  default model's export."""
   out = subprocess.run([sys.executable, "-m", "train.gpt", "--steps", "12", "--log-interval", "4",
                         "--global-batch-size", "8", "--eval-tokens", "2048"],
                        cwd=tmp_path, env=subprocess_env(compile_cache), capture_output=True,
@@ -101,12 +107,33 @@ def test_default_command_trains(compile_cache, tmp_path):
             "skipped iterations: 0", "nan iterations: 0"]
   assert [f for f in fields if f not in lines[0]] == []
   assert "consumed tokens: 12288 " in lines[-1]
-  assert "validation lm loss" in out.stdout
   losses = train_losses(run_dir)
   assert list(losses) == [1, 4, 8, 12]
-  assert losses[12] < losses[1] - 2.0  # step 1 about 6.6 (measured 12 steps: 2.8); a few Dion steps halve it
+  assert round(losses[1], 1) == 6.6  # README: "falls from 6.6 (step 1, the first line)"
+  assert losses[12] < losses[1] - 2.0  # a few Dion steps halve it (measured 12 steps: 2.8)
   assert json.load(open(run_dir / "config.json"))["model"]["num_layers"] == 4
   assert os.listdir(run_dir / "checkpoints") == ["12"]
+
+  # training.md, huggingface.md: train.eval RUN_DIR prints the run's validation loss and count
+  trainer = [l for l in out.stdout.splitlines() if l.startswith("validation at iteration")][-1].split(" | ", 1)[1]
+  assert trainer.startswith("validation lm loss: ") and trainer.endswith("| targets: 2048")
+  monkeypatch.chdir(tmp_path)
+  capsys.readouterr()
+  assert eval_lib.main(["runs/tiny-dion"]) == 0
+  evaluated = capsys.readouterr().out.strip().splitlines()[-1]
+  assert evaluated.startswith("validation lm loss: ") and "| targets: 2048 |" in evaluated
+  # two compiled programs (the trainer's on fs=8, eval's on one device): within 1e-6, 7 digits
+  assert float(evaluated.split()[3]) == pytest.approx(float(trainer.split()[3]), rel=1e-6)
+  # README: --resume continues after a stop; a finished run's says how to go on, in one line
+  for argv, advice in [(["--resume"], "--steps 24 --lr-decay-steps 24"),
+                       (["--resume", "--steps", "13"], "pass --lr-decay-steps 13")]:
+    assert gpt.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and advice in err, err
+  # huggingface.md: the default model does not export, and the line names the flags that would
+  assert export_lib.main(["runs/tiny-dion", "--output", "exported"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "--mlp swiglu --qk-norm none" in err and not (tmp_path / "exported").exists()
 
 
 def test_resume_continues_bit_identically(compile_cache, tmp_path):

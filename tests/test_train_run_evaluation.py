@@ -102,7 +102,8 @@ def test_sft_log_shows_examples_and_epochs(run, tmp_path):
   resumed = tmp_path / "run"
   shutil.copytree(run_dir, resumed)
   with contextlib.redirect_stdout(io.StringIO()):
-    assert gpt.main([*args, "--run-dir", str(resumed), "--resume", "--steps", "6", "--eval-tokens", "0"]) == 0
+    assert gpt.main([*args, "--run-dir", str(resumed), "--resume", "--steps", "6", "--lr-decay-steps", "6",
+                     "--eval-tokens", "0"]) == 0
   with open(resumed / "metrics.jsonl") as f:
     last = json.loads(f.readlines()[-1])
   assert (last["step"], last["epoch"], last["examples"]) == (6, 3.0, 3 * len(TRAIN))

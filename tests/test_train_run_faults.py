@@ -281,7 +281,7 @@ def test_resume_reads_the_checkpoint_config_and_refuses_damaged_checkpoints(comp
   (run_dir / "config.json").unlink()
   capsys.readouterr()
   # No model flags: the defaults (4 layers x 128) would not match the checkpoint.
-  assert gpt.main(["--run-dir", str(run_dir), "--resume", "--steps", "3"]) == 0
+  assert gpt.main(["--run-dir", str(run_dir), "--resume", "--steps", "3", "--lr-decay-steps", "3"]) == 0
   assert capsys.readouterr().err == ""
   assert gpt.main(["--run-dir", str(run_dir), "--resume", "--steps", "4", "--global-batch-size", "16"]) == 2
   assert "the run was saved with 8" in one_error_line(capsys)

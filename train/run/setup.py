@@ -29,7 +29,7 @@ from train.run import comm, evaluation, optim, preflight, trainer
 from train.run import grad_norm as grad_norm_lib
 from train.run import model_source as model_source_lib
 from train.run import step as step_lib
-from train.run.config import Config, saved_config
+from train.run.config import Config
 from train.store import checkpoint as ckpt_lib
 from train.store import rundir, tracking
 
@@ -85,6 +85,8 @@ def setup(cfg: Config) -> Run:
   batches = _batches(cfg, model_cfg, mesh, source, valid_source, eod, eval_step)
   checkpoints = ckpt_lib.Checkpoints(cfg.ckpt_path, cfg.keep, create=False)  # made once checked
   state, meta, saved = trainer.resume_state(checkpoints, start_step, state, cfg, model_cfg, par)
+  if saved is not None:  # after the checkpoint's model and optimizer are checked, before the compile
+    preflight.check_schedule(cfg, start_step, saved["train"])
   if meta is not None:
     batches.loader.set_state(meta["data"])
     batches = batches._replace(examples=meta.get("examples"))  # None: saved before examples were counted
@@ -111,9 +113,7 @@ def check_directory(cfg: Config) -> tuple[rundir.RunDirectory, int]:
   by process 0 only), and the step the run starts after."""
   ckpt_lib.quiet_orbax_logs()
   directory = rundir.RunDirectory(cfg.run_path, cfg.ckpt_path)
-  start_step = directory.check(cfg.resume, cfg.step, cfg.steps, primary=jax.process_index() == 0)
-  preflight.check_schedule(cfg, start_step, saved_config(cfg.run_path, cfg.ckpt_path))
-  return directory, start_step
+  return directory, directory.check(cfg.resume, cfg.step, cfg.steps, primary=jax.process_index() == 0)
 
 
 def make_mesh(spec: str) -> jax.sharding.Mesh:
