@@ -36,10 +36,6 @@ Stages (``--stages``); each reports, and the next runs even when one fails:
   log interval; and the optimizer's share of the step: the trainer's own optimizer
   (update + apply, jitted alone, donated, on the model's parameters and same-shaped
   gradients) timed as the trainer times its steps, ``optimizer_ms / ms_per_step``.
-- ``memory`` (``train/gpu/memory.py``): ``small`` and ``350m`` (bfloat16, cuDNN attention,
-  one GPU, batch 8) under every recompute policy (``--remat``), with and without
-  ``--offload-optimizer``: the compiled step's device and host memory beside the planner's
-  (``train.plan.memory``), and the step's time over ``none``'s (the recompute's cost).
 - ``profile``: a trace of Dion's steps 2 to 6 of ``small`` at its default rank (1/2 at
   width 768), taken by the trainer's own ``--profile-steps`` (``train/store/profiling.py``),
   summarized as the device's kernels by total time: where a step's time goes (the Triton
@@ -67,11 +63,11 @@ import traceback
 
 import jax
 
-from train.gpu import evidence, kernels, memory, moe, optimizers, sampler
+from train.gpu import evidence, kernels, moe, optimizers, sampler
 
 EXIT_NO_GPU = 2
-STAGES = ("check", "kernels", "optimizers", "moe", "train", "memory", "profile", "sampler")
-TABLES = {"optimizers": optimizers.markdown, "memory": memory.markdown, "sampler": sampler.markdown}  # stage: its markdown
+STAGES = ("check", "kernels", "optimizers", "moe", "train", "profile", "sampler")
+TABLES = {"optimizers": optimizers.markdown, "sampler": sampler.markdown}  # stage: its markdown
 
 
 def device_slug(kind: str) -> str:
@@ -103,7 +99,6 @@ def main(argv: list[str] | None = None) -> int:
              "command": "python -m train.gpu " + " ".join(argv if argv is not None else sys.argv[1:])}
   functions = {"check": kernels.stage_check, "kernels": kernels.stage_kernels,
                "optimizers": optimizers.stage_optimizers, "moe": moe.stage_moe, "train": evidence.stage_train,
-               "memory": memory.stage_memory,
                "profile": evidence.stage_profile, "sampler": sampler.stage_sampler}
   for name in stages:
     print(f"== {name}", flush=True)

@@ -335,28 +335,3 @@ def format_plan(p: dict) -> str:
     lines.append(f"  vs {o}: {size(v['bytes_total'])}/device/step, step {v['step_seconds'] * 1e3:.1f} ms,"
                  f" optimizer state {size(v['optimizer_state'])}{'' if v['fits'] else ', does not fit'}")
   return "\n".join(lines)
-
-
-def cheapest_fix(cfg: models.GPTConfig, sizes: dict[str, int], need: float, limit: float, offload: bool = True,
-                 **kwargs) -> str | None:
-  """The flags of the fastest step that fits ``limit`` bytes per device where the compiled
-  step needs ``need``: a recompute policy and optimizer offload (``offload``: the trainer
-  has the flag) on this mesh, else a mesh of as many devices with them; None when nothing
-  fits. Plans are scaled by the compiled step's need over its own plan (``kwargs``: the
-  step's ``plan`` arguments, ``remat`` and ``offload_optimizer`` among them)."""
-  scale = need / plan(cfg, sizes, compare=False, **kwargs)["memory"]["device_total"]
-  kwargs = {k: v for k, v in kwargs.items() if k not in ("remat", "offload_optimizer")}
-  choices = list(itertools.product(remat_policies(), (False, True) if offload else (False,)))
-  for where in ([sizes], meshes(math.prod(sizes.values()), cfg, cfg.num_experts > 0)):
-    best = None
-    for mesh, (policy, off) in itertools.product(where, choices):
-      try:
-        p = plan(cfg, mesh, compare=False, remat=policy, offload_optimizer=off, **kwargs)
-      except ValueError:
-        continue
-      if p["memory"]["device_total"] * scale <= limit and (best is None or p["time"]["step"] < best["time"]["step"]):
-        best = p
-    if best is not None:
-      flags = ([] if where[0] is sizes else [f"--mesh {best['mesh']}"]) + [f"--remat {best['memory']['policy']}"]
-      return " ".join(flags + (["--offload-optimizer"] if best["memory"]["offload_optimizer"] else []))
-  return None

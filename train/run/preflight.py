@@ -128,12 +128,10 @@ def reading(command: str, ckpt_path: str, step: int | None) -> Iterator[None]:
     raise damaged(command, ckpt_path, step, e) from None
 
 
-def check_memory(stats, mesh: jax.sharding.Mesh, model_cfg: models.GPTConfig, cfg: Config | None = None) -> None:
+def check_memory(stats, mesh: jax.sharding.Mesh, model_cfg: models.GPTConfig) -> None:
   """Refuses a compiled training step whose memory (XLA's ``memory_analysis``: arguments,
   outputs and temporaries of one device) exceeds a device's memory, or, on CPU, whose
-  devices together exceed the host's; a backend that reports neither is not checked. With
-  the run's ``cfg`` the refusal names the fastest recompute policy, optimizer offload or
-  mesh that the planner finds to fit (``train.plan.planner.cheapest_fix``)."""
+  devices together exceed the host's; a backend that reports neither is not checked."""
   if stats is None:
     return
   local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
@@ -149,22 +147,11 @@ def check_memory(stats, mesh: jax.sharding.Mesh, model_cfg: models.GPTConfig, cf
   else:
     return
   if need > limit:
-    fix = _planned_fix(cfg, mesh, model_cfg, need / len(local), limit / len(local)) if cfg else None
-    advice = (f"the planner's fastest step that fits: {fix}" if fix else
-              "lower --seq-len or --micro-batch-size, choose a --remat policy, or shard over more devices (--mesh)")
+    advice = ("choose a --remat policy (full keeps least), add --offload-optimizer, lower --seq-len or"
+              " --micro-batch-size, or shard over more devices (--mesh); python -m train.plan --sweep"
+              " names the fastest that fits")
     raise UsageError(f"a training step needs {need / 2**30:,.1f} GiB, more than {where}"
                      f" (--seq-len {model_cfg.seq_len}); {advice}")
-
-
-def _planned_fix(cfg: Config, mesh: jax.sharding.Mesh, model_cfg: models.GPTConfig, need: float, limit: float
-                 ) -> str | None:
-  from train.plan import planner  # noqa: PLC0415  the planner imports the trainer's config: not at import time
-  policy = model_cfg.remat if isinstance(model_cfg.remat, str) else ("full" if model_cfg.remat else "none")
-  offloaded = getattr(cfg, "offload_optimizer", None)
-  return planner.cheapest_fix(model_cfg, dict(mesh.shape), need, limit, offload=offloaded is not None,
-                              optimizer=cfg.optimizer, rank_fraction=cfg.dion_rank_fraction,
-                              global_batch=cfg.global_batch_size, micro=cfg.micro_batch_size, dtype=model_cfg.dtype,
-                              remat=policy, offload_optimizer=bool(offloaded))
 
 
 def _kept_schedule(cfg: Config, saved_train: dict) -> bool:
