@@ -147,8 +147,8 @@ def check_memory(stats, mesh: jax.sharding.Mesh, model_cfg: models.GPTConfig) ->
   else:
     return
   if need > limit:
-    advice = ("choose a --remat policy (full keeps least), add --offload-optimizer, lower --seq-len or"
-              " --micro-batch-size, or shard over more devices (--mesh); python -m train.plan --sweep"
+    advice = ("lower --seq-len or --micro-batch-size, choose a --remat policy (full keeps least), add"
+              " --offload-optimizer, or shard over more devices (--mesh); python -m train.plan --sweep"
               " names the fastest that fits")
     raise UsageError(f"a training step needs {need / 2**30:,.1f} GiB, more than {where}"
                      f" (--seq-len {model_cfg.seq_len}); {advice}")
