@@ -31,4 +31,4 @@ def test_a_step_over_memory_names_the_levers_that_would_fit_it():
 
 def test_a_step_that_fits_is_not_refused():
   mesh = dion_jax.make_mesh("fs=8", jax.devices()[:8])
-  preflight.check_memory(_stats(HOST / 64), mesh, models.preset("tiny"))
+  assert preflight.check_memory(_stats(HOST / 64), mesh, models.preset("tiny")) is None  # raises if refused
