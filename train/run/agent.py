@@ -30,7 +30,8 @@ The agent (:func:`supervise`) runs the same command again as its worker, with
   process 0's coordination service still answers: if not, it prints which process stopped
   (process 0, the coordinator), the last whole checkpoint and the ``--resume`` command; else
   the worker's own end (the signal, its held lines). Either way it removes unfinished saves
-  and the run's lock of a process that is gone, and exits 1.
+  and the run's lock of a process that is gone, and exits 1. After any failed end it removes
+  unfinished saves again: the worker's writer threads are gone only once it is.
 
 The agent imports neither JAX nor the model: it costs one small Python process per host.
 """
@@ -126,6 +127,10 @@ def supervise(cfg: Config, command: str, worker_argv: list[str]) -> int:
   code = worker.returncode
   if code >= 0 or -code in _STOPPED_BY_USER:
     relay.flush()
+    if code != 0:
+      # The worker removed its unfinished saves as it ended, but Orbax's writer threads, which
+      # wait at barriers and are never joined, could still add to one; now none is alive.
+      rundir.remove_partial_saves(cfg.ckpt_path)
     return code if code >= 0 else 128 - code
   return _lost(cfg, command, -code, relay)
 
