@@ -27,6 +27,8 @@ CASES = [
     f"{TINY} --mesh fs=4,tp=2 {DION} --remat selective",
     f"{TINY} --mesh rp=2,fs=2,tp=2 {DION}",
     f"{TINY} --mesh rp=8 {DION} --remat save_out_proj --global-batch-size 16 --micro-batch-size 1",
+    f"{TINY} --mesh rp=2,fs=2,tp=2 {DION} --remat selective --micro-batch-size 1",
+    f"{TINY} --mesh fs=4,tp=2 --optimizer adamw --micro-batch-size 1",
     f"{TINY} --mesh fs=2,cp=2,tp=2 --remat save_dot_except_mlp --optimizer muon",
     f"{TINY} --mesh pp=2,fs=2,tp=2 --remat full {DION}",
     f"{TINY} --mesh pp=2,fs=2,tp=2 --optimizer adamw",

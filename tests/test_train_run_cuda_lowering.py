@@ -82,10 +82,11 @@ def test_float16_step_lowers_with_cudnn_attention_in_float16(tmp_path, as_on_a_g
   assert len(calls) >= 2 and all("xf16>" in line for line in calls), calls
 
 
-@pytest.mark.parametrize("rank_fraction,blocks", [(1.0, 6), (0.5, 3), (0.25, 2)])
+@pytest.mark.parametrize("rank_fraction,blocks", [(0.5, 3), (0.25, 2)])
 def test_dion_step_factorizes_batched_without_loops_or_conditionals(tmp_path, as_on_a_gpu, rank_fraction, blocks):
-  """Dion's default orthonormalization in the whole ``small`` step at ranks 1, 1/2 and 1/4
-  (r = 768, 384, 192): no cuSOLVER or cuBLAS factorization (before issue 44: 16 batched
+  """Dion's default orthonormalization in the whole ``small`` step at ranks 1/2 and 1/4
+  (r = 384, 192; rank 1's r = 768 takes 6 blocks by the same rule, and twice these two's
+  compile time): no cuSOLVER or cuBLAS factorization (before issue 44: 16 batched
   potrf and 16 batched trsm, about 2r/16 + r/64 + 4 launches each, 1,760 per step at
   rank 1), no Householder QR, no loop, no conditional (an XLA:GPU conditional copies its
   predicate to the host). The megabatches {query, key, value}, {out} (row-parallel: its

@@ -8,7 +8,9 @@ T/cp tokens per micro-batch, a the compute dtype's bytes, L the layers of a pipe
 - persistent (the step's donated arguments): the parameters' float32 shards, the optimizer
   state (in host memory with ``--offload-optimizer``);
 - the gradients' float32 shards, held from the backward pass to the update (with
-  micro-batches the running sum, which XLA updates in place);
+  micro-batches the running sum, which XLA updates in place, and beside it, when they are
+  reduced over fs, the reduction's output, but in a pipeline, whose loop's backward pass
+  sums them);
 - the residuals the recompute policy keeps, per layer and micro-batch in flight
   (:func:`layer_tensors`, named as ``models/remat.py`` names them): the layer's input
   (float32 [b, T/cp, d], the scan's carry, always kept) and, where the policy keeps them,
@@ -124,7 +126,9 @@ def memory(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, params: Seq
   # Chunked, the loss's scan holds the gathered head and both tables' gradients throughout.
   transients = {"loss": (3 if loss_chunk else 2) * table + 3 * logits, "layer_backward": backward}
   temporaries = {
-      "gradients": p_bytes,
+      # Micro-batches reduced over fs outside a pipeline: the running sum and the reduction's
+      # output (measured: rp=2,fs=2,tp=2 and fs=8 hold both; rp=8 adds in place).
+      "gradients": p_bytes * (2 if step.accum > 1 and sizes["pp"] == 1 and sizes["fs"] > 1 else 1),
       # A pipeline's loop copies its residuals' stacks once more.
       "residuals": residuals["device"] * (2 if sizes["pp"] > 1 else 1),
       "update": _update(optimizer, matrices, state_bytes - 2 * (p_bytes - matrices)),
