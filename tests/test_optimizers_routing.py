@@ -64,11 +64,16 @@ def _assert_trajectory(got, want, X0, rel=2e-3):
 
 
 def _run_alone(tx, params, grads):
-  """Runs ``tx`` on ``params`` over ``grads``; list of params after each step."""
-  state, out = tx.init(params), []
-  for g in grads:
+  """Runs ``tx`` on ``params`` over ``grads``; list of params after each step. Jitted: one
+  compile, where eager dispatch compiles each of the update's many small operations."""
+  @jax.jit
+  def step(params, state, g):
     upd, state = tx.update(g, state, params)
-    params = optax.apply_updates(params, upd)
+    return optax.apply_updates(params, upd), state
+
+  state, out = jax.jit(tx.init)(params), []
+  for g in grads:
+    params, state = step(params, state, g)
     out.append(params)
   return out
 

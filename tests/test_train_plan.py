@@ -149,8 +149,11 @@ def test_update_bytes_and_state_memory_equal_the_compiled_update(name, spec, opt
 
 
 # Meshes beyond the 8 test devices, compiled in a process of 32 CPU devices (16-device
-# meshes on its first 16): 16 devices, then 32; fs x ep x tp at 32 only (its 8-device case is
-# above). Left out, as the plan's caveats say: pp beside batch axes, one expert per ep rank
+# meshes on its first 16): 16 devices, then 32: each kind whose 8-device case above could
+# hide a factor of the axes' sizes (a pipeline of 4 stages, 4 expert ranks, replicas over a
+# wider fs, 8 expert ranks); fs x tp's and fs x ep x tp's kinds at 32 devices held too
+# (fs=8,tp=4 and NorMuon's update there; fs=4,ep=4,tp=2), at 40 s of compiling, before the
+# suite's time asked for it back. Left out, as the plan's caveats say: pp beside batch axes, one expert per ep rank
 # (tiny-moe rp=2,fs=2,ep=8's forward/backward); and small (31 s of CPU a case; its 8-device
 # cases above). Achieved: bytes 0 except the pipeline's and the experts' scalars (8e-6);
 # memory 2e-5 (Dion), 9e-5 (NorMuon). The forward/backward meshes have no rp: a plain
@@ -160,9 +163,6 @@ MANY_DEVICES = (
     ("forward_backward", "tiny", "pp=4,tp=4", 4),
     ("forward_backward", "tiny-moe", "fs=4,ep=4", 1),
     ("update", "tiny", "rp=2,fs=4,tp=2", "dion"),
-    ("forward_backward", "tiny", "fs=4,ep=4,tp=2", 1),
-    ("forward_backward", "tiny", "fs=8,tp=4", 1),
-    ("update", "tiny", "fs=8,tp=4", "normuon"),
     ("update", "tiny-moe", "rp=2,fs=2,ep=8", "dion"),
 )
 
