@@ -5,17 +5,24 @@ the numbers ``docs/planning.md`` quotes; ``tests/test_train_plan_memory.py`` hol
 
     python -m benchmarks.plan_memory                      # tiny, every mesh kind and policy
     python -m benchmarks.plan_memory --case "--preset small --mesh fs=8"   # one case (heavy)
+    python -m benchmarks.plan_memory --gpu-json gpu-evidence/DEVICE/gpu.json
+
+``--gpu-json`` compiles nothing: it sets the planner's device and host memory beside each
+row of ``python -m train.gpu``'s memory stage (a GPU's compiled step, where offloaded
+tensors are in host memory, as XLA:CPU's are not).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 from benchmarks.harness import setup_process
 
 setup_process(8, "cpu")
 
-from train.plan import compiled as compiled_lib  # noqa: E402
+from train.plan import compiled as plan_compiled  # noqa: E402
+from train.run import compiled as compiled_lib  # noqa: E402
 from train.plan.planner import size  # noqa: E402
 
 TINY = "--preset tiny --global-batch-size 8 --vocab-size 2048"
@@ -46,7 +53,7 @@ def row(case: str) -> str:
   t0 = time.perf_counter()
   step = compiled_lib.compile_step(argv)
   got = compiled_lib.footprint(step.compiled.memory_analysis())
-  plan = compiled_lib.planned(argv)
+  plan = plan_compiled.planned(argv)
   # On CPU what is offloaded stays on the device (models/remat.py).
   planned = plan["device_total"] + plan["host_total"]
   parts = ", ".join(f"{k} {size(v)}" for k, v in plan["device"].items() if v)
@@ -54,10 +61,32 @@ def row(case: str) -> str:
           f" | {parts} | {time.perf_counter() - t0:.0f} s |")
 
 
+def gpu_rows(path: str) -> list[str]:
+  """The planner beside each row of a GPU run's memory stage (``train/gpu/memory.py``)."""
+  with open(path) as f:
+    stage = json.load(f)["memory"]
+  lines = ["| flags | planned device | GPU device | ratio | planned host | GPU host | ms/step |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+  for r in stage["rows"]:
+    if "error" in r:
+      lines.append(f"| `{r['flags']}` | | {r['error'][:80]} | | | | |")
+      continue
+    plan = plan_compiled.planned(r["flags"].split())
+    device, host = r["device_GiB"] * 2**30, r["host_GiB"] * 2**30
+    lines.append(f"| `{r['flags']}` | {size(plan['device_total'])} | {size(device)}"
+                 f" | {plan['device_total'] / device:.3f} | {size(plan['host_total'])} | {size(host)}"
+                 f" | {r.get('ms_per_step', float('nan')):.1f} |")
+  return lines
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--case", action="append", help="train.gpt flags of one case (repeatable); default: CASES")
+  parser.add_argument("--gpu-json", help="python -m train.gpu's gpu.json: the planner beside its memory stage's rows")
   args = parser.parse_args()
+  if args.gpu_json:
+    print("\n".join(gpu_rows(args.gpu_json)))
+    return
   print("| flags | planned device | compiled device | ratio | compiled host | planned parts | compile |")
   print("| --- | --- | --- | --- | --- | --- | --- |")
   for case in args.case or CASES:

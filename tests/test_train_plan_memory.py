@@ -1,5 +1,5 @@
 """The planner's memory (``train/plan/memory.py``) against the trainer's compiled step
-(``train/plan/compiled.py``: ``train.run.setup.setup``'s step, compiled for the same flags)
+(``train/run/compiled.py``: ``train.run.setup.setup``'s step, compiled for the same flags)
 on every kind of mesh and every kind of recompute policy: never below XLA's
 ``memory_analysis()`` (an under-estimate is an out-of-memory error where the plan said
 "fits") and at most 25% above.
@@ -13,7 +13,8 @@ import functools
 
 import pytest
 
-from train.plan import compiled as compiled_lib
+from train.plan import compiled as plan_compiled
+from train.run import compiled as compiled_lib
 
 COMMON = ("--global-batch-size", "8", "--vocab-size", "2048")
 # Achieved (python -m benchmarks.plan_memory): 1.016-1.165 on these; the issue's bound.
@@ -44,7 +45,7 @@ def ratio(argv: tuple[str, ...]) -> tuple[float, dict, compiled_lib.Footprint]:
   flags = [*COMMON, *argv]
   step = compiled_lib.compile_step(flags)
   got = compiled_lib.footprint(step.compiled.memory_analysis())
-  plan = compiled_lib.planned(flags)
+  plan = plan_compiled.planned(flags)
   # On CPU what is offloaded stays on the device (module docstring).
   planned = plan["device_total"] + plan["host_total"]
   return planned / got.device, plan, got
@@ -69,9 +70,9 @@ def test_planned_memory_covers_the_compiled_step_slow(case):
 def test_named_residuals_are_the_policy_s():
   """The residuals per layer are those the policy keeps, at their shapes' bytes (b = 2
   sequences of 128 tokens per device on fs=4, d = 128, 4 heads of 32; float32)."""
-  plan = compiled_lib.planned([*COMMON, "--preset", "tiny", "--mesh", "fs=4", "--remat", "save_qkv_proj"])
+  plan = plan_compiled.planned([*COMMON, "--preset", "tiny", "--mesh", "fs=4", "--remat", "save_qkv_proj"])
   btd = 2 * 128 * 128 * 4
   assert plan["residuals_per_layer"] == {"layer_input": btd, "query_proj": btd, "key_proj": btd, "value_proj": btd}
-  plan = compiled_lib.planned([*COMMON, "--preset", "tiny", "--mesh", "fs=4"])
+  plan = plan_compiled.planned([*COMMON, "--preset", "tiny", "--mesh", "fs=4"])
   assert plan["residuals_per_layer"]["scores"] == 2 * 4 * 128 * 128 * 4  # [b, N, T, T] float32
   assert "mlp_down" not in plan["residuals_per_layer"]  # the backward pass never reads it

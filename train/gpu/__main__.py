@@ -36,6 +36,12 @@ Stages (``--stages``); each reports, and the next runs even when one fails:
   log interval; and the optimizer's share of the step: the trainer's own optimizer
   (update + apply, jitted alone, donated, on the model's parameters and same-shaped
   gradients) timed as the trainer times its steps, ``optimizer_ms / ms_per_step``.
+- ``memory`` (``train/gpu/memory.py``): ``small`` and ``350m`` (bfloat16, cuDNN attention,
+  one GPU, batch 8) under every recompute policy (``--remat``), with and without
+  ``--offload-optimizer``: the compiled step's device and host memory (on a GPU the
+  offloaded tensors are in pinned host memory, which XLA:CPU does not model), and the
+  step's time over ``none``'s (the recompute's cost); ``python -m benchmarks.plan_memory
+  --gpu-json OUT/gpu.json`` sets the planner's memory beside each row.
 - ``profile``: a trace of Dion's steps 2 to 6 of ``small`` at its default rank (1/2 at
   width 768), taken by the trainer's own ``--profile-steps`` (``train/store/profiling.py``),
   summarized as the device's kernels by total time: where a step's time goes (the Triton
@@ -46,7 +52,7 @@ Stages (``--stages``); each reports, and the next runs even when one fails:
   shape in bf16 on the same GPU (one line without transformers, torch or CUDA).
 
 Each stage starts no new case after ``--stage-seconds``. Writes ``gpu.json`` after every
-stage (and ``optimizers.md`` and ``sampler.md``, those stages' tables) and ``gpu.png`` at
+stage (and ``optimizers.md``, ``memory.md`` and ``sampler.md``, those stages' tables) and ``gpu.png`` at
 the end, under ``--out`` (default ``gpu-evidence/<device>/`` in the working directory; the
 repository keeps its runs in ``--out benchmarks/results/gpu/<device>``). Without a GPU it
 says so and exits 2.
@@ -63,11 +69,11 @@ import traceback
 
 import jax
 
-from train.gpu import evidence, kernels, moe, optimizers, sampler
+from train.gpu import evidence, kernels, memory, moe, optimizers, sampler
 
 EXIT_NO_GPU = 2
-STAGES = ("check", "kernels", "optimizers", "moe", "train", "profile", "sampler")
-TABLES = {"optimizers": optimizers.markdown, "sampler": sampler.markdown}  # stage: its markdown
+STAGES = ("check", "kernels", "optimizers", "moe", "train", "memory", "profile", "sampler")
+TABLES = {"optimizers": optimizers.markdown, "memory": memory.markdown, "sampler": sampler.markdown}  # stage: its markdown
 
 
 def device_slug(kind: str) -> str:
@@ -99,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
              "command": "python -m train.gpu " + " ".join(argv if argv is not None else sys.argv[1:])}
   functions = {"check": kernels.stage_check, "kernels": kernels.stage_kernels,
                "optimizers": optimizers.stage_optimizers, "moe": moe.stage_moe, "train": evidence.stage_train,
-               "profile": evidence.stage_profile, "sampler": sampler.stage_sampler}
+               "memory": memory.stage_memory, "profile": evidence.stage_profile, "sampler": sampler.stage_sampler}
   for name in stages:
     print(f"== {name}", flush=True)
     t0 = time.monotonic()

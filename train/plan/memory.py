@@ -1,6 +1,6 @@
 """What one training step holds per device, device and host memory apart, on paper: the
 memory half of ``python -m train.plan``, checked against the compiled step's
-``memory_analysis()`` (``train/plan/compiled.py``) by ``tests/test_train_plan_memory.py``.
+``memory_analysis()`` (``train/run/compiled.py``) by ``tests/test_train_plan_memory.py``.
 
 The step is ``train.run.setup.setup``'s as XLA schedules it on one device (b sequences of
 T/cp tokens per micro-batch, a the compute dtype's bytes, L the layers of a pipeline stage):
