@@ -44,7 +44,7 @@ def mesh_for(model: str) -> str:
   """tp=8 and the smallest fs (powers of two) on which AdamW fits with remat."""
   for fs in (1, 2, 4, 8, 16, 32, 64, 128):
     mesh = f"rp={DEVICES // 8 // fs},fs={fs},tp=8"
-    if plan.plan(model, mesh, "adamw", **COMMON)["fits"]:
+    if plan.plan(model, mesh, "adamw", remat="full", **COMMON)["fits"]:
       return mesh
   raise ValueError(f"{model} fits no mesh rp·fs·tp={DEVICES} with tp=8")
 
