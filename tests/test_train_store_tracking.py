@@ -5,8 +5,8 @@ is refused with one line before anything starts.
 TensorBoard's event files are read with TensorBoard's ``EventAccumulator``; W&B's offline
 run (``WANDB_MODE=offline``) from its transaction log, ``run-ID.wandb``: W&B's records
 (``wandb.proto.wandb_internal_pb2.Record``) in LevelDB's log format, which ``wandb sync``
-uploads. Each test skips when its extra is not installed (``pip install -e ".[dev]"``
-installs both).
+uploads. Each test reads the trackers whose extras are installed (``pip install -e ".[dev]"``
+installs both) and skips when its own or neither is.
 """
 import glob
 import importlib.util
@@ -26,7 +26,6 @@ from train.store import tracking
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 HAS_WANDB = importlib.util.find_spec("wandb") is not None
 needs_tensorboard = pytest.mark.skipif(not HAS_TENSORBOARD, reason="needs the tensorboard extra: pip install -e \".[dev]\"")
-needs_wandb = pytest.mark.skipif(not HAS_WANDB, reason="needs the wandb extra: pip install -e \".[dev]\"")
 
 
 def trackers_flags() -> list[str]:
@@ -123,32 +122,44 @@ def assert_same(got: dict, expected: dict, cast=float) -> None:
     assert got[key] == want or (math.isnan(got[key]) and math.isnan(want)), (key, got[key], want)
 
 
-@needs_tensorboard
-def test_tensorboard_holds_metrics_jsonl_of_train_gpt(gpt_run):
+# One test per run, each reading both trackers: a module fixture used by two tests runs once in
+# each pytest-xdist worker that gets one of them (a train.gpt or train.grpo run each time).
+needs_a_tracker = pytest.mark.skipif(not (HAS_TENSORBOARD or HAS_WANDB),
+                                     reason="needs the tensorboard or wandb extra: pip install -e \".[dev]\"")
+
+
+def assert_wandb_holds_metrics_jsonl_and_the_config(run_dir) -> None:
+  assert_same(wandb_history(run_dir), metrics(run_dir))
+  (run,) = [r.run for r in wandb_records(run_dir) if r.WhichOneof("record_type") == "run"]
+  config = {item.key: json.loads(item.value_json) for item in run.config.update}
+  with open(run_dir / "config.json") as f:
+    saved = json.load(f)
+  assert run.project == "dion-jax-tests" and run.display_name == run_dir.name
+  assert {k: config[k] for k in saved} == saved
+
+
+@needs_a_tracker
+def test_tensorboard_and_wandb_hold_metrics_jsonl_of_train_gpt(gpt_run):
+  """TensorBoard's scalars (float32) and W&B's offline history are metrics.jsonl's; W&B's run
+  holds config.json."""
   expected = metrics(gpt_run)
   assert {"loss", "val_loss", "learning_rate", "grad_norm", "tokens_per_s", "skipped"} <= {k for k, _ in expected}
   assert ("val_loss", 2) in expected and ("loss", 4) in expected
-  # TensorBoard stores float32 scalars.
-  assert_same(tensorboard_scalars(gpt_run / "tensorboard"), expected, cast=lambda v: float(np.float32(v)))
+  if HAS_TENSORBOARD:  # TensorBoard stores float32 scalars.
+    assert_same(tensorboard_scalars(gpt_run / "tensorboard"), expected, cast=lambda v: float(np.float32(v)))
+  if HAS_WANDB:
+    assert_wandb_holds_metrics_jsonl_and_the_config(gpt_run)
 
 
-@needs_tensorboard
-def test_tensorboard_holds_metrics_jsonl_of_train_grpo(grpo_run):
+@needs_a_tracker
+def test_tensorboard_and_wandb_hold_metrics_jsonl_of_train_grpo(grpo_run):
+  """As train.gpt's, for train.grpo's records (rewards, KL, clip shares)."""
   expected = metrics(grpo_run)
   assert {"reward_mean", "reward/format/mean", "kl", "clip_low", "clip_high", "loss"} <= {k for k, _ in expected}
-  assert_same(tensorboard_scalars(grpo_run / "tensorboard"), expected, cast=lambda v: float(np.float32(v)))
-
-
-@needs_wandb
-def test_wandb_offline_run_holds_metrics_jsonl_and_the_config(gpt_run, grpo_run):
-  for run_dir in (gpt_run, grpo_run):
-    assert_same(wandb_history(run_dir), metrics(run_dir))
-    (run,) = [r.run for r in wandb_records(run_dir) if r.WhichOneof("record_type") == "run"]
-    config = {item.key: json.loads(item.value_json) for item in run.config.update}
-    with open(run_dir / "config.json") as f:
-      saved = json.load(f)
-    assert run.project == "dion-jax-tests" and run.display_name == run_dir.name
-    assert {k: config[k] for k in saved} == saved
+  if HAS_TENSORBOARD:
+    assert_same(tensorboard_scalars(grpo_run / "tensorboard"), expected, cast=lambda v: float(np.float32(v)))
+  if HAS_WANDB:
+    assert_wandb_holds_metrics_jsonl_and_the_config(grpo_run)
 
 
 @pytest.mark.parametrize("missing", ["tensorboard", "wandb"])
