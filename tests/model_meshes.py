@@ -34,9 +34,13 @@ def one_device(cfg, batch):
   return graphdef, float(loss), in_layer_order(grads, models.Parallelism())
 
 
-def loss_and_grads(graphdef, params, batch, par):
-  """The loss (a float) and gradients of the model on ``par``'s mesh; with rp > 1, Dion's
-  per-replica gradients, averaged."""
+def assert_mesh_matches(reference, cfg, batch, spec, options, rtol=1e-5):
+  """The loss and gradients of ``cfg``'s model on the mesh ``spec`` (``options`` of
+  :class:`models.Parallelism`) equal ``reference`` (:func:`one_device`'s); with rp > 1,
+  Dion's per-replica gradients, averaged."""
+  graphdef, want_loss, want_grads = reference
+  par = models.Parallelism(mesh(spec), **options)
+  _, params = models.init(cfg, par)
 
   def loss_fn(p, b):
     return models.loss(graphdef, p, b, par)
@@ -48,18 +52,7 @@ def loss_and_grads(graphdef, params, batch, par):
       grads = jax.tree.map(lambda g, keep: g.mean(0) if keep else g, grads, per_replica)
     else:
       loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
-  return float(loss), grads
-
-
-def assert_mesh_matches(reference, cfg, batch, spec, options, rtol=1e-5):
-  """The loss and gradients of ``cfg``'s model on the mesh ``spec`` (``options`` of
-  :class:`models.Parallelism`) equal ``reference`` (:func:`one_device`'s); with rp > 1,
-  Dion's per-replica gradients, averaged."""
-  graphdef, want_loss, want_grads = reference
-  par = models.Parallelism(mesh(spec), **options)
-  _, params = models.init(cfg, par)
-  loss, grads = loss_and_grads(graphdef, params, batch, par)
-  np.testing.assert_allclose(loss, want_loss, rtol=rtol)
+  np.testing.assert_allclose(float(loss), want_loss, rtol=rtol)
   assert_close_trees(in_layer_order(grads, par), want_grads, rtol=rtol)
 
 

@@ -1,5 +1,6 @@
 """FP8 products (models/fp8.py) against float64 NumPy with an independent FP8 rounding
-(ml_dtypes'), and the FP8 GPT on meshes against one device."""
+(ml_dtypes'), and their scales on every mesh. The FP8 trainer on meshes against one device:
+tests/test_train_gpt.py; its CUDA program: tests/test_train_run_cuda_lowering.py."""
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -76,53 +77,13 @@ def test_flags_name_the_model_recipes():
     models.GPTConfig(fp8="delayed")
 
 
-CFG = models.preset("tiny", num_layers=2, d_model=64, num_heads=4, seq_len=16, fp8="current")
-
-
-def _batch():
-  tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, (8, CFG.seq_len + 1))
-  return {"inputs": jnp.asarray(tokens[:, :-1], jnp.int32), "targets": jnp.asarray(tokens[:, 1:], jnp.int32)}
-
-
-@pytest.fixture(scope="module")
-def reference():
-  return model_meshes.one_device(CFG, _batch())
-
-
-def test_fp8_changes_the_loss_by_its_rounding(reference):
-  """The FP8 model is not the float32 one: its loss differs by FP8's rounding (a few
-  thousandths of the ~6.4 loss here), not more."""
-  _, want, _ = model_meshes.one_device(models.preset("tiny", num_layers=2, d_model=64, num_heads=4, seq_len=16), _batch())
-  assert 1e-5 < abs(reference[1] - want) / want < 1e-2
-
-
 def test_the_scale_is_the_whole_tensors_amax_in_every_shard_map():
   """Inside a shard_map manual over rp, cp and pp, a tensor's amax is maxed over the
-  replicas and cp (shards of one tensor), not over pp (each stage its own layers')."""
+  replicas and cp (shards of one tensor), not over pp (each stage its own layers'). (Each
+  shard its own scale would move a 2-layer model's loss by 1.3e-4 on cp=2, 4.9e-4 on rp=2.)"""
   mesh = model_meshes.mesh("rp=2,cp=2,pp=2")
   x = np.random.default_rng(0).normal(size=(2, 2, 2, 3)).astype(np.float32)
   spec = jax.sharding.PartitionSpec("pp", "rp", "cp")
   got = jax.jit(jax.shard_map(lambda x: fp8.amax(x)[None], mesh=mesh, in_specs=spec,
                               out_specs=jax.sharding.PartitionSpec("pp")))(x)
   np.testing.assert_array_equal(got, np.abs(x).max(axis=(1, 2, 3)))
-
-
-# The same arithmetic on a mesh rounds its float32 parts (norms, softmax, sums over tp)
-# in another order, and now and then an operand lands on the neighbouring FP8 value: the
-# loss moves by ~2e-5 (measured on these meshes), a gradient by a few percent of its
-# norm (an e5m2 step is 12.5-25% of the element, and the backward pass carries it down).
-# Without the maxima over rp and cp (each shard its own scale) the loss moves 1.3e-4 (cp)
-# to 4.9e-4 (rp): the test above holds those maxima exactly.
-# One mesh of the batch axes, Dion's replicas and tp (the trainer's test runs pp,
-# tests/test_train_gpt.py): ~7 s of compiling each.
-@pytest.mark.parametrize("spec,options", [("rp=2,fs=2,tp=2", {"sequence_parallel": True})])
-def test_mesh_matches_one_device(reference, spec, options):
-  """Loss and gradients (Dion's per-replica ones averaged on rp) of the FP8 model on a
-  mesh against one device, within the FP8 roundings that float32 differences flip."""
-  graphdef, want_loss, want_grads = reference
-  par = models.Parallelism(model_meshes.mesh(spec), **options)
-  _, params = models.init(CFG, par)
-  loss, grads = model_meshes.loss_and_grads(graphdef, params, _batch(), par)
-  np.testing.assert_allclose(loss, want_loss, rtol=1e-4)
-  for got, want in zip(jax.tree.leaves(model_meshes.in_layer_order(grads, par)), jax.tree.leaves(want_grads)):
-    assert np.linalg.norm(np.asarray(got) - want) <= 0.1 * np.linalg.norm(want)
