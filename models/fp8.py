@@ -47,8 +47,13 @@ def amax(x: jax.Array) -> jax.Array:
 
 def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
   """``(q, s)``: x in the FP8 ``dtype`` scaled so that its amax is the type's largest
-  value, and the float32 scale s (x ≈ q·s; 1 for an all-zero or non-finite x)."""
-  scale = fp8_ops.compute_scale(amax(x), jnp.ones((), jnp.float32), fp8_ops.get_fp8_max(dtype, jnp.float32))
+  value, and the float32 scale s (x ≈ q·s; 1 for an all-zero x, NaN for a non-finite one)."""
+  m = amax(x)
+  scale = fp8_ops.compute_scale(m, jnp.ones((), jnp.float32), fp8_ops.get_fp8_max(dtype, jnp.float32))
+  # flax keeps the last scale for a non-finite amax, and the cast would clip an inf to the
+  # largest FP8 value: NaN instead, so that an overflow (float16's, which loss scaling
+  # must see) reaches the loss and the step's guard as it does without FP8.
+  scale = jnp.where(jnp.isfinite(m), scale, jnp.nan)
   return fp8_ops.quantize(x, dtype, scale, jnp.float32), scale
 
 

@@ -70,6 +70,17 @@ def test_product_and_its_gradients_err_as_fp8_rounding_allows():
   assert np.any(np.abs(unscaled_x @ unscaled_w - x @ w) > bound(x, ex, w, ew, ((2,), (0,))))
 
 
+def test_an_overflow_stays_non_finite():
+  """An inf in the input or the output's gradient (a float16 overflow) makes the product
+  or the gradients non-finite, as without FP8, not clipped to FP8's largest value: the
+  step's guard and loss scaling see it."""
+  x, w = jnp.ones((2, 4), jnp.float16), jnp.ones((4, 3), jnp.float32)
+  assert not np.isfinite(np.asarray(fp8.matmul(x.at[0, 0].set(jnp.inf), w))).any()
+  y, vjp = jax.vjp(fp8.matmul, x, w)
+  dx, dw = vjp(jnp.ones_like(y).at[1, 2].set(jnp.inf))
+  assert np.isfinite(np.asarray(y)).all() and not np.isfinite(np.asarray(dx)).all() and not np.isfinite(np.asarray(dw)).all()
+
+
 def test_flags_name_the_model_recipes():
   assert flags.FP8_RECIPES == fp8.RECIPES
   assert models.GPTConfig(fp8=True).fp8 == "current" and models.GPTConfig(fp8=False).fp8 == "none"
