@@ -16,6 +16,7 @@ import math
 
 import numpy as np
 
+from models import fp8 as fp8_lib
 from models import remat as remat_lib
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
@@ -57,6 +58,12 @@ class GPTConfig:
       ``models.remat.POLICIES`` (``"none"``: every matrix product, ``"full"``: the layer's
       input only, ...) or ``"custom:NAME=PLACE,..."``; the booleans of configs saved before
       the names read as ``"full"`` (True) and ``"none"`` (False).
+    fp8: the transformer blocks' matrix products (query, key, value, out projection, the
+      dense MLP's and the shared expert's) in FP8, a recipe of ``models.fp8.RECIPES``:
+      ``"none"``, or ``"current"``: e4m3 inputs and weights, e5m2 output gradients, each
+      scaled by its own amax, float32 accumulation (``models/fp8.py``); the embedding, LM
+      head, norms, attention's softmax, router, the experts' grouped products and the loss
+      stay in ``dtype``. True and False (a config file's) read as ``"current"`` and ``"none"``.
     loss_chunk: tokens of each device that go through the LM head and the loss at a time
       (``models/lm_head.py``): the peak holds one chunk's logits [loss_chunk, V/tp] and
       their softmax and gradient, not the whole batch's, for the head's product done
@@ -103,6 +110,7 @@ class GPTConfig:
   mask_vocab_padding: bool = False
   dtype: str = "float32"
   remat: str = "none"
+  fp8: str = "none"
   loss_chunk: int = 0
   rope_base: float = 10000.0
   rope_llama3: tuple[float, float, float, int] | None = None
@@ -122,6 +130,10 @@ class GPTConfig:
     if isinstance(self.remat, bool):
       object.__setattr__(self, "remat", "full" if self.remat else "none")
     remat_lib.placements(self.remat)  # a one-line ValueError naming the policies
+    if isinstance(self.fp8, bool):
+      object.__setattr__(self, "fp8", "current" if self.fp8 else "none")
+    if self.fp8 not in fp8_lib.RECIPES:
+      raise ValueError(f"GPTConfig.fp8 must be one of {fp8_lib.RECIPES}, got {self.fp8!r}")
     for name in ("vocab_size", "num_layers", "d_model", "num_heads", "seq_len", "mlp_ratio",
                  "num_kv_heads", "head_dim", "mlp_dim", "moe_mlp_dim"):
       value = getattr(self, name)

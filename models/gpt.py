@@ -64,11 +64,11 @@ class Attention(nnx.Module):
   attention; query and key/value heads split over tp."""
 
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
-    d, h = cfg.d_model, cfg.head_dim
-    self.query = Dense(d, cfg.num_heads * h, "column", rngs=rngs)
-    self.key = Dense(d, cfg.kv_heads * h, "column", rngs=rngs)
-    self.value = Dense(d, cfg.kv_heads * h, "column", rngs=rngs)
-    self.out = Dense(cfg.num_heads * h, d, "row", rngs=rngs)
+    d, h, fp8 = cfg.d_model, cfg.head_dim, cfg.fp8 != "none"
+    self.query = Dense(d, cfg.num_heads * h, "column", fp8=fp8, rngs=rngs)
+    self.key = Dense(d, cfg.kv_heads * h, "column", fp8=fp8, rngs=rngs)
+    self.value = Dense(d, cfg.kv_heads * h, "column", fp8=fp8, rngs=rngs)
+    self.out = Dense(cfg.num_heads * h, d, "row", fp8=fp8, rngs=rngs)
     if cfg.qk_norm == "rms_scale":
       self.query_norm = nnx.RMSNorm(h, epsilon=cfg.norm_eps, rngs=rngs)
       self.key_norm = nnx.RMSNorm(h, epsilon=cfg.norm_eps, rngs=rngs)

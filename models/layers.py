@@ -12,6 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from dion_jax import parallel
+from models import fp8 as fp8_lib
 from models.config import GPTConfig
 from models.sharding import Parallelism, in_auto_axes, without_manual
 
@@ -27,17 +28,21 @@ def rms_norm(x: jax.Array, eps: float) -> jax.Array:
 
 
 class Dense(nnx.Module):
-  """A bias-free kernel (fan_in, fan_out), column- or row-parallel.
+  """A bias-free kernel (fan_in, fan_out), column- or row-parallel, its product in FP8
+  with ``fp8`` (``models/fp8.py``: the float32 kernel quantized as it is, not through the
+  compute dtype).
 
   Initialized N(0, σ²), σ = :func:`init_std`.
   """
 
-  def __init__(self, fan_in: int, fan_out: int, layout: str, *, rngs: nnx.Rngs):
+  def __init__(self, fan_in: int, fan_out: int, layout: str, *, fp8: bool = False, rngs: nnx.Rngs):
     self.kernel = nnx.Param(init_std(fan_in, fan_out) * jax.random.normal(rngs.params(), (fan_in, fan_out), jnp.float32))
     self.layout = layout
+    self.fp8 = fp8
 
   def __call__(self, x: jax.Array, par: Parallelism) -> jax.Array:
-    return x @ par.weight(self.kernel[...], self.layout).astype(x.dtype)
+    kernel = par.weight(self.kernel[...], self.layout)
+    return fp8_lib.matmul(x, kernel) if self.fp8 else x @ kernel.astype(x.dtype)
 
 
 class MLP(nnx.Module):
@@ -46,10 +51,11 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: GPTConfig, width: int | None = None, *, rngs: nnx.Rngs):
     F = cfg.d_mlp if width is None else width
+    fp8 = cfg.fp8 != "none"
     if cfg.mlp == "swiglu":
-      self.gate = Dense(cfg.d_model, F, "column", rngs=rngs)
-    self.up = Dense(cfg.d_model, F, "column", rngs=rngs)
-    self.down = Dense(F, cfg.d_model, "row", rngs=rngs)
+      self.gate = Dense(cfg.d_model, F, "column", fp8=fp8, rngs=rngs)
+    self.up = Dense(cfg.d_model, F, "column", fp8=fp8, rngs=rngs)
+    self.down = Dense(F, cfg.d_model, "row", fp8=fp8, rngs=rngs)
     self.kind = cfg.mlp
 
   def __call__(self, x_BxTxD: jax.Array, par: Parallelism) -> jax.Array:

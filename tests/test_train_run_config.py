@@ -71,6 +71,15 @@ def test_remat_takes_a_policy_and_alone_means_full(tmp_path):
     assert config_lib.parse(["--config", os.path.join(run, "config.json")]).remat == read
 
 
+def test_fp8_takes_a_recipe_and_alone_means_current(tmp_path):
+  assert (config_lib.parse([]).fp8, config_lib.parse(["--fp8"]).fp8) == ("none", "current")
+  config_file = tmp_path / "fp8.yaml"
+  config_file.write_text("fp8: true\n")  # a config file's switch
+  assert config_lib.parse(["--config", str(config_file)]).fp8 == "current"
+  with pytest.raises(config_lib.UsageError, match="^--fp8 delayed: unknown recipe; choose one of none, current"):
+    config_lib.parse(["--fp8", "delayed"]).check()
+
+
 def test_resume_without_config_json_reads_the_checkpoint(tmp_path):
   run = tmp_path / "run"
   for step, layers in ((2, 3), (4, 5)):

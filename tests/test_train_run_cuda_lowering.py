@@ -114,3 +114,25 @@ def test_dion_polar_step_asks_for_no_factorization(tmp_path, as_on_a_gpu):
                              num_layers=2)
   per_run, in_while = accounting.primitive_counts(traced.jaxpr)
   assert not {"cholesky", "triangular_solve", "geqrf", "pallas_call", "while"} & (set(per_run) | set(in_while))
+
+
+def test_fp8_step_multiplies_the_blocks_in_fp8(tmp_path, as_on_a_gpu):
+  """--fp8: the layer's 6 products (query, key, value, out, MLP up and down) and the 12 of
+  their backward pass are FP8 dot_generals (e4m3 x e4m3 forward, e5m2 gradients against
+  e4m3 tensors backward) accumulating in float32, each result multiplied by its scale
+  (XLA:GPU's pattern for a cuBLASLt FP8 GEMM); only the LM head's 3 stay bfloat16 (the
+  layers' scan body holds one layer; attention is cuDNN's)."""
+  text = _lowered_step(tmp_path, "adamw", fp8="current").as_text()
+  dots = re.findall(r"(%\w+) = stablehlo.dot_general .*: \(tensor<[\dx]+x(\w+)>, tensor<[\dx]+x(\w+)>\) -> tensor<[\dx]+x(\w+)>", text)
+  kinds = {}
+  for _, *types in dots:
+    kinds[tuple(types)] = kinds.get(tuple(types), 0) + 1
+  e4m3, e5m2 = "f8E4M3FN", "f8E5M2"
+  assert kinds == {(e4m3, e4m3, "f32"): 6, (e5m2, e4m3, "f32"): 6, (e4m3, e5m2, "f32"): 6,
+                   ("bf16", "bf16", "bf16"): 3}, kinds
+  for result, *types in dots:
+    if types[0].startswith("f8"):  # dequantized: the product times the scales' product
+      # (through a float32 reduce_precision, the recompute's no-op barrier, where there is one)
+      same = re.search(rf"(%\w+) = stablehlo.reduce_precision {result}, format = e8m23", text)
+      product = same.group(1) if same else result
+      assert re.search(rf"stablehlo.multiply {product}, %\w+ : tensor<[\dx]+xf32>", text), result

@@ -30,8 +30,10 @@ Stages (``--stages``); each reports, and the next runs even when one fails:
   experts, then timed forward and backward in bf16 against one dense matmul of the same
   rows, 8 and 64 experts, even and skewed groups (``train/gpu/moe.py``).
 - ``train``: the trainer (``python -m train.gpt``) in bfloat16 with cuDNN attention,
-  ``small`` with AdamW, Dion2, Muon and Dion and ``350m`` with AdamW and Dion, each Dion
-  also with ``--dion-qr-precision tensorfloat32x3`` ("dion tf32x3"): tokens/s,
+  ``small`` with AdamW, Dion2, Muon and Dion, ``350m`` and ``1b`` with AdamW and Dion, each
+  AdamW and Dion also with ``--fp8`` ("adamw fp8", "dion fp8": the blocks' products in FP8,
+  ``models/fp8.py``), and on small and 350m each Dion also with
+  ``--dion-qr-precision tensorfloat32x3`` ("dion tf32x3"): tokens/s,
   model TFLOP/s, MFU against the device's dense bf16 peak and peak memory, from the last
   log interval; and the optimizer's share of the step: the trainer's own optimizer
   (update + apply, jitted alone, donated, on the model's parameters and same-shaped

@@ -72,9 +72,13 @@ def train_run(preset: str, optimizer: str, steps: int, batch: int, attention: st
   return row
 
 
-TRAIN_RUNS = (("small", 32, ("adamw", "dion2", "muon", "dion", "dion tf32x3")), ("350m", 16, ("adamw", "dion", "dion tf32x3")))
+TRAIN_RUNS = (("small", 32, ("adamw", "adamw fp8", "dion2", "muon", "dion", "dion fp8", "dion tf32x3")),
+              ("350m", 16, ("adamw", "adamw fp8", "dion", "dion fp8", "dion tf32x3")),
+              ("1b", 4, ("adamw", "adamw fp8", "dion", "dion fp8")))
 # A run's name that is not an optimizer: its --optimizer and the flags that make it (as Config fields).
-VARIANTS = {"dion tf32x3": ("dion", {"dion_qr_precision": "tensorfloat32x3"})}
+# "fp8": --fp8 (models/fp8.py), its MFU still against the dense bf16 peak, so that FP8's gain shows.
+VARIANTS = {"dion tf32x3": ("dion", {"dion_qr_precision": "tensorfloat32x3"}),
+            "adamw fp8": ("adamw", {"fp8": "current"}), "dion fp8": ("dion", {"fp8": "current"})}
 
 
 def train_line(row: dict) -> str:

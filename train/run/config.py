@@ -19,7 +19,7 @@ import os
 
 from train.cli import Parser, UsageError
 from train.run import config_file
-from train.run.flags import ALIASES, BARE_VALUES, CHOICES, DEFAULT_LR, FORMER_VALUES, HELP, METAVARS
+from train.run.flags import ALIASES, BARE_VALUES, CHOICES, DEFAULT_LR, FORMER_VALUES, FP8_RECIPES, HELP, METAVARS
 from train.store import hub, rundir, tracking
 
 # The optimizer flags each --optimizer reads (train/run/optim.py); the others do nothing there.
@@ -47,6 +47,7 @@ class Config:
   dtype: str | None = None
   attention: str = "auto"
   remat: str = "none"
+  fp8: str = "none"
   loss_chunk: int = 0
   sequence_parallel: bool = False
   virtual_stages: int = 1
@@ -212,6 +213,9 @@ class Config:
                  "num_experts", "moe_aux_loss_coeff", "moe_z_loss_coeff", "loss_chunk"):
       if (getattr(self, name) or 0) < 0:
         raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+    if self.fp8 not in FP8_RECIPES:
+      raise UsageError(f"--fp8 {self.fp8}: unknown recipe; choose one of {', '.join(FP8_RECIPES)}"
+                       " (--fp8 alone: current)")
     if self.min_lr > self.learning_rate:
       raise UsageError(f"--min-lr {self.min_lr:g} exceeds the peak --lr {self.learning_rate:g}; the decay"
                        f" ends at --min-lr, so choose it in [0, {self.learning_rate:g}]")

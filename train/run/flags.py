@@ -29,11 +29,14 @@ CHOICES = {"preset": PRESET_NAMES, "dtype": ("float32", "bfloat16", "float16"),
 # Other names of a flag: TRL's, where it names the same thing differently.
 ALIASES = {"updates_per_rollout": ("--num-iterations",)}
 # The placeholder --help shows for a flag's value, where its name does not say it.
-METAVARS = {"data": "SPEC", "reward": "NAME[=WEIGHT]", "prompts": "PATH", "tensorboard": "DIR", "remat": "POLICY"}
+METAVARS = {"data": "SPEC", "reward": "NAME[=WEIGHT]", "prompts": "PATH", "tensorboard": "DIR", "remat": "POLICY",
+            "fp8": "RECIPE"}
 # The value of a flag given without one, for flags whose value may be left off.
-BARE_VALUES = {"tensorboard": "", "remat": "full"}
+BARE_VALUES = {"tensorboard": "", "remat": "full", "fp8": "current"}
 # What runs saved before a flag took words wrote for it, and the word it reads as now.
-FORMER_VALUES = {"remat": {True: "full", False: "none"}}
+FORMER_VALUES = {"remat": {True: "full", False: "none"}, "fp8": {True: "current", False: "none"}}
+# --fp8's recipes (models.fp8.RECIPES).
+FP8_RECIPES = ("none", "current")
 # --remat's policies (models.remat.POLICIES: what each keeps), one line of --help each.
 REMAT_POLICIES = {
     "none": "keep every matrix product, the attention's scores too (the default)",
@@ -76,6 +79,11 @@ HELP = {
              " expert_up, expert_down) on the device or the host, recomputes the others; --remat alone is"
              " full; on CPU host placements stay on the device (XLA:CPU does not move them)"
              % "; ".join(f"{k}: {v}" for k, v in REMAT_POLICIES.items()),
+    "fp8": "the transformer blocks' matrix products (query, key, value, out projection, MLP) in FP8:"
+           " e4m3 inputs and weights, e5m2 gradients, float32 accumulation, each tensor scaled by"
+           " its own absolute maximum of this step (recipe current, --fp8 alone; none: off, the"
+           " default); the embedding, LM head, norms, softmax, loss and the experts' products stay"
+           " in --dtype, the parameters float32 (docs/fp8.md)",
     "loss_chunk": "tokens of each device that go through the LM head and the loss at a time: the"
                   " peak holds that many tokens' logits (and softmax and gradient), not the whole"
                   " micro-batch's, for the head's product done twice; 0 forms them all at once"

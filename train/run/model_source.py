@@ -65,7 +65,7 @@ def resolved_flags(cfg: Config) -> Config:
 
 
 def compute_settings(cfg: Config) -> dict:
-  """The model's compute dtype, attention, remat and loss chunk of the flags (``--dtype``
+  """The model's compute dtype, attention, remat, FP8 recipe and loss chunk of the flags (``--dtype``
   default: bfloat16 on GPU, float32 on CPU)."""
   dtype = cfg.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
   fused = jax.default_backend() == "gpu" and dtype in ("bfloat16", "float16")
@@ -73,7 +73,7 @@ def compute_settings(cfg: Config) -> dict:
     raise UsageError(f"--attention cudnn needs an NVIDIA GPU and --dtype bfloat16 or float16"
                      f" (here: {jax.default_backend()}, {dtype}); use --attention xla")
   attention = ("cudnn" if fused else "xla") if cfg.attention == "auto" else cfg.attention
-  return {"dtype": dtype, "attention": attention, "remat": cfg.remat, "loss_chunk": cfg.loss_chunk}
+  return {"dtype": dtype, "attention": attention, "remat": cfg.remat, "fp8": cfg.fp8, "loss_chunk": cfg.loss_chunk}
 
 
 @dataclasses.dataclass(frozen=True)
