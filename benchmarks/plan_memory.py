@@ -18,12 +18,9 @@ import json
 import time
 
 from benchmarks.harness import setup_process
-
-setup_process(8, "cpu")
-
-from train.plan import compiled as plan_compiled  # noqa: E402
-from train.run import compiled as compiled_lib  # noqa: E402
-from train.plan.planner import size  # noqa: E402
+from train.plan import compiled as plan_compiled
+from train.plan.planner import size
+from train.run import compiled as compiled_lib
 
 TINY = "--preset tiny --global-batch-size 8 --vocab-size 2048"
 DION = "--optimizer dion --dion-rank-fraction 0.25"  # tiny's default rank is 1: whole matrices, not a scale's
@@ -84,6 +81,7 @@ def main() -> None:
   parser.add_argument("--case", action="append", help="train.gpt flags of one case (repeatable); default: CASES")
   parser.add_argument("--gpu-json", help="python -m train.gpu's gpu.json: the planner beside its memory stage's rows")
   args = parser.parse_args()
+  setup_process(8, "cpu")  # before JAX's backend starts; importing this module starts none
   if args.gpu_json:
     print("\n".join(gpu_rows(args.gpu_json)))
     return
