@@ -22,6 +22,8 @@ T/cp tokens per micro-batch, a the compute dtype's bytes, L the layers of a pipe
   embedding's gradient) in float32, V·d/tp each (four when chunked: the chunks' scan
   holds them all, and beside the head's running gradient each chunk's own), and three float32 logits-sized buffers (logits, softmax, their
   gradient), b·(T/cp)·V/tp each, of one loss chunk's tokens when the loss is chunked;
+- with micro-batches over fs outside a pipeline, the embedding and the LM head gathered
+  through the whole loop (XLA hoists their gathers out of it);
 - the backward pass of one layer: its kernels gathered (the forward's, for the
   recomputation, and the backward's) in float32, the causal mask XLA materializes
   (float32 and bool, scores-sized), three scores-sized float32 buffers (probabilities,
@@ -127,6 +129,13 @@ def memory(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, params: Seq
   # and each chunk's gradient of the head beside their sum (measured: tiny, fs=8, chunks of
   # 32 tokens, under none, full and minimal_offloaded; with three tables 0.963-0.987).
   transients = {"loss": (4 if loss_chunk else 2) * table + 3 * logits, "layer_backward": backward}
+  if step.accum > 1 and sizes["fs"] > 1 and sizes["pp"] == 1:
+    # XLA hoists the embedding's and the LM head's gathers over fs out of the micro-batch
+    # loop: both tables stay gathered through every layer's backward pass, and the loss
+    # holds the embedding's beside its own (measured: tiny fs=4,tp=2 AdamW, micro-batches
+    # of one sequence, 0.952 without them).
+    gathered = (1 if cfg.tie_embeddings else 2) * table
+    transients = {"loss": transients["loss"] + gathered - table, "layer_backward": backward + gathered}
   temporaries = {
       # Micro-batches reduced over fs outside a pipeline: the running sum and the reduction's
       # output (measured: rp=2,fs=2,tp=2 and fs=8 hold both; rp=8 adds in place).
