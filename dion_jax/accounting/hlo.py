@@ -23,10 +23,10 @@ Conventions and limits:
   a scan over micro-batches.
 - Async pairs count once, at their ``-start`` (``-done`` is skipped); a collective
   wrapped in an ``async-start`` computation counts where it appears, inside.
-- Three replica-group formats are read: explicit lists ``{{0,4},{1,5}}``, iota
-  lists ``[4,2]<=[2,2,2]T(0,2,1)``, and Shardy mesh-axes lists
-  ``mesh['axis_0'=4,'axis_1'=2], device_ids=([4,2]T(1,0)) {'axis_0'}``. Anything
-  else raises ValueError rather than being skipped.
+- Three replica-group formats are read (``dion_jax.accounting.replica_groups``):
+  explicit lists ``{{0,4},{1,5}}``, iota lists ``[4,2]<=[2,2,2]T(0,2,1)``, and Shardy
+  mesh-axes lists ``mesh['axis_0'=4,'axis_1'=2], device_ids=([4,2]T(1,0)) {'axis_0'}``.
+  Anything else raises ValueError rather than being skipped.
 - Groups of one device (e.g. self pairs of a collective-permute) are reported with
   axes ``()``; their bytes never leave the device.
 
@@ -47,7 +47,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
+
+from dion_jax.accounting.replica_groups import closing, group_axes, replica_groups, split_top_level
 
 OPS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 
@@ -92,48 +93,7 @@ _DTYPE_BITS = {
 _INSTR_RE = re.compile(r"\s*(?:ROOT\s+)?%?(?P<name>[^\s=(){}]+)\s*=\s*(?P<rest>.*)")
 _ARRAY_RE = re.compile(r"(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[^\]]*)\]")
 _OPCODE_RE = re.compile(r"\s*(?P<op>[a-z][a-z0-9\-]*)\(")
-_INTS_RE = re.compile(r"\d+")
 _COMMENT_RE = re.compile(r"/\*.*?\*/")  # long operand lists carry /*index=5*/ markers
-_IOTA_RE = re.compile(r"\[(?P<dims>[\d,]+)\]<=\[(?P<reshape>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
-_MESH_RE = re.compile(
-    r"mesh\[(?P<axes>[^\]]*)\]"
-    r"(?:,\s*device_ids=\((?P<ids>(?:[^()]|\([^()]*\))*)\))?"
-    r"\s*\{(?P<group>[^}]*)\}")
-_MESH_AXIS_RE = re.compile(r"'?(?P<name>[^'=\s]+)'?=(?P<size>\d+)")
-_AXIS_REF_RE = re.compile(r"'?(?P<name>[^':\s]+)'?(?::\((?P<pre>\d+)\)(?P<size>\d+))?")
-_DEVICE_IDS_IOTA_RE = re.compile(
-    r"(?:\[[\d,]+\]<=)?\[(?P<reshape>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
-
-
-def _closing(text: str, start: int) -> int:
-  """Index just past the bracket that closes the one at text[start]."""
-  pairs = {"(": ")", "{": "}", "[": "]"}
-  stack = []
-  for i in range(start, len(text)):
-    c = text[i]
-    if c in pairs:
-      stack.append(pairs[c])
-    elif stack and c == stack[-1]:
-      stack.pop()
-      if not stack:
-        return i + 1
-  raise ValueError(f"unbalanced brackets in HLO text: {text[start:start + 80]!r}")
-
-
-def _split_top_level(text: str) -> list[str]:
-  """Splits at commas outside any brackets."""
-  parts, depth, start = [], 0, 0
-  for i, c in enumerate(text):
-    if c in "([{":
-      depth += 1
-    elif c in ")]}":
-      depth -= 1
-    elif c == "," and depth == 0:
-      parts.append(text[start:i])
-      start = i + 1
-  parts.append(text[start:])
-  return [p.strip() for p in parts if p.strip()]
-
 
 def shape_bytes(shape: str) -> int:
   """Bytes of an HLO shape string: ``f32[64,32]{1,0}``, ``(bf16[8], s32[])``, ..."""
@@ -213,7 +173,7 @@ def _parse_instructions(hlo: str) -> tuple[dict[str, str], list[_Instr]]:
     if not m:
       continue
     rest = m["rest"]
-    end = _closing(rest, 0) if rest.startswith("(") else rest.find(" ")
+    end = closing(rest, 0) if rest.startswith("(") else rest.find(" ")
     op_m = _OPCODE_RE.match(rest, end) if end > 0 else None
     if not op_m:
       continue
@@ -221,9 +181,9 @@ def _parse_instructions(hlo: str) -> tuple[dict[str, str], list[_Instr]]:
     if op_m["op"].removesuffix("-start") not in OPS:
       continue
     open_paren = op_m.end() - 1
-    close = _closing(rest, open_paren)
+    close = closing(rest, open_paren)
     collectives.append(_Instr(m["name"], op_m["op"].removesuffix("-start"),
-                              _split_top_level(rest[open_paren + 1:close - 1]), rest[close:], computation))
+                              split_top_level(rest[open_paren + 1:close - 1]), rest[close:], computation))
   return shapes, collectives
 
 
@@ -238,125 +198,6 @@ def _operand_bytes(instr: _Instr, shapes: dict[str, str]) -> int:
       raise ValueError(f"operand {operand!r} of {instr.name} is not defined in the HLO text")
     total += shape_bytes(shapes[name])
   return total
-
-
-def _attr(attrs: str, key: str) -> str | None:
-  """The raw value of `key=` in an attribute list, brackets balanced."""
-  m = re.search(rf"(?:^|[\s,]){key}=", attrs)
-  if not m:
-    return None
-  start = m.end()
-  if attrs.startswith("mesh[", start):
-    mesh_m = _MESH_RE.match(attrs, start)
-    if not mesh_m:
-      raise ValueError(f"unrecognised mesh replica groups: {attrs[start:start + 120]!r}")
-    return mesh_m.group(0)
-  if attrs[start] in "{[(":
-    end = _closing(attrs, start)
-    if attrs[start] == "[" and attrs.startswith("<=", end):  # iota list
-      iota_m = _IOTA_RE.match(attrs, start)
-      if iota_m:
-        return iota_m.group(0)
-    return attrs[start:end]
-  end = attrs.find(",", start)
-  return attrs[start:] if end < 0 else attrs[start:end]
-
-
-def _explicit_groups(text: str, n_devices: int) -> list[list[int]]:
-  inner = text[1:-1].strip()
-  if not inner:  # {}: one group of every device
-    return [list(range(n_devices))]
-  groups = []
-  for part in _split_top_level(inner):
-    if not (part.startswith("{") and part.endswith("}")):
-      raise ValueError(f"unrecognised replica groups {text!r}")
-    groups.append([int(i) for i in _INTS_RE.findall(part)])
-  return groups
-
-
-def _iota_array(reshape: str, perm: str | None, dims: Sequence[int]) -> np.ndarray:
-  reshape_dims = [int(d) for d in reshape.split(",")]
-  ids = np.arange(math.prod(reshape_dims)).reshape(reshape_dims)
-  if perm:
-    ids = ids.transpose([int(p) for p in perm.split(",")])
-  return ids.reshape(dims)
-
-
-def _mesh_groups(m: re.Match) -> list[list[int]]:
-  """Flattened groups of a Shardy mesh-axes list (XLA's MeshAxesReplicaGroupList)."""
-  names, dims = [], []
-  for item in _split_top_level(m["axes"]):
-    axis_m = _MESH_AXIS_RE.fullmatch(item)
-    if not axis_m:
-      raise ValueError(f"unrecognised mesh axis {item!r} in replica groups {m.group(0)!r}")
-    names.append(axis_m["name"])
-    dims.append(int(axis_m["size"]))
-  if m["ids"] is None:
-    ids = np.arange(math.prod(dims)).reshape(dims)
-  elif (iota_m := _DEVICE_IDS_IOTA_RE.fullmatch(m["ids"].strip())):
-    ids = _iota_array(iota_m["reshape"], iota_m["perm"], dims)
-  elif re.fullmatch(r"[\d,\s]+", m["ids"]):
-    ids = np.array([int(i) for i in _INTS_RE.findall(m["ids"])]).reshape(dims)
-  else:
-    raise ValueError(f"unrecognised device_ids in replica groups {m.group(0)!r}")
-  # A device's group is given by its coordinates with the grouped axes (or the
-  # grouped digits of sub-axes "(pre_size)size", pre_size = product of the
-  # sub-axes to the left) zeroed out.
-  coords = [c.ravel() for c in np.indices(dims)]
-  for ref in _split_top_level(m["group"]):
-    ref_m = _AXIS_REF_RE.fullmatch(ref)
-    if not ref_m or ref_m["name"] not in names:
-      raise ValueError(f"unrecognised axis {ref!r} in replica groups {m.group(0)!r}")
-    i = names.index(ref_m["name"])
-    if ref_m["pre"] is None:
-      coords[i] = np.zeros_like(coords[i])
-      continue
-    pre, size = int(ref_m["pre"]), int(ref_m["size"])
-    if dims[i] % (pre * size):
-      raise ValueError(f"sub-axis {ref!r} does not divide axis size {dims[i]} in {m.group(0)!r}")
-    post = dims[i] // (pre * size)
-    coords[i] = coords[i] - (coords[i] // post) % size * post
-  groups: dict[tuple[int, ...], list[int]] = {}
-  for key, device in zip(zip(*coords), ids.ravel()):
-    groups.setdefault(key, []).append(int(device))
-  return list(groups.values())
-
-
-def _replica_groups(instr_attrs: str, op: str, n_devices: int) -> list[list[int]]:
-  """The device groups of one collective, from its attribute text."""
-  if op == "collective-permute":
-    if "slice_sizes=" in instr_attrs:
-      raise ValueError("in-place collective-permute (slice_sizes=...) is not supported")
-    pairs = _attr(instr_attrs, "source_target_pairs")
-    if pairs is None:
-      raise ValueError(f"collective-permute without source_target_pairs: {instr_attrs[:120]!r}")
-    return _explicit_groups(pairs, n_devices) if pairs != "{}" else []
-  text = _attr(instr_attrs, "replica_groups")
-  if text is None:
-    raise ValueError(f"{op} without replica_groups: {instr_attrs[:120]!r}")
-  if text.startswith("{"):
-    return _explicit_groups(text, n_devices)
-  if (iota_m := _IOTA_RE.fullmatch(text)):
-    dims = [int(d) for d in iota_m["dims"].split(",")]
-    return _iota_array(iota_m["reshape"], iota_m["perm"], dims).reshape(dims[0], -1).tolist()
-  if (mesh_m := _MESH_RE.fullmatch(text)):
-    return _mesh_groups(mesh_m)
-  raise ValueError(f"unrecognised replica_groups format {text!r}")
-
-
-def group_axes(groups: Iterable[Sequence[int]], mesh: jax.sharding.Mesh) -> tuple[str, ...]:
-  """Mesh axes along which the devices (positions in mesh.devices.flat) of a group differ."""
-  shape = mesh.devices.shape
-  varying = np.zeros(len(shape), dtype=bool)
-  for group in groups:
-    ids = np.asarray(group)
-    if ids.size and (ids.min() < 0 or ids.max() >= mesh.devices.size):
-      raise ValueError(
-          f"replica group {list(group)} names devices outside the mesh of"
-          f" {mesh.devices.size}; pass the mesh the function was compiled for")
-    coords = np.array(np.unravel_index(ids, shape))
-    varying |= (coords != coords[:, :1]).any(axis=1)
-  return tuple(a for a, v in zip(mesh.axis_names, varying) if v)
 
 
 def _hlo_text(compiled_or_hlo_text: Any) -> str:
@@ -398,7 +239,7 @@ def collective_stats(compiled_or_hlo_text: Any, mesh: jax.sharding.Mesh,
   runs = _runs(hlo) if trip_counts else {}
   totals: dict[tuple[str, tuple[str, ...]], list[int]] = {}
   for instr in collectives:
-    groups = _replica_groups(instr.attrs, instr.op, n_devices)
+    groups = replica_groups(instr.attrs, instr.op, n_devices)
     nbytes = _operand_bytes(instr, shapes)
     if instr.op == "all-gather":
       nbytes *= len(groups[0])
