@@ -46,6 +46,7 @@ import jax.numpy as jnp
 
 import models
 from models import remat
+from train.plan import optimizer as plan_optimizer
 from train.plan.model import Leaf, Step, local_bytes
 
 PACKING = 0.1  # XLA's temporary allocation over its live peak (module docstring)
@@ -95,10 +96,12 @@ def _layer_kernels(params: Sequence[Leaf], sizes: dict[str, int]) -> int:
 
 
 def memory(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, params: Sequence[Leaf], state_bytes: int,
-           policy: str = "none", offload_optimizer: bool = False, loss_chunk: int = 0, optimizer: str = "adamw") -> dict:
+           policy: str = "none", offload_optimizer: bool = False, loss_chunk: int = 0, optimizer: str = "adamw",
+           rank_fraction: float = 0.25) -> dict:
   """The step's memory per device (module docstring): ``{"device": {part: bytes},
   "host": {part: bytes}, "device_total", "host_total", "residuals": {name: bytes per
-  layer}}``; ``loss_chunk`` tokens per chunk of the loss (0: unchunked)."""
+  layer}}``; ``loss_chunk`` tokens per chunk of the loss (0: unchunked); ``rank_fraction``
+  Dion's."""
   kept = placements(policy, math.prod(sizes.values()))
   per_layer = layer_tensors(cfg, sizes, step.micro)
   layers = cfg.num_layers // sizes["pp"]
@@ -142,7 +145,9 @@ def memory(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, params: Seq
       "gradients": p_bytes * (2 if step.accum > 1 and sizes["pp"] == 1 and sizes["fs"] > 1 else 1),
       # A pipeline's loop copies its residuals' stacks once more.
       "residuals": residuals["device"] * (2 if sizes["pp"] > 1 else 1),
-      "update": _update(optimizer, matrices, state_bytes - 2 * (p_bytes - matrices)),
+      "update": _update(optimizer, matrices, state_bytes - 2 * (p_bytes - matrices))
+                + (plan_optimizer.whole_p_bytes(params, sizes, rank_fraction, per_replica=True)
+                   if optimizer == "dion" else 0),
       # A pipeline's loop state: every micro-batch's embedded input and stage output, and
       # their cotangents, float32 [b, T/cp, d] each.
       "pipeline": 4 * step.accum * per_layer["layer_input"] if sizes["pp"] > 1 else 0,
@@ -158,8 +163,9 @@ def memory(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, params: Seq
 
 def _update(optimizer: str, matrices: int, matrix_state: int) -> int:
   """The update's temporaries beside the state: Dion stacks each geometry's gradients and
-  state into megabatches (a float32 copy of both); Muon and Dion2 move their blocks in
-  bfloat16 (half the gradients); AdamW works in place."""
+  state into megabatches (a float32 copy of both; a megabatch that does not split over
+  P's group also holds every matrix's P, ``optimizer.whole_p_bytes``); Muon and Dion2
+  move their blocks in bfloat16 (half the gradients); AdamW works in place."""
   if optimizer == "adamw":
     return 0
   return matrices + matrix_state if optimizer == "dion" else matrices // 2

@@ -157,7 +157,8 @@ def plan(model: str | models.GPTConfig = "small", mesh: str | dict = "", optimiz
   comm = sum(r["seconds"] for r in rows)
   if loss_chunk is None:
     loss_chunk = getattr(cfg, "loss_chunk", 0)
-  memory = plan_memory.memory(cfg, sizes, step, params, state, remat, offload_optimizer, loss_chunk, optimizer)
+  memory = plan_memory.memory(cfg, sizes, step, params, state, remat, offload_optimizer, loss_chunk, optimizer,
+                              rank_fraction)
   # What crosses to the host and back each step: the offloaded residuals, the optimizer state.
   offload = 2 * memory["host_total"] / hw.host_bandwidth
   out = {
