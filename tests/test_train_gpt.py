@@ -223,23 +223,23 @@ def stopped_after(run_dir, step: int, copy) -> int:
 
 
 def test_reshard_onto_other_meshes(compile_cache, tmp_path):
-  """The step-3 checkpoint of a run on fs=4,tp=2 resumes on meshes whose every axis lays the
-  state out otherwise: rp=2,cp=2,tp=2 (replicas, each with its copy of the fs-sharded state,
-  and context parallelism) and pp=2 (the layers split into stages, each stage's arrays
-  whole, as on one device). The next steps' losses and gradient norms match the original
-  run's within 1e-5 (on rp, with the norm of the replicas' mean gradient, --grad-norm exact,
-  which clipping here uses)."""
+  """The step-3 checkpoint of a run on fs=4,tp=2 resumes on rp=2,cp=2,pp=2, whose every axis
+  lays the state out otherwise: replicas (each with its copy of the state that was
+  fs-sharded), context parallelism, and the layers split into pipeline stages, each stage's
+  arrays whole, as on one device. The next steps' losses and gradient norms match the
+  original run's within 1e-5 (on rp, with the norm of the replicas' mean gradient, --grad-norm
+  exact, which clipping here uses)."""
   assert train(tmp_path / "ref", "--mesh", "fs=4,tp=2", "--steps", "5", "--save-every", "3") == 0
   ref = {r["step"]: r for r in records(tmp_path / "ref") if "loss" in r}
-  for mesh in ("rp=2,cp=2,tp=2", "pp=2"):
-    run_dir = tmp_path / mesh.replace(",", "_")
-    logged = stopped_after(tmp_path / "ref", 3, run_dir)
-    assert gpt.main(["--run-dir", str(run_dir), "--resume", "--mesh", mesh, "--steps", "5", "--grad-norm", "exact"]) == 0
-    new = {r["step"]: r for r in records(run_dir)[logged:] if "loss" in r}
-    assert sorted(new) == [4, 5]
-    for step, r in new.items():
-      np.testing.assert_allclose(r["loss"], ref[step]["loss"], rtol=0, atol=1e-5, err_msg=mesh)
-      np.testing.assert_allclose(r["grad_norm"], ref[step]["grad_norm"], rtol=1e-5, err_msg=mesh)
+  mesh = "rp=2,cp=2,pp=2"
+  run_dir = tmp_path / "resharded"
+  logged = stopped_after(tmp_path / "ref", 3, run_dir)
+  assert gpt.main(["--run-dir", str(run_dir), "--resume", "--mesh", mesh, "--steps", "5", "--grad-norm", "exact"]) == 0
+  new = {r["step"]: r for r in records(run_dir)[logged:] if "loss" in r}
+  assert sorted(new) == [4, 5]
+  for step, r in new.items():
+    np.testing.assert_allclose(r["loss"], ref[step]["loss"], rtol=0, atol=1e-5, err_msg=mesh)
+    np.testing.assert_allclose(r["grad_norm"], ref[step]["grad_norm"], rtol=1e-5, err_msg=mesh)
 
 
 def test_moe_reshards_onto_other_expert_layouts(compile_cache, tmp_path):
