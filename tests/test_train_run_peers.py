@@ -80,12 +80,18 @@ def launch(run_dir, cache: str, *args: str, limit: str | None = None) -> list[su
   return procs
 
 
-def wait_for_step(run_dir, step: int, procs, saved: bool = True) -> None:
-  """Until ``step`` is logged and, if ``saved``, the checkpoint of step 2 is whole (a process
-  killed before then would leave nothing to resume from)."""
-  metrics, whole = run_dir / "metrics.jsonl", run_dir / "checkpoints" / "2" / "commit_success.txt"
+# The lost-process tests save every SPACED steps and strike once step SPACED + 1 is logged (the
+# loop is then a step further): a few steps before the next save, as a process lost while its
+# collectives fail ends by the heartbeat's line, one lost during a save by the save's.
+SPACED = 5
+
+
+def wait_for_step(run_dir, step: int, procs, saved: int | None = 2) -> None:
+  """Until ``step`` is logged and the checkpoint of step ``saved`` is whole (a process killed
+  before then would leave nothing to resume from; None: no checkpoint awaited)."""
+  metrics, whole = run_dir / "metrics.jsonl", run_dir / "checkpoints" / str(saved) / "commit_success.txt"
   while not (metrics.exists() and any(json.loads(line)["step"] == step for line in open(metrics) if line.strip())
-             and (whole.exists() or not saved)):
+             and (saved is None or whole.exists())):
     for p in procs:
       assert p.poll() is None, p.communicate()[1][-3000:]
     time.sleep(0.05)
@@ -174,12 +180,12 @@ def reference(compile_cache, tmp_path_factory) -> dict[int, float]:  # noqa: F81
 
 
 def test_a_killed_process_ends_the_other_with_one_line(compile_cache, reference, tmp_path):  # noqa: F811
-  """Process 1 killed (SIGKILL) once step 3 is logged: process 0, whose collective fails at
+  """Process 1 killed (SIGKILL) once step 6 is logged: process 0, whose collective fails at
   once, ends when process 1's heartbeat has been missing for --heartbeat-timeout (measured 5.4 s
   at 5 s; before, 80 s and exit 134 with a C++ stack), exit 1, the lock released."""
   run_dir = tmp_path / "run"
-  procs = launch(run_dir, compile_cache)
-  wait_for_step(run_dir, 3, procs)
+  procs = launch(run_dir, compile_cache, "--save-every", str(SPACED))
+  wait_for_step(run_dir, SPACED + 1, procs, SPACED)
   procs[1].kill()
   (code,), (err,), seconds = ends(procs, (0,))
   assert code == 1
@@ -196,7 +202,7 @@ def test_a_killed_process_ends_the_other_with_one_line(compile_cache, reference,
 def test_a_hung_or_dead_coordinator_ends_the_other_with_one_line(compile_cache, reference, tmp_path,  # noqa: F811
                                                                 signum):
   """Process 0, which holds JAX's coordination service, stopped (SIGSTOP, a hung host) or killed
-  with its process group (SIGKILL: the out-of-memory killer, a lost host) once step 3 is
+  with its process group (SIGKILL: the out-of-memory killer, a lost host) once step 6 is
   logged. Stopped: process 1's requests go unanswered, and it ends after --heartbeat-timeout;
   the lock stays the stopped process's (--resume takes it over once that process is gone).
   Killed: process 1's JAX client aborts at once (before: exit 134 after 0.4 s, 20 lines of C++
@@ -205,8 +211,8 @@ def test_a_hung_or_dead_coordinator_ends_the_other_with_one_line(compile_cache, 
   process's lock. Either way exit 1, nothing partial left, and --resume on one process
   continues as the run that never stopped."""
   run_dir = tmp_path / "run"
-  procs = launch(run_dir, compile_cache)
-  wait_for_step(run_dir, 3, procs)
+  procs = launch(run_dir, compile_cache, "--save-every", str(SPACED))
+  wait_for_step(run_dir, SPACED + 1, procs, SPACED)
   os.killpg(procs[0].pid, signum)
   (code,), (err,), seconds = ends(procs, (1,))
   assert code == 1
@@ -227,7 +233,7 @@ def test_a_signal_to_one_of_two_processes_stops_both_after_the_same_step(compile
   both agree on it, save the same step together and exit 143."""
   run_dir = tmp_path / "run"
   procs = launch(run_dir, compile_cache, "--save-every", "0")
-  wait_for_step(run_dir, 3, procs, saved=False)
+  wait_for_step(run_dir, 3, procs, None)
   procs[0].send_signal(signal.SIGTERM)
   codes, errs, _ = ends(procs)
   assert codes == [143, 143], errs[0][-3000:] + errs[1][-3000:]
