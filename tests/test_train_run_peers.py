@@ -3,7 +3,8 @@
 that fails in one process, a step out of memory in one process, bad input seen by one process:
 every other process ends soon after, with one line, the whole checkpoints kept, nothing partial
 left, and ``--resume`` (on one process: another process count) continues as a run that never
-stopped did (the same loss at the same steps, so the same data order).
+stopped did (the same loss at the same steps, so the same data order). A signal to one process
+stops every process after the same step, saved.
 
 The limits of one process (a file size of 0, an address space a little above its size) are set
 by a wrapper after one of its saves, as a full quota or a host whose free memory shrank would
@@ -28,9 +29,11 @@ from train.store import rundir
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform != "linux", reason="/proc, rlimits")]
 
 HEARTBEAT = 6  # --heartbeat-timeout of these runs, s
+# Every run but the out-of-memory one shares two compiled programs (two processes, one process).
+ARGS = [*TINY, "--mesh", "fs=2", "--eval-tokens", "0", "--save-every", "2"]
 # A vocabulary of 65536 makes the logits of a step 64 MiB, which the out-of-memory test needs;
-# every run has it, so that all share two compiled programs (two processes, one process).
-ARGS = [*TINY, "--mesh", "fs=2", "--eval-tokens", "0", "--save-every", "2", "--vocab-size", "65536"]
+# its steps take seconds on this CPU (the others' a tenth of one), so only that run has it.
+BIG_VOCAB = ["--vocab-size", "65536"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LIMITED = """
@@ -77,12 +80,18 @@ def launch(run_dir, cache: str, *args: str, limit: str | None = None) -> list[su
   return procs
 
 
-def wait_for_step(run_dir, step: int, procs) -> None:
-  """Until ``step`` is logged and the checkpoint of step 2 is whole (a process killed before
-  then would leave nothing to resume from)."""
-  metrics, whole = run_dir / "metrics.jsonl", run_dir / "checkpoints" / "2" / "commit_success.txt"
+# The lost-process tests save every SPACED steps and strike once step SPACED + 1 is logged (the
+# loop is then a step further): a few steps before the next save, as a process lost while its
+# collectives fail ends by the heartbeat's line, one lost during a save by the save's.
+SPACED = 5
+
+
+def wait_for_step(run_dir, step: int, procs, saved: int | None = 2) -> None:
+  """Until ``step`` is logged and the checkpoint of step ``saved`` is whole (a process killed
+  before then would leave nothing to resume from; None: no checkpoint awaited)."""
+  metrics, whole = run_dir / "metrics.jsonl", run_dir / "checkpoints" / str(saved) / "commit_success.txt"
   while not (metrics.exists() and any(json.loads(line)["step"] == step for line in open(metrics) if line.strip())
-             and whole.exists()):
+             and (saved is None or whole.exists())):
     for p in procs:
       assert p.poll() is None, p.communicate()[1][-3000:]
     time.sleep(0.05)
@@ -171,12 +180,12 @@ def reference(compile_cache, tmp_path_factory) -> dict[int, float]:  # noqa: F81
 
 
 def test_a_killed_process_ends_the_other_with_one_line(compile_cache, reference, tmp_path):  # noqa: F811
-  """Process 1 killed (SIGKILL) once step 3 is logged: process 0, whose collective fails at
+  """Process 1 killed (SIGKILL) once step 6 is logged: process 0, whose collective fails at
   once, ends when process 1's heartbeat has been missing for --heartbeat-timeout (measured 5.4 s
   at 5 s; before, 80 s and exit 134 with a C++ stack), exit 1, the lock released."""
   run_dir = tmp_path / "run"
-  procs = launch(run_dir, compile_cache)
-  wait_for_step(run_dir, 3, procs)
+  procs = launch(run_dir, compile_cache, "--save-every", str(SPACED))
+  wait_for_step(run_dir, SPACED + 1, procs, SPACED)
   procs[1].kill()
   (code,), (err,), seconds = ends(procs, (0,))
   assert code == 1
@@ -193,7 +202,7 @@ def test_a_killed_process_ends_the_other_with_one_line(compile_cache, reference,
 def test_a_hung_or_dead_coordinator_ends_the_other_with_one_line(compile_cache, reference, tmp_path,  # noqa: F811
                                                                 signum):
   """Process 0, which holds JAX's coordination service, stopped (SIGSTOP, a hung host) or killed
-  with its process group (SIGKILL: the out-of-memory killer, a lost host) once step 3 is
+  with its process group (SIGKILL: the out-of-memory killer, a lost host) once step 6 is
   logged. Stopped: process 1's requests go unanswered, and it ends after --heartbeat-timeout;
   the lock stays the stopped process's (--resume takes it over once that process is gone).
   Killed: process 1's JAX client aborts at once (before: exit 134 after 0.4 s, 20 lines of C++
@@ -202,8 +211,8 @@ def test_a_hung_or_dead_coordinator_ends_the_other_with_one_line(compile_cache, 
   process's lock. Either way exit 1, nothing partial left, and --resume on one process
   continues as the run that never stopped."""
   run_dir = tmp_path / "run"
-  procs = launch(run_dir, compile_cache)
-  wait_for_step(run_dir, 3, procs)
+  procs = launch(run_dir, compile_cache, "--save-every", str(SPACED))
+  wait_for_step(run_dir, SPACED + 1, procs, SPACED)
   os.killpg(procs[0].pid, signum)
   (code,), (err,), seconds = ends(procs, (1,))
   assert code == 1
@@ -219,6 +228,23 @@ def test_a_hung_or_dead_coordinator_ends_the_other_with_one_line(compile_cache, 
   resumes_as_uninterrupted(run_dir, step, reference)
 
 
+def test_a_signal_to_one_of_two_processes_stops_both_after_the_same_step(compile_cache, tmp_path):  # noqa: F811
+  """SIGTERM reaches process 0 only (its agent, which passes it on), once step 3 is logged;
+  both agree on it, save the same step together and exit 143."""
+  run_dir = tmp_path / "run"
+  procs = launch(run_dir, compile_cache, "--save-every", "0")
+  wait_for_step(run_dir, 3, procs, None)
+  procs[0].send_signal(signal.SIGTERM)
+  codes, errs, _ = ends(procs)
+  assert codes == [143, 143], errs[0][-3000:] + errs[1][-3000:]
+  step = saved(run_dir)
+  assert len(step) == 1 and 3 <= step[0] < 1000, step
+  last = [e.strip().splitlines()[-1] for e in errs]
+  assert last[0].startswith(f"error: stopped by SIGTERM after step {step[0]}; the checkpoint of step {step[0]}"), last
+  assert last[1].startswith(f"error: stopped by SIGTERM sent to another process after step {step[0]};"
+                            f" the checkpoint of step {step[0]}"), last
+
+
 def test_a_failed_write_in_one_process_ends_both_with_its_line(compile_cache, reference, tmp_path):  # noqa: F811
   """Process 1 can write no byte from its second save on (step 4): its write fails (EFBIG), and
   both processes end with its line at once, exit 1 (before: both waited at Orbax's barriers
@@ -231,17 +257,17 @@ def test_a_failed_write_in_one_process_ends_both_with_its_line(compile_cache, re
   resumes_as_uninterrupted(run_dir, 2, reference)
 
 
-def test_out_of_memory_in_one_process_ends_both_with_its_line(compile_cache, reference, tmp_path):  # noqa: F811
+def test_out_of_memory_in_one_process_ends_both_with_its_line(compile_cache, tmp_path):  # noqa: F811
   """Process 1's address space is held to 16 MiB above its size after its first save (step
   2), and step 3 needs 64 MiB more for its logits: XLA's allocation fails there, and both
   processes end with its line, exit 1 (before: both waited in gloo for good, the failed step's
-  process in an all-reduce the other never joined)."""
+  process in an all-reduce the other never joined). What it leaves (step 2 whole, nothing
+  partial, no lock) is what the failed write leaves, whose test resumes from it."""
   run_dir = tmp_path / "run"
-  both_end_with(run_dir, launch(run_dir, compile_cache, limit="memory"),
+  both_end_with(run_dir, launch(run_dir, compile_cache, *BIG_VOCAB, limit="memory"),
                 r"process 1 of 2: out of device memory by step [34] \(.*Out of memory allocating \d+ bytes.*\); the"
                 rf" checkpoint of step 2 is in {run_dir / 'checkpoints'}; lower --micro-batch-size or --seq-len, add"
                 r" --remat, or shard over more devices \(--mesh\)")
-  resumes_as_uninterrupted(run_dir, 2, reference)
 
 
 def test_bad_input_seen_by_one_process_ends_both_with_its_line(compile_cache, tmp_path):  # noqa: F811

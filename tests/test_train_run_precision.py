@@ -135,16 +135,24 @@ def replay_loss_scale(initial: float, skipped: list[int]) -> list[float]:
   return used
 
 
-def test_float16_overflow_is_skipped_and_the_loss_scale_adapts(compile_cache, tmp_path):
-  """An initial scale of 2^24 overflows float16's backward pass: those steps are skipped and
+@pytest.fixture(scope="module")
+def float16_run(compile_cache, tmp_path_factory):  # noqa: F811
+  """20 float16 steps from a loss scale of 2^20, saved at 6, 12 and 18 (kept) and 20."""
+  run_dir = tmp_path_factory.mktemp("float16") / "run"
+  assert train(run_dir, *FP16, "--initial-loss-scale", str(2**20), "--steps", "20", "--save-every", "6",
+               "--keep", "5") == 0
+  return run_dir
+
+
+def test_float16_overflow_is_skipped_and_the_loss_scale_adapts(float16_run):
+  """An initial scale of 2^20 overflows float16's backward pass: those steps are skipped and
   counted while the scale halves; then training proceeds, the scale doubling after every
   WINDOW clean steps (and halving again at the next overflow)."""
-  assert train(tmp_path, *FP16, "--initial-loss-scale", str(2**24), "--steps", "20") == 0
-  got = steps(tmp_path)
+  got = steps(float16_run)
   skipped = [r["skipped"] for r in got]
   first = skipped.index(0)
-  assert first >= 2 and all(skipped[:first])  # measured: 6 (2^24 .. 2^19 overflow)
-  assert [r["loss_scale"] for r in got] == replay_loss_scale(2**24, skipped)
+  assert first >= 2 and all(skipped[:first])  # measured: 4 (2^20 .. 2^17 overflow)
+  assert [r["loss_scale"] for r in got] == replay_loss_scale(2**20, skipped)
   scales = [r["loss_scale"] for r in got]
   assert any(b == 2 * a for a, b in zip(scales, scales[1:]))  # it grew after a window
   losses = [r["loss"] for r, s in zip(got, skipped) if not s]
@@ -174,17 +182,16 @@ def test_float16_and_bfloat16_train_like_float32(compile_cache, tmp_path):
   np.testing.assert_allclose(val["bf16"], val["fp32"], rtol=1e-3)
 
 
-def test_float16_resume_keeps_the_loss_scale(compile_cache, tmp_path):
-  """12 steps straight == 6 steps, then --resume to 12: the checkpoint carries the loss scale
-  and its clean-step count (measured: at step 6 the scale is 2^16 after four overflows, with
-  two clean steps counted, so it doubles after step 7), so the scales, skipped steps, losses
-  and final state match bit for bit."""
-  args = [*FP16, "--initial-loss-scale", str(2**20), "--steps", "12", "--save-every", "6"]
-  assert train(tmp_path / "straight", *args) == 0
-  assert train(tmp_path / "split", *args, "--steps", "6", "--lr-decay-steps", "12") == 0
-  assert gpt.main(["--run-dir", str(tmp_path / "split"), "--resume", "--steps", "12"]) == 0
-  straight, split = steps(tmp_path / "straight"), steps(tmp_path / "split")
+def test_float16_resume_keeps_the_loss_scale(float16_run, tmp_path):
+  """20 steps straight == 6 steps, then --resume to 12, at every step to 12 and in the state
+  saved at 12: the checkpoint carries the loss scale and its clean-step count (measured: at
+  step 6 the scale is 2^16 after four overflows, with two clean steps counted, so it doubles
+  after step 7), so the scales, skipped steps, losses and state match bit for bit."""
+  split = tmp_path / "split"
+  assert train(split, *FP16, "--initial-loss-scale", str(2**20), "--steps", "6", "--lr-decay-steps", "20") == 0
+  assert gpt.main(["--run-dir", str(split), "--resume", "--steps", "12"]) == 0
   fields = lambda rs: {r["step"]: (r["loss"], r["loss_scale"], r["skipped"]) for r in rs}  # noqa: E731
-  assert fields(straight) == fields(split)
-  assert fields(straight)[7][1] != 2**20
-  assert_trees_equal(saved_state(tmp_path / "straight"), saved_state(tmp_path / "split"))
+  straight = {s: f for s, f in fields(steps(float16_run)).items() if s <= 12}
+  assert sorted(straight) == list(range(1, 13)) and fields(steps(split)) == straight
+  assert straight[7][1] != 2**20
+  assert_trees_equal(saved_state(float16_run, 12), saved_state(split))
