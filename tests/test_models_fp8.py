@@ -163,11 +163,11 @@ def _one_device(microbatches):
   i + M, ..., as the pipeline splits them) quantized with its own scales, as on pp."""
   graphdef, params = models.init(CFG)
   batch = _batch()
-  count = jnp.float32(batch["targets"].size)
+  count, sequences = jnp.float32(batch["targets"].size), jnp.float32(batch["targets"].shape[0])
 
   def loss(p):
-    return sum(models.loss(graphdef, p, jax.tree.map(lambda x, i=i: x[i::microbatches], batch), denominator=count)
-               for i in range(microbatches))
+    return sum(models.loss(graphdef, p, jax.tree.map(lambda x, i=i: x[i::microbatches], batch), denominator=count,
+                           sequences=sequences) for i in range(microbatches))
 
   value, grads = jax.jit(jax.value_and_grad(loss))(params)
   return graphdef, float(value), model_meshes.in_layer_order(grads, models.Parallelism())
