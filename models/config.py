@@ -59,11 +59,11 @@ class GPTConfig:
       input only, ...) or ``"custom:NAME=PLACE,..."``; the booleans of configs saved before
       the names read as ``"full"`` (True) and ``"none"`` (False).
     fp8: the transformer blocks' matrix products (query, key, value, out projection, the
-      dense MLP's and the shared expert's) in FP8, a recipe of ``models.fp8.RECIPES``:
-      ``"none"``, or ``"current"``: e4m3 inputs and weights, e5m2 output gradients, each
-      scaled by its own amax, float32 accumulation (``models/fp8.py``); the embedding, LM
-      head, norms, attention's softmax, router, the experts' grouped products and the loss
-      stay in ``dtype``. True and False (a config file's) read as ``"current"`` and ``"none"``.
+      dense MLP's, the shared expert's and the experts' grouped ones) in FP8, a recipe of
+      ``models.fp8.RECIPES``: ``"none"``, or ``"current"``: e4m3 inputs and weights, e5m2
+      output gradients, each scaled by its own amax, float32 accumulation
+      (``models/fp8.py``); the embedding, LM head, norms, attention's softmax, router and
+      the loss stay in ``dtype``. True and False (a config file's) read as ``"current"`` and ``"none"``.
     loss_chunk: tokens of each device that go through the LM head and the loss at a time
       (``models/lm_head.py``): the peak holds one chunk's logits [loss_chunk, V/tp] and
       their softmax and gradient, not the whole batch's, for the head's product done

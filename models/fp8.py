@@ -2,6 +2,7 @@
 ``Float8CurrentScaling``), from ``flax.linen.fp8_ops``' pieces.
 
     y = fp8.matmul(x_BxTxK, w_KxN)         # x in the compute dtype, w float32: y in x's dtype
+    y = fp8.grouped_matmul(x_RxK, w_GxKxN, group_sizes_G)   # the experts' (ragged_dot)
 
 Forward, the input and the weight are each scaled by their own absolute maximum and cast
 to e4m3 (``s = amax / 448``, ``q = round_e4m3(clip(v / s, ±448))``); the product of the two
@@ -86,3 +87,52 @@ def _backward(residuals, g):
 
 
 matmul.defvjp(_forward, _backward)
+
+
+# The grouped products' dimensions: rows [R, K] in groups, experts' kernels [G, K, N].
+_ROWS_BY_KERNELS = jax.lax.RaggedDotDimensionNumbers((((1,), (1,)), ((), ())), [0], [0])
+_GRADIENT_BY_KERNELS = jax.lax.RaggedDotDimensionNumbers((((1,), (2,)), ((), ())), [0], [0])
+_ROWS_BY_GRADIENT = jax.lax.RaggedDotDimensionNumbers((((0,), (0,)), ((), ())), [0], [])
+
+
+def _grouped(a, b, group_sizes_G, dims, scale):
+  """``jax.lax.ragged_dot_general`` of FP8 ``a`` and ``b``, accumulated in float32 and
+  dequantized by ``scale``."""
+  return jax.lax.ragged_dot_general(a, b, group_sizes_G, dims, preferred_element_type=jnp.float32) * scale
+
+
+@jax.custom_vjp
+def grouped_matmul(x_RxK: jax.Array, w_GxKxN: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
+  """``jax.lax.ragged_dot(x_RxK, w_GxKxN, group_sizes_G)`` (the rows of group g times kernel
+  g) through FP8 as :func:`matmul`: one scale for all the rows, one for all the kernels
+  (per tensor, as the dense products); in x's dtype. Backward ``dx = ragged(q_g, q_wᵀ)``,
+  ``dw[g] = q_x[rows of g]ᵀ q_g[rows of g]``, both from the e4m3 tensors kept forward."""
+  return _grouped_forward(x_RxK, w_GxKxN, group_sizes_G)[0]
+
+
+def _grouped_forward(x, w, group_sizes):
+  q_x, s_x = quantize(x, FORWARD)
+  q_w, s_w = quantize(w, FORWARD)
+  y = _grouped(q_x, q_w, group_sizes, _ROWS_BY_KERNELS, s_x * s_w).astype(x.dtype)
+  # Empty slices of x and w: their dtypes and the manual axes they vary over.
+  return y, (q_x, s_x, q_w, s_w, group_sizes, x.reshape(-1)[:0], w.reshape(-1)[:0])
+
+
+def _summed_like(ct: jax.Array, primal: jax.Array) -> jax.Array:
+  """``ct`` in ``primal``'s dtype, summed over the manual axes it varies over and the
+  primal does not (inside a ``shard_map``: the rows of other ranks' tokens), as autodiff
+  sums the gradient of a value shared by those ranks."""
+  own = set(jax.typeof(primal).manual_axis_type.varying)
+  extra = tuple(a for a in jax.typeof(ct).manual_axis_type.varying if a not in own)
+  return (jax.lax.psum(ct, extra) if extra else ct).astype(primal.dtype)
+
+
+def _grouped_backward(residuals, g):
+  q_x, s_x, q_w, s_w, group_sizes, x, w = residuals
+  q_g, s_g = quantize(g, BACKWARD)
+  dx = _grouped(q_g, q_w, group_sizes, _GRADIENT_BY_KERNELS, s_g * s_w)
+  dw = _grouped(q_x, q_g, group_sizes, _ROWS_BY_GRADIENT, s_x * s_g)
+  return _summed_like(dx, x), _summed_like(dw, w), None
+
+
+grouped_matmul.defvjp(_grouped_forward, _grouped_backward)

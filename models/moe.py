@@ -74,6 +74,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from models import fp8
 from models.config import GPTConfig
 from models.layers import MLP, Dense, init_std
 from models.sharding import (BATCH_AXES, EXPERT_LAYOUTS, KERNEL_LAYOUTS, Parallelism, gathered_over_manual,
@@ -203,14 +204,19 @@ def _over_cp(x: jax.Array) -> jax.Array:
 
 
 def _expert_mlp(rows_RxD: jax.Array, weights: dict[str, jax.Array], group_sizes_G: jax.Array,
-                kind: str) -> jax.Array:
+                cfg: GPTConfig) -> jax.Array:
   """The experts' MLPs on rows grouped by expert (group g: the next ``group_sizes[g]`` rows;
-  rows past the groups give zeros)."""
+  rows past the groups give zeros); their products in FP8 with ``cfg.fp8``
+  (``models.fp8.grouped_matmul``: the float32 kernels quantized as they are)."""
   def dot(x, name):
-    return checkpoint_name(jax.lax.ragged_dot(x, weights[name].astype(x.dtype), group_sizes_G), f"expert_{name}")
+    if cfg.fp8 != "none":
+      y = fp8.grouped_matmul(x, weights[name], group_sizes_G)
+    else:
+      y = jax.lax.ragged_dot(x, weights[name].astype(x.dtype), group_sizes_G)
+    return checkpoint_name(y, f"expert_{name}")
 
   h_RxF = dot(rows_RxD, "up")
-  if kind == "swiglu":
+  if cfg.mlp == "swiglu":
     h_RxF = jax.nn.silu(dot(rows_RxD, "gate")) * h_RxF
   else:
     h_RxF = jnp.square(jax.nn.relu(h_RxF))
@@ -235,7 +241,7 @@ def _exchange(sorted_AxD: jax.Array, sorted_experts_A: jax.Array, counts_E: jax.
   ends_RxEl = jnp.cumsum(recv_counts_RxEl, 1)
   local_expert = jnp.sum(i_S[None, :, None] >= ends_RxEl[:, None, :], -1).reshape(-1)
   order = jnp.argsort(local_expert, stable=True)
-  out = _expert_mlp(recv_RxSxD.reshape(-1, D)[order], weights, recv_counts_RxEl.sum(0), cfg.mlp)
+  out = _expert_mlp(recv_RxSxD.reshape(-1, D)[order], weights, recv_counts_RxEl.sum(0), cfg)
   back_RxSxD = jax.lax.all_to_all(out[jnp.argsort(order)].reshape(ep, slots, D), EXPERT_AXIS, 0, 0, tiled=True)
   rank_A = jnp.minimum(sorted_experts_A // E_loc, ep - 1)
   mine_A = jnp.arange(A) - start_R[rank_A]
@@ -258,7 +264,7 @@ def _local(x_BxTxD: jax.Array, weights: dict[str, jax.Array], cfg: GPTConfig, ep
     x_BxTxD = jax.lax.pcast(x_BxTxD, TENSOR_AXIS, to="varying")
   sorted_AxD = x_BxTxD.reshape(B * T, D)[order // k]
   if ep == 1:
-    out_AxD = _expert_mlp(sorted_AxD, weights, counts_E, cfg.mlp)
+    out_AxD = _expert_mlp(sorted_AxD, weights, counts_E, cfg)
   else:
     C = capacity(cfg, T * _cp())
     slots = B * T * k if C is None else min(B * T * k, cfg.num_experts // ep * B * C)

@@ -410,9 +410,9 @@ def test_fp8_on_a_mesh_matches_one_device(compile_cache, tmp_path):
   """--fp8 on rp=2,fs=2,tp=2 (each replica's gradient in the shard_map manual over rp, its
   scales maxed over the replicas): one device's losses within float32 rounding (measured:
   2e-7). AdamW, whose step compiles fastest; with Dion too on this mesh (measured: 2e-7).
-  Dion on tp=2 and tp=2,pp=2 with two micro-batches of 4 leaves one device's losses at
-  step 3 by 2e-3 (AdamW there: equal to 1e-7 over 6 steps; Dion without --fp8: equal),
-  docs/fp8.md."""
+  Dion on tp=2 with two micro-batches of 4 leaves one device's losses at step 3 by 1e-2:
+  a value one float32 ulp from an e5m2 rounding tie rounds the other way on tp, FP8's own
+  noise, not a scale (docs/fp8.md; tests/test_models_fp8.py holds the scales on tp)."""
   for name, mesh in (("one", "fs=1"), ("mesh", "rp=2,fs=2,tp=2")):
     assert train(tmp_path / name, "--fp8", "--optimizer", "adamw", "--steps", "3", "--eval-tokens", "0",
                  "--mesh", mesh) == 0

@@ -79,11 +79,11 @@ HELP = {
              " expert_up, expert_down) on the device or the host, recomputes the others; --remat alone is"
              " full; on CPU host placements stay on the device (XLA:CPU does not move them)"
              % "; ".join(f"{k}: {v}" for k, v in REMAT_POLICIES.items()),
-    "fp8": "the transformer blocks' matrix products (query, key, value, out projection, MLP) in FP8:"
+    "fp8": "the transformer blocks' matrix products (query, key, value, out projection, MLP, experts) in FP8:"
            " e4m3 inputs and weights, e5m2 gradients, float32 accumulation, each tensor scaled by"
            " its own absolute maximum of this step (recipe current, --fp8 alone; none: off, the"
-           " default); the embedding, LM head, norms, softmax, loss and the experts' products stay"
-           " in --dtype, the parameters float32 (docs/fp8.md)",
+           " default); the embedding, LM head, norms, softmax, loss and the router stay in --dtype,"
+           " the parameters float32 (docs/fp8.md)",
     "loss_chunk": "tokens of each device that go through the LM head and the loss at a time: the"
                   " peak holds that many tokens' logits (and softmax and gradient), not the whole"
                   " micro-batch's, for the head's product done twice; 0 forms them all at once"
