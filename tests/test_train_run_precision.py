@@ -163,9 +163,9 @@ def test_float16_overflow_is_skipped_and_the_loss_scale_adapts(float16_run):
 def test_float16_and_bfloat16_train_like_float32(compile_cache, tmp_path):
   """40 steps of the very small GPT: float16 with the default loss scale, and bfloat16,
   follow float32's losses within about 10x what they reach (measured on the training losses
-  of step 1 and the four 10-step intervals: float16 at most 3.2e-5 relative, bfloat16 9.4e-5; on the
-  validation loss 4.9e-5 and 6.5e-5), float16 skipping no step; and each learns: the loss
-  falls by more than 1 (measured: 4.33 to 2.97)."""
+  of step 1 and the four 10-step intervals: float16 at most 3.2e-5 relative, bfloat16 9.4e-5),
+  float16 skipping no step; and each learns: the loss falls by more than 1 (measured: 4.33
+  to 2.97). The runs validate nothing (``train``'s --eval-tokens 0)."""
   args = ["--mesh", "fs=2", "--steps", "40", "--log-interval", "10"]
   assert train(tmp_path / "fp32", *args, "--dtype", "float32") == 0
   assert train(tmp_path / "fp16", *args, "--dtype", "float16") == 0
@@ -177,9 +177,6 @@ def test_float16_and_bfloat16_train_like_float32(compile_cache, tmp_path):
   np.testing.assert_allclose(losses["fp16"], losses["fp32"], rtol=3e-4)
   np.testing.assert_allclose(losses["bf16"], losses["fp32"], rtol=1e-3)
   assert all(run[-1] < run[0] - 1.0 for run in losses.values()), losses
-  val = {d: [r["val_loss"] for r in records(tmp_path / d) if "val_loss" in r] for d in ("fp32", "fp16", "bf16")}
-  np.testing.assert_allclose(val["fp16"], val["fp32"], rtol=5e-4)
-  np.testing.assert_allclose(val["bf16"], val["fp32"], rtol=1e-3)
 
 
 def test_float16_resume_keeps_the_loss_scale(float16_run, tmp_path):
