@@ -187,7 +187,8 @@ MESHES = [
     ("ep=2,tp=2", {}, CFG),
     ("rp=2,ep=2", {}, CFG),
     ("ep=2,pp=2", {"microbatches": 2}, GROUPED),
-    ("fs=2,ep=2,tp=2", {"sequence_parallel": True}, GROUPED),
+    # fs=2,ep=2,tp=2 with sequence parallelism, every second layer: the first step of
+    # test_training_on_fs_ep_tp_matches_one_device[dion2]
     ("cp=2,ep=2", {}, GROUPED),
     ("fs=2,cp=2,tp=2", {}, CAPPED),
 ]
@@ -208,12 +209,18 @@ OPTIMIZERS = {
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_training_on_fs_ep_tp_matches_one_device(name):
-  """Dion on expert stacks; Dion2 on a model with dense layers between (5-D dense stacks)."""
+def test_training_on_fs_ep_tp_matches_one_device(reference, name):
+  """Dion on expert stacks; Dion2 on a model with dense layers between (5-D dense stacks),
+  with sequence parallelism. The first step's loss and gradients are one device's, as in
+  test_mesh_matches_one_device (within 1e-5)."""
   cfg = GROUPED if name == "dion2" else CFG
+  options = {"sequence_parallel": True} if name == "dion2" else {}
   batches = [_batch(seed=i, cfg=cfg) for i in range(3)]
-  want_losses, want_params = model_meshes.train(cfg, batches, None, {}, OPTIMIZERS[name])
-  losses, params = model_meshes.train(cfg, batches, "fs=2,ep=2,tp=2", {}, OPTIMIZERS[name])
+  want_losses, want_params, _ = model_meshes.train(cfg, batches, None, {}, OPTIMIZERS[name])
+  losses, params, grads = model_meshes.train(cfg, batches, "fs=2,ep=2,tp=2", options, OPTIMIZERS[name])
+  _, want_loss, want_grads = reference[cfg]
+  np.testing.assert_allclose(losses[0], want_loss, rtol=1e-5)
+  model_meshes.assert_close_trees(grads, want_grads, rtol=1e-5)
   assert want_losses[-1] < want_losses[0]
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
   model_meshes.assert_close_trees(params, want_params, rtol=1e-5)
