@@ -112,9 +112,8 @@ def reference():
   return model_meshes.one_device(CFG, _batch())
 
 
+# tp=2 alone, with and without sequence parallelism, is inside fs=2,tp=2 and rp=2,fs=2,tp=2's.
 MESHES = [
-    ("tp=2", {}),
-    ("tp=2", {"sequence_parallel": True}),
     ("fs=2,tp=2", {}),
     ("pp=2", {"microbatches": 4}),
     ("pp=2", {"microbatches": 4, "virtual_stages": 2}),
