@@ -57,8 +57,11 @@ def assert_mesh_matches(reference, cfg, batch, spec, options, rtol=1e-5):
 
 
 def train(cfg, batches, spec, options, optimizer):
-  """Losses and final parameters (layer order) of a step per batch of ``batches`` on the mesh
-  ``spec`` (None: one device), ``optimizer(mesh, partition_specs)`` an optax transformation.
+  """Losses, final parameters and the first step's gradients (both in layer order) of a step
+  per batch of ``batches`` on the mesh ``spec`` (None: one device), ``optimizer(mesh,
+  partition_specs)`` an optax transformation. The first step's loss and gradients are
+  :func:`one_device`'s on the mesh (the same program computes them), so a test that trains
+  on a mesh checks them against one device's as :func:`assert_mesh_matches` does.
 
   One device gets the model's PartitionSpecs too: they name each matrix's tp dimension,
   which the Dion family orthonormalizes, so that it runs the mesh's algorithm.
@@ -73,11 +76,13 @@ def train(cfg, batches, spec, options, optimizer):
   def step(params, opt_state, batch):
     loss, grads = jax.value_and_grad(lambda p: models.loss(graphdef, p, batch, par))(params)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+    return optax.apply_updates(params, updates), opt_state, loss, grads
 
   losses = []
   with jax.set_mesh(mesh_) if mesh_ is not None else contextlib.nullcontext():
     for batch in batches:
-      params, opt_state, loss = step(params, opt_state, batch)
+      params, opt_state, loss, grads = step(params, opt_state, batch)
+      if not losses:
+        first_grads = in_layer_order(grads, par)
       losses.append(float(loss))
-  return losses, in_layer_order(params, par)
+  return losses, in_layer_order(params, par), first_grads

@@ -1,6 +1,8 @@
 """Orthonormalization of Dion's P: shifted Cholesky QR, one-pass Cholesky QR with its fallback,
 randomized Cholesky QR, Householder, Polar Express; against float64 NumPy."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,6 +105,16 @@ def _householder_f64(P_mxr):
   return Q * signs, np.abs(np.diag(R)) / np.linalg.norm(np.asarray(P_mxr, np.float64), 2)
 
 
+@functools.cache
+def _shifted_cqr_and_third_pass(precision):
+  """Shifted Cholesky QR's Q of P (m, r) and its third pass's, one program per shape: eagerly,
+  each call would compile its loops anew (a second a case)."""
+  def both(P_mxr):
+    third = qr.shifted_cholesky_qr_passes(P_mxr[None], backend="xla", precision=precision)[2][0]
+    return _ortho(P_mxr, "shifted_cqr", precision=precision), third
+  return jax.jit(both)
+
+
 @pytest.mark.parametrize("precision", ["float32", "tensorfloat32x3"])
 @pytest.mark.parametrize("shape", [(M_ROWS, RANK), (64, 64)], ids=["tall", "square"])
 @pytest.mark.parametrize("P_kind", ["cond1", "cond1e3", "cond1e6", "cond1e9", "cond1e12", "duplicate",
@@ -117,12 +129,11 @@ def test_shifted_cqr_is_householder_in_float64_up_to_the_fill(P_kind, shape, pre
     P_mxr, _ = _with_condition(float(P_kind[4:]), m, r)
   else:
     P_mxr = _rank_deficient(P_kind, m, r)
-  Q_mxr = _ortho(P_mxr, "shifted_cqr", precision=precision)
+  Q_mxr, third = _shifted_cqr_and_third_pass(precision)(P_mxr)
   assert Q_mxr.dtype == jnp.float32 and Q_mxr.shape == P_mxr.shape
   # Achieved at most 8e-7 and 1.1e-6 on such inputs (float32 Householder: 1.1e-6 and 3e-7).
   assert _orthonormality_error(Q_mxr) < 5e-6
   # The fourth pass is needed: the third leaves up to 5.0e-2 (square, cond 1e9), 2.9e-5 (tall).
-  third = qr.shifted_cholesky_qr_passes(P_mxr[None], backend="xla", precision=precision)[2][0]
   assert _orthonormality_error(third) < (0.1 if m == r else 1e-4)
   assert _span_residual(Q_mxr, P_mxr) < 1e-5
   Q_ref, pivot = _householder_f64(P_mxr)

@@ -112,13 +112,12 @@ def reference():
   return model_meshes.one_device(CFG, _batch())
 
 
+# tp=2 alone, with and without sequence parallelism, is inside fs=2,tp=2 and rp=2,fs=2,tp=2's.
 MESHES = [
-    ("tp=2", {}),
-    ("tp=2", {"sequence_parallel": True}),
     ("fs=2,tp=2", {}),
     ("pp=2", {"microbatches": 4}),
     ("pp=2", {"microbatches": 4, "virtual_stages": 2}),
-    ("fs=2,tp=2,pp=2", {"microbatches": 2}),
+    # fs=2,tp=2,pp=2 with 2 micro-batches: test_dion_training_on_fs_tp_pp_matches_one_device's first step
     ("rp=2,fs=2,tp=2", {"sequence_parallel": True}),
     ("rp=2,tp=2,pp=2", {"microbatches": 2, "virtual_stages": 2}),
 ]
@@ -136,13 +135,16 @@ def test_mesh_matches_one_device(reference, spec, options):
 LOOKUP_CFG = models.preset("tiny", num_layers=2, d_model=32, num_heads=2, vocab_size=16, seq_len=32)
 
 
-@pytest.mark.parametrize("spec,options", [("fs=2,cp=2,tp=2", {}), ("fs=2,tp=2,pp=2", {"microbatches": 2})])
-def test_vocab_parallel_lookup_inside_a_shard_map_matches_one_device(spec, options):
-  """Compiled in a subprocess: where XLA fails to partition a program it aborts the process,
-  which fails this test rather than ending pytest's worker (or, with -n 0, the run)."""
+def test_vocab_parallel_lookup_inside_a_shard_map_matches_one_device():
+  """On fs=2,cp=2,tp=2 and on fs=2,tp=2,pp=2 (2 micro-batches), compiled in one subprocess:
+  where XLA fails to partition a program it aborts the process, which fails this test rather
+  than ending pytest's worker (or, with -n 0, the run)."""
   check = ("from tests import model_meshes, test_models_gpt as t\n"
            "cfg, batch = t.LOOKUP_CFG, t._batch(cfg=t.LOOKUP_CFG)\n"
-           f"model_meshes.assert_mesh_matches(model_meshes.one_device(cfg, batch), cfg, batch, {spec!r}, {options!r})")
+           "reference = model_meshes.one_device(cfg, batch)\n"
+           "for spec, options in [('fs=2,cp=2,tp=2', {}), ('fs=2,tp=2,pp=2', {'microbatches': 2})]:\n"
+           "  model_meshes.assert_mesh_matches(reference, cfg, batch, spec, options)\n"
+           "  print(spec, 'matches', flush=True)")
   env = {**xla_env.subprocess_env(), "JAX_PLATFORMS": "cpu"}
   env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
   proc = subprocess.run([sys.executable, "-c", check], cwd=pathlib.Path(__file__).parents[1], env=env,
@@ -150,7 +152,8 @@ def test_vocab_parallel_lookup_inside_a_shard_map_matches_one_device(spec, optio
   # XLA's own message and the Python traceback, without the native stack's frames.
   message = "\n".join(line for line in proc.stderr.splitlines() if not line.lstrip().startswith("@"))
   if proc.returncode:
-    pytest.fail(f"exit status {proc.returncode}:\n{message[-3000:]}")
+    pytest.fail(f"exit status {proc.returncode} after {proc.stdout.split()[::2]}:\n{message[-3000:]}")
+  assert proc.stdout.split() == ["fs=2,cp=2,tp=2", "matches", "fs=2,tp=2,pp=2", "matches"], proc.stdout
 
 
 def test_remat_and_bfloat16():
@@ -194,9 +197,14 @@ def _train(spec, options):
                                                               partition_specs=specs))
 
 
-def test_dion_training_on_fs_tp_pp_matches_one_device():
-  want_losses, want_params = _train(None, {})
-  losses, params = _train("fs=2,tp=2,pp=2", {"microbatches": 2})
+def test_dion_training_on_fs_tp_pp_matches_one_device(reference):
+  """Three Dion steps on fs=2,tp=2,pp=2 (2 micro-batches) against one device's; the first
+  step's loss and gradients are one device's as in test_mesh_matches_one_device (within 1e-5)."""
+  _, want_loss, want_grads = reference
+  want_losses, want_params, _ = _train(None, {})
+  losses, params, grads = _train("fs=2,tp=2,pp=2", {"microbatches": 2})
+  np.testing.assert_allclose(losses[0], want_loss, rtol=1e-5)
+  model_meshes.assert_close_trees(grads, want_grads, rtol=1e-5)
   assert want_losses[-1] < want_losses[0]
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
   # Three Dion steps carry float32 rounding: 2.8e-5 in lm_head with XLA's unoptimized CPU code.
@@ -214,7 +222,9 @@ def _device_bytes(params):
 def test_parameter_bytes_per_device_scale_with_the_mesh():
   cfg = models.preset("tiny", num_layers=4, d_model=64, num_heads=4, seq_len=16, vocab_size=512)
   total = _device_bytes(models.init(cfg)[1])
-  for spec in ("fs=2", "tp=2", "pp=2", "fs=2,tp=2", "fs=2,tp=2,pp=2", "fs=4,tp=2", "fs=2,cp=2,tp=2"):
+  # Each mesh's bytes are the total over the product of its axes, so each axis's factor shows:
+  # fs, tp and pp in the first, fs's size in the second, cp in the third.
+  for spec in ("fs=2,tp=2,pp=2", "fs=4,tp=2", "fs=2,cp=2,tp=2"):
     sizes = dion_jax.parse_mesh_spec(spec)
     shards = sizes["fs"] * sizes["cp"] * sizes["tp"] * sizes["pp"]
     par = models.Parallelism(model_meshes.mesh(spec), microbatches=sizes["pp"])

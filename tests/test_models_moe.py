@@ -153,8 +153,9 @@ def test_every_second_layer_is_a_mixture_of_experts():
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a[0], b, rtol=1e-6), aux.router, want_router)
 
 
-@pytest.mark.parametrize("cfg, spec", [(CFG, "cp=2"), (CAPPED, "cp=2"), (CAPPED, "cp=4")],
-                         ids=["dropless-cp=2", "capacity-cp=2", "capacity-cp=4"])
+# A capacity on cp=2: cp=4's ranks continue the counts of one to three earlier chunks, and
+# test_mesh_matches_one_device[fs=2,cp=2,tp=2-capped] takes its loss with the router's.
+@pytest.mark.parametrize("cfg, spec", [(CFG, "cp=2"), (CAPPED, "cp=4")], ids=["dropless-cp=2", "capacity-cp=4"])
 def test_router_statistics_with_cp_are_one_devices(cfg, spec):
   """With cp a rank routes T/cp tokens of every sequence; the per-sequence sums are taken
   over cp first, so the balance loss (a product of two of them), the z-loss and the load
@@ -187,7 +188,8 @@ MESHES = [
     ("ep=2,tp=2", {}, CFG),
     ("rp=2,ep=2", {}, CFG),
     ("ep=2,pp=2", {"microbatches": 2}, GROUPED),
-    ("fs=2,ep=2,tp=2", {"sequence_parallel": True}, GROUPED),
+    # fs=2,ep=2,tp=2 with sequence parallelism, every second layer: the first step of
+    # test_training_on_fs_ep_tp_matches_one_device[dion2]
     ("cp=2,ep=2", {}, GROUPED),
     ("fs=2,cp=2,tp=2", {}, CAPPED),
 ]
@@ -208,12 +210,18 @@ OPTIMIZERS = {
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_training_on_fs_ep_tp_matches_one_device(name):
-  """Dion on expert stacks; Dion2 on a model with dense layers between (5-D dense stacks)."""
+def test_training_on_fs_ep_tp_matches_one_device(reference, name):
+  """Dion on expert stacks; Dion2 on a model with dense layers between (5-D dense stacks),
+  with sequence parallelism. The first step's loss and gradients are one device's, as in
+  test_mesh_matches_one_device (within 1e-5)."""
   cfg = GROUPED if name == "dion2" else CFG
+  options = {"sequence_parallel": True} if name == "dion2" else {}
   batches = [_batch(seed=i, cfg=cfg) for i in range(3)]
-  want_losses, want_params = model_meshes.train(cfg, batches, None, {}, OPTIMIZERS[name])
-  losses, params = model_meshes.train(cfg, batches, "fs=2,ep=2,tp=2", {}, OPTIMIZERS[name])
+  want_losses, want_params, _ = model_meshes.train(cfg, batches, None, {}, OPTIMIZERS[name])
+  losses, params, grads = model_meshes.train(cfg, batches, "fs=2,ep=2,tp=2", options, OPTIMIZERS[name])
+  _, want_loss, want_grads = reference[cfg]
+  np.testing.assert_allclose(losses[0], want_loss, rtol=1e-5)
+  model_meshes.assert_close_trees(grads, want_grads, rtol=1e-5)
   assert want_losses[-1] < want_losses[0]
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
   model_meshes.assert_close_trees(params, want_params, rtol=1e-5)
@@ -230,7 +238,7 @@ def test_bytes_per_device_scale_with_ep_fs_tp():
 
   params = models.init(CFG)[1]
   total, experts = device_bytes(params), device_bytes(params["blocks"]["mlp"]["experts"])
-  for spec, shards in (("ep=2", 2), ("ep=4", 4), ("fs=2,ep=2,tp=2", 8), ("cp=2,ep=2", 4)):
+  for spec, shards in (("ep=4", 4), ("fs=2,ep=2,tp=2", 8), ("cp=2,ep=2", 4)):  # ep=2 alone: inside the last two
     params = models.init(CFG, models.Parallelism(model_meshes.mesh(spec)))[1]
     assert device_bytes(params["blocks"]["mlp"]["experts"]) == experts // shards, spec
     # Replicated norm scales and the router's tp copies are the only padding: under 5% here.

@@ -606,43 +606,31 @@ def assert_same_steps(run_dir, reference, steps: list[int]) -> None:
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_with_dion_over_replicas(compile_cache, base_run, prompts_file, tmp_path):  # noqa: F811
+def test_two_processes_match_one_with_dion_over_replicas_and_resume_after_process_0_dies(  # noqa: F811
+    compile_cache, base_run, prompts_file, tmp_path):
   """Two processes x 2 devices on rp=2,fs=2 (a replica per process: the batch split across
-  them) take the prompts, completions, rewards and updates of one process with the 4 devices:
-  each process scores the completions it sampled, and the rewards of every group reach both.
-  Measured: metrics equal to the last bit, the policy too; only process 0 logs and writes."""
+  them, Dion's momentum one copy per process) take the prompts, completions, rewards and
+  updates of one process with the 4 devices: each process scores the completions it sampled,
+  and the rewards of every group reach both; only process 0 logs and writes. Process 0 is
+  killed with its process group once step 3 is logged: process 1 ends with one line naming
+  process 0 and the last checkpoint (``train/run/agent.py``), exit 1, nothing partial left,
+  the lock released; --resume on one process with the 4 devices then continues from the two
+  processes' checkpoint: every step's metrics, and the final policy, are those of one process
+  that never stopped (measured: metrics and policy equal to the last bit)."""
   args = ["--init-from", base_run, "--prompts", prompts_file, *PROCESSES, "--optimizer", "dion",
-          "--dion-rank-fraction", "0.25", "--mesh", "rp=2,fs=2", "--steps", "3"]
-  procs = two_processes(compile_cache, tmp_path / "two", *args)
-  outs = [p.communicate(timeout=600) for p in procs]
-  assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
-  assert "(2 processes)" in outs[0][0] and "step" not in outs[1][0]
-  assert grpo.main([*args, "--run-dir", str(tmp_path / "one")]) == 0
-  assert_same_steps(tmp_path / "two", tmp_path / "one", [1, 2, 3])
-  for a, b in zip(jax.tree.leaves(restore_lib.restore(str(tmp_path / "two")).params),
-                  jax.tree.leaves(restore_lib.restore(str(tmp_path / "one")).params)):
-    np.testing.assert_allclose(a, b, atol=1e-6)
-
-
-@pytest.mark.slow
-def test_process_0_dies_then_one_process_resumes_as_never_stopped(compile_cache, base_run, prompts_file,  # noqa: F811
-                                                                  tmp_path):
-  """Two processes x 2 devices on fs=2,tp=2 (the model's fs shards across the processes) with
-  AdamW; process 0 killed with its process group once step 3 is logged. Process 1 ends with
-  one line naming process 0 and the last checkpoint (``train/run/agent.py``), exit 1, nothing
-  partial left, the lock released; --resume on one process with the 4 devices then continues:
-  every step's metrics are those of one process that never stopped (measured: to 1e-7)."""
-  args = ["--init-from", base_run, "--prompts", prompts_file, *PROCESSES, "--optimizer", "adamw", "--mesh", "fs=2,tp=2"]
+          "--dion-rank-fraction", "0.25", "--mesh", "rp=2,fs=2"]
   run_dir = tmp_path / "two"
   procs = two_processes(compile_cache, run_dir, *args, "--steps", "1000")
   try:
     wait_for_step(run_dir, 3, procs)
     os.killpg(procs[0].pid, signal.SIGKILL)
-    _, err = procs[1].communicate(timeout=120)
+    out, err = procs[1].communicate(timeout=120)
   finally:
     for p in procs:
       p.kill()
-      p.communicate()
+    first_out = procs[0].communicate()[0]
+    procs[1].communicate()
+  assert "(2 processes)" in first_out and "step" not in out
   steps = sorted(int(n) for n in os.listdir(run_dir / "checkpoints"))  # none partial
   assert procs[1].returncode == 1, err[-3000:]
   assert re.fullmatch(r"error: process 0 of 2 \(the coordinator\) stopped: its coordination service at 127.0.0.1:\d+"
@@ -653,6 +641,9 @@ def test_process_0_dies_then_one_process_resumes_as_never_stopped(compile_cache,
   assert grpo.main(["--run-dir", str(run_dir), "--resume", "--steps", str(steps[-1] + 1)]) == 0
   assert grpo.main([*args, "--run-dir", str(tmp_path / "one"), "--steps", str(steps[-1] + 1)]) == 0
   assert_same_steps(run_dir, tmp_path / "one", list(range(1, steps[-1] + 2)))
+  for a, b in zip(jax.tree.leaves(restore_lib.restore(str(run_dir)).params),
+                  jax.tree.leaves(restore_lib.restore(str(tmp_path / "one")).params)):
+    np.testing.assert_allclose(a, b, atol=1e-6)
 
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "examples",
