@@ -22,7 +22,7 @@ import pytest
 
 from data import fineweb
 from tests import xla_env
-from tests.test_train_gpt import compile_cache, snapshot  # noqa: F401  fixture
+from tests.test_train_gpt import compile_cache, snapshot, subprocess_env  # noqa: F401  fixture
 from train import cli, gpt
 from train.run import config as config_lib
 from train.run import interrupt as interrupt_lib
@@ -144,6 +144,39 @@ def test_a_signal_finishes_the_step_saves_and_exits(compile_cache, tmp_path, cap
                         f" the checkpoint of step {saved[0]} is saved in")
   assert not (run_dir / rundir.LOCK_NAME).exists()
   assert found is not None and signal.getsignal(signum) == found
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_of_two_processes_stops_both_after_the_same_step(compile_cache, tmp_path):  # noqa: F811
+  """Two processes (gloo on 127.0.0.1, one CPU device each): SIGTERM reaches process 0 only,
+  once step 3 is logged; both agree on it, save the same step together and exit 143."""
+  run_dir = tmp_path / "run"
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  procs = [subprocess.Popen([sys.executable, "-m", "train.gpt", *TINY, "--mesh", "fs=2", "--run-dir", str(run_dir),
+                             "--steps", "1000", "--save-every", "0", "--coordinator", f"127.0.0.1:{port}",
+                             "--num-processes", "2", "--process-id", str(i)],
+                            env=subprocess_env(compile_cache), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+           for i in range(2)]
+  try:
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.exists() and any(json.loads(line)["step"] == 3 for line in open(metrics) if "loss" in line)):
+      assert procs[0].poll() is None, procs[0].stderr.read()[-3000:]
+      time.sleep(0.05)
+    procs[0].send_signal(signal.SIGTERM)
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  assert [p.returncode for p in procs] == [143, 143], errs[0][-3000:] + errs[1][-3000:]
+  saved = steps_saved(run_dir)
+  assert len(saved) == 1 and 3 <= int(saved[0]) < 1000, saved
+  last = [e.strip().splitlines()[-1] for e in errs]
+  assert last[0].startswith(f"error: stopped by SIGTERM after step {saved[0]}; the checkpoint of step {saved[0]}"), last
+  assert last[1].startswith(f"error: stopped by SIGTERM sent to another process after step {saved[0]};"
+                            f" the checkpoint of step {saved[0]}"), last
 
 
 SECOND_SIGNAL = """

@@ -4,7 +4,7 @@ that fails in one process, a step out of memory in one process, bad input seen b
 every other process ends soon after, with one line, the whole checkpoints kept, nothing partial
 left, and ``--resume`` (on one process: another process count) continues as a run that never
 stopped did (the same loss at the same steps, so the same data order). A signal to one process
-stops every process after the same step, saved.
+stopping every process after the same step is ``tests/test_train_run_faults.py``'s.
 
 The limits of one process (a file size of 0, an address space a little above its size) are set
 by a wrapper after one of its saves, as a full quota or a host whose free memory shrank would
@@ -226,23 +226,6 @@ def test_a_hung_or_dead_coordinator_ends_the_other_with_one_line(compile_cache, 
   assert seconds < HEARTBEAT + 15
   assert (run_dir / rundir.LOCK_NAME).exists() == (signum == signal.SIGSTOP)
   resumes_as_uninterrupted(run_dir, step, reference)
-
-
-def test_a_signal_to_one_of_two_processes_stops_both_after_the_same_step(compile_cache, tmp_path):  # noqa: F811
-  """SIGTERM reaches process 0 only (its agent, which passes it on), once step 3 is logged;
-  both agree on it, save the same step together and exit 143."""
-  run_dir = tmp_path / "run"
-  procs = launch(run_dir, compile_cache, "--save-every", "0")
-  wait_for_step(run_dir, 3, procs, None)
-  procs[0].send_signal(signal.SIGTERM)
-  codes, errs, _ = ends(procs)
-  assert codes == [143, 143], errs[0][-3000:] + errs[1][-3000:]
-  step = saved(run_dir)
-  assert len(step) == 1 and 3 <= step[0] < 1000, step
-  last = [e.strip().splitlines()[-1] for e in errs]
-  assert last[0].startswith(f"error: stopped by SIGTERM after step {step[0]}; the checkpoint of step {step[0]}"), last
-  assert last[1].startswith(f"error: stopped by SIGTERM sent to another process after step {step[0]};"
-                            f" the checkpoint of step {step[0]}"), last
 
 
 def test_a_failed_write_in_one_process_ends_both_with_its_line(compile_cache, reference, tmp_path):  # noqa: F811
