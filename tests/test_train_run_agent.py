@@ -43,7 +43,9 @@ if act == "signals":
   print(got, flush=True)
 elif act == "exit 3":
   sys.exit(3)
-else:  # a C++ abort as JAX's client writes it, then the abort
+else:  # a C++ abort as JAX's client writes it, then the abort ("ended N": once its run ended with N)
+  if act.startswith("ended "):
+    agent.ended(int(act.split()[1]))
   print("F1127 06:17:17.570040   17386 client.h:80] Terminating process because the JAX distributed service"
         " detected fatal errors.", file=sys.stderr)
   print("*** Check failure stack trace: ***\\n    @     0x7f9750840634  absl::log_internal::LogMessage::SendToLog()",
@@ -104,6 +106,17 @@ def test_an_abort_once_the_coordinator_is_gone_is_one_line(tmp_path):
       f" {tmp_path / 'checkpoints'}; continue with: python -m train.gpt --run-dir {tmp_path} --resume --coordinator"
       f" {address} --num-processes 2 --process-id 1\n")
   assert sorted(os.listdir(tmp_path)) == ["checkpoints"] and os.listdir(tmp_path / "checkpoints") == ["2"]
+
+
+def test_an_abort_after_the_run_ended_ends_with_the_runs_code(tmp_path):
+  """The race of JAX's shutdown: process 1's run ended (exit 143, its SIGTERM line printed),
+  then its client aborts, process 0's coordination service gone. The run's code stands, the
+  C++ lines dropped; process 0's lock and the saves are left as they are."""
+  (tmp_path / "checkpoints" / "13").mkdir(parents=True)
+  (tmp_path / rundir.LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": dead_pid()}))
+  proc = start(tmp_path, "ended 143")
+  assert (proc.wait(timeout=30), proc.stderr.read()) == (143, "working\n")
+  assert sorted(os.listdir(tmp_path)) == ["checkpoints", rundir.LOCK_NAME]
 
 
 def test_a_crash_of_its_own_keeps_its_lines(tmp_path):

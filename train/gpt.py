@@ -55,7 +55,7 @@ def _train(run) -> int:
     return run
   from train.run import loop
 
-  return loop.train(run)
+  return agent.ended(loop.train(run))  # under an agent, it learns the code before JAX's shutdown
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,12 @@ The agent (:func:`supervise`) runs the same command again as its worker, with
   so that each reaches the worker once (``train/run/interrupt.py``: a second one exits at
   once).
 - When the worker ends with an exit code, or by the user's SIGINT, SIGTERM or SIGHUP, the agent
-  ends with the same. When it is killed or aborts otherwise, the agent asks whether
+  ends with the same. A worker whose run ended reports its exit code first (:func:`ended`):
+  JAX's shutdown follows, and process 0, which leaves as soon as the shutdown's barrier lets
+  it, can take the coordination service away while another process's client still polls it,
+  which aborts that process (seen once in CI: process 1 saved, printed its SIGTERM line, then
+  aborted). An abort after the report, with the coordinator gone, is that race: the agent ends
+  with the reported code, the C++ lines dropped. When it is killed or aborts otherwise, the agent asks whether
   process 0's coordination service still answers: if not, it prints which process stopped
   (process 0, the coordinator), the last whole checkpoint and the ``--resume`` command; else
   the worker's own end (the signal, its held lines). Either way it removes unfinished saves
@@ -38,6 +43,7 @@ The agent imports neither JAX nor the model: it costs one small Python process p
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import os
 import re
@@ -57,10 +63,12 @@ WORKER_ENV = "DION_JAX_AGENT_FD"  # set in the worker: the pipe it reports its s
 HOLD_S = 2.0  # how long C++ log records wait: the abort follows its first record within 0.5 s
 SAME_SIGNAL_S = 0.5  # a signal the worker also received within this is one signal sent to both
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_ENDED = 0  # on the report pipe, where a byte is a signal's number: the exit code comes next
 _STOPPED_BY_USER = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _RECORD = re.compile(rb"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [^ \]]+:\d+\] ")  # absl's log prefix
 _PR_SET_PDEATHSIG = 1
 EXIT_FAILED = 1
+_report_fd: int | None = None  # in a worker: the pipe to its agent
 
 
 def wanted(cfg: Config) -> bool:
@@ -72,9 +80,20 @@ def wanted(cfg: Config) -> bool:
 
 def report_signals() -> None:
   """In a worker, from the main thread: report every signal it receives to the agent."""
+  global _report_fd
   fd = os.environ.pop(WORKER_ENV, None)  # the worker's own subprocesses are no workers
   if fd is not None:
-    signal.set_wakeup_fd(int(fd), warn_on_full_buffer=False)
+    _report_fd = int(fd)
+    signal.set_wakeup_fd(_report_fd, warn_on_full_buffer=False)
+
+
+def ended(code: int) -> int:
+  """In a worker whose run ended: tells the agent the exit ``code`` it ends with, before
+  JAX's shutdown (module docstring); returns ``code``."""
+  if _report_fd is not None:
+    with contextlib.suppress(OSError):
+      os.write(_report_fd, bytes([_ENDED, code & 0xFF]))  # one write: no signal's byte between
+  return code
 
 
 def resume_command(cfg: Config, command: str) -> str:
@@ -123,8 +142,11 @@ def supervise(cfg: Config, command: str, worker_argv: list[str]) -> int:
                             stderr=subprocess.PIPE, pass_fds=(report_end,), preexec_fn=die_with_parent)
   os.close(report_end)
   relay = Relay(sys.stderr.buffer)
-  _watch(worker, reports, relay, received)
+  reported_end = _watch(worker, reports, relay, received)
   code = worker.returncode
+  if code < 0 and reported_end is not None and _coordinator_gone(cfg):
+    relay.drop()  # the abort of a client whose coordinator left first
+    code = reported_end
   if code >= 0 or -code in _STOPPED_BY_USER:
     relay.flush()
     if code != 0:
@@ -135,8 +157,10 @@ def supervise(cfg: Config, command: str, worker_argv: list[str]) -> int:
   return _lost(cfg, command, -code, relay)
 
 
-def _watch(worker: subprocess.Popen, reports: int, relay: Relay, received: list) -> None:
-  """Relays the worker's stderr and forwards the signals it did not get, until it ends."""
+def _watch(worker: subprocess.Popen, reports: int, relay: Relay, received: list) -> int | None:
+  """Relays the worker's stderr and forwards the signals it did not get, until it ends; the
+  exit code the worker reported (:func:`ended`), if it did."""
+  reported_end, code_next = None, False
   reported = []  # (signal, time) of the signals the worker got
   forwarded = collections.Counter()  # signals sent to the worker whose report is to come
   streams = [worker.stderr.fileno(), reports]
@@ -149,7 +173,11 @@ def _watch(worker: subprocess.Popen, reports: int, relay: Relay, received: list)
         streams.remove(fd)
       elif fd == reports:
         for s in data:
-          if forwarded[s]:
+          if code_next:
+            reported_end, code_next = s, False
+          elif s == _ENDED:
+            code_next = True
+          elif forwarded[s]:
             forwarded[s] -= 1
           else:
             reported.append((s, now))
@@ -167,13 +195,14 @@ def _watch(worker: subprocess.Popen, reports: int, relay: Relay, received: list)
     reported[:] = [r for r in reported if now - r[1] <= SAME_SIGNAL_S]
     relay.release()
   os.close(reports)
+  return reported_end
 
 
 def _lost(cfg: Config, command: str, signum: int, relay: Relay) -> int:
   """The worker was killed or aborted (``signum``): one line naming the process that stopped,
   the clean-up of a process that is gone, exit 1."""
   count = cfg.num_processes or "?"
-  coordinator = cfg.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+  coordinator = _coordinator(cfg)
   silent = None if cfg.process_id == 0 or coordinator is None else _unanswered(coordinator)
   if silent is not None:
     relay.drop()  # JAX's abort on the lost coordinator, which the line says
@@ -189,6 +218,16 @@ def _lost(cfg: Config, command: str, signum: int, relay: Relay) -> int:
   print(f"error: {what}; {rundir.last_whole_checkpoint(cfg.ckpt_path)}; continue with:"
         f" {resume_command(cfg, command)}", file=sys.stderr, flush=True)
   return EXIT_FAILED
+
+
+def _coordinator(cfg: Config) -> str | None:
+  return cfg.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+
+
+def _coordinator_gone(cfg: Config) -> bool:
+  """Whether another process's coordination service no longer answers."""
+  coordinator = _coordinator(cfg)
+  return cfg.process_id != 0 and coordinator is not None and _unanswered(coordinator) is not None
 
 
 def _unanswered(address: str) -> str | None:
