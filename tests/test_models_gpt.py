@@ -192,14 +192,15 @@ def test_loss_scale_reaches_the_float16_backward_pass(reference, spec, options):
 
 
 def _train(spec, options):
-  return model_meshes.train(CFG, [_batch(seed=i) for i in range(3)], spec, options,
+  return model_meshes.train(CFG, [_batch(seed=i) for i in range(2)], spec, options,
                             lambda mesh, specs: dion_jax.dion(0.02, rank_fraction=0.25, mesh=mesh,
                                                               partition_specs=specs))
 
 
 def test_dion_training_on_fs_tp_pp_matches_one_device(reference):
-  """Three Dion steps on fs=2,tp=2,pp=2 (2 micro-batches) against one device's; the first
-  step's loss and gradients are one device's as in test_mesh_matches_one_device (within 1e-5)."""
+  """Two Dion steps on fs=2,tp=2,pp=2 (2 micro-batches) against one device's (the second's
+  update reads the first's optimizer state); the first step's loss and gradients are one
+  device's as in test_mesh_matches_one_device (within 1e-5)."""
   _, want_loss, want_grads = reference
   want_losses, want_params, _ = _train(None, {})
   losses, params, grads = _train("fs=2,tp=2,pp=2", {"microbatches": 2})
@@ -207,7 +208,8 @@ def test_dion_training_on_fs_tp_pp_matches_one_device(reference):
   model_meshes.assert_close_trees(grads, want_grads, rtol=1e-5)
   assert want_losses[-1] < want_losses[0]
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-  # Three Dion steps carry float32 rounding: 2.8e-5 in lm_head with XLA's unoptimized CPU code.
+  # Dion's steps carry float32 rounding: 9.3e-6 in lm_head after two (2.8e-5 after three) with
+  # XLA's unoptimized CPU code.
   model_meshes.assert_close_trees(params, want_params, rtol=5e-5)
 
 

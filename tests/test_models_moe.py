@@ -213,10 +213,11 @@ OPTIMIZERS = {
 def test_training_on_fs_ep_tp_matches_one_device(reference, name):
   """Dion on expert stacks; Dion2 on a model with dense layers between (5-D dense stacks),
   with sequence parallelism. The first step's loss and gradients are one device's, as in
-  test_mesh_matches_one_device (within 1e-5)."""
+  test_mesh_matches_one_device (within 1e-5). Two steps: the second's update reads the
+  first's optimizer state (measured: parameters within 1.5e-6 (Dion), 8.7e-7 (Dion2))."""
   cfg = GROUPED if name == "dion2" else CFG
   options = {"sequence_parallel": True} if name == "dion2" else {}
-  batches = [_batch(seed=i, cfg=cfg) for i in range(3)]
+  batches = [_batch(seed=i, cfg=cfg) for i in range(2)]  # a step on 8 devices: ~2 s of CPU
   want_losses, want_params, _ = model_meshes.train(cfg, batches, None, {}, OPTIMIZERS[name])
   losses, params, grads = model_meshes.train(cfg, batches, "fs=2,ep=2,tp=2", options, OPTIMIZERS[name])
   _, want_loss, want_grads = reference[cfg]
