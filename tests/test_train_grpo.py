@@ -449,11 +449,11 @@ REPLICAS = ["--steps", "1", "--prompts-per-step", "2", "--group-size", "4", "--m
 def test_rp2_dion_syncs_over_replicas_as_train_gpt(compile_cache, base_run, prompts_file, tmp_path):  # noqa: F811
   """GRPO's step on rp=2 with Dion is train.gpt's: per-replica gradients for Dion's
   matrices, whose low-rank factors are averaged over rp. Its bytes over rp equal train.gpt's
-  for the same model and mesh, but for the objective's three statistics (KL and clip
-  shares, gathered with the loss: 32 bytes here); the momentum has one copy per replica.
-  The step is test_rp2_dion_and_accumulation_equal_one_device's on rp=2 (the same flags: one
-  compile for both). Measured (Dion at rank 1/4, where it compresses): 258,794 bytes against
-  train.gpt's 258,762."""
+  for the same model and mesh, but for the objective's statistics (KL and clip shares,
+  gathered with the loss); the momentum has one copy per replica. The step is
+  test_rp2_dion_and_accumulation_equal_one_device's on rp=2 (the same flags: one compile for
+  both). Measured (Dion at rank 1/4, where it compresses): 258,818 bytes against train.gpt's
+  258,762."""
   grpo_cfg, cfg, _ = grpo.configure(["--init-from", base_run, "--prompts", prompts_file, "--run-dir",
                                      str(tmp_path / "grpo"), *REPLICAS, "--mesh", "rp=2"])
   run = grpo_loop.setup(grpo_cfg, cfg)
