@@ -143,13 +143,14 @@ def test_default_command_trains(compile_cache, tmp_path, monkeypatch, capsys):
 
 
 RESUMED = ["--mesh", "rp=2,fs=2,tp=2", "--lr", "0.02", "--min-lr", "0.002", "--lr-warmup-steps", "5",
-           "--lr-decay-style", "linear"]
+           "--lr-decay-style", "linear", "--grad-norm", "exact"]
 
 
 @pytest.fixture(scope="module")
 def straight(compile_cache, tmp_path_factory):
-  """8 steps on rp=2,fs=2,tp=2 (per-replica Dion momentum) with a warmup into a linear decay,
-  saved at 4 and 8: the uninterrupted reference that the resumed runs below must reach."""
+  """8 steps on rp=2,fs=2,tp=2 (per-replica Dion momentum, clipped by the exact norm of the
+  replicas' mean gradient) with a warmup into a linear decay, saved at 4 and 8: the
+  uninterrupted reference that the resumed and resharded runs below must reach."""
   run_dir = tmp_path_factory.mktemp("straight") / "run"
   assert train(run_dir, *RESUMED, "--steps", "8", "--save-every", "4") == 0
   return run_dir
@@ -222,21 +223,22 @@ def stopped_after(run_dir, step: int, copy) -> int:
   return len(records(copy))
 
 
-def test_reshard_onto_other_meshes(compile_cache, tmp_path):
-  """The step-3 checkpoint of a run on fs=4,tp=2 resumes on rp=2,cp=2,pp=2, whose every axis
-  lays the state out otherwise: replicas (each with its copy of the state that was
-  fs-sharded), context parallelism, and the layers split into pipeline stages, each stage's
-  arrays whole, as on one device. The next steps' losses and gradient norms match the
-  original run's within 1e-5 (on rp, with the norm of the replicas' mean gradient, --grad-norm
-  exact, which clipping here uses)."""
-  assert train(tmp_path / "ref", "--mesh", "fs=4,tp=2", "--steps", "5", "--save-every", "3") == 0
-  ref = {r["step"]: r for r in records(tmp_path / "ref") if "loss" in r}
-  mesh = "rp=2,cp=2,pp=2"
+def test_reshard_onto_other_meshes(straight, tmp_path):
+  """``straight``'s step-4 checkpoint (rp=2,fs=2,tp=2, a Dion momentum per replica) resumes on
+  fs=2,cp=2,pp=2, whose every axis lays the state out otherwise: the two replicas' momenta
+  averaged into one state, context parallelism, and the layers split into pipeline stages,
+  each stage's arrays whole, as on one device. The next steps' losses and gradient norms
+  match the original run's within 1e-5 (clipped by the exact norm of the replicas' mean
+  gradient on rp, --grad-norm exact, the norm of one replica's). One replica into two is the
+  mixture of experts' reshard."""
+  mesh = "fs=2,cp=2,pp=2"
   run_dir = tmp_path / "resharded"
-  logged = stopped_after(tmp_path / "ref", 3, run_dir)
-  assert gpt.main(["--run-dir", str(run_dir), "--resume", "--mesh", mesh, "--steps", "5", "--grad-norm", "exact"]) == 0
+  logged = stopped_after(straight, 4, run_dir)
+  assert gpt.main(["--run-dir", str(run_dir), "--resume", "--mesh", mesh, "--steps", "6",
+                   "--lr-decay-steps", "8"]) == 0
+  ref = {r["step"]: r for r in records(straight) if "loss" in r}
   new = {r["step"]: r for r in records(run_dir)[logged:] if "loss" in r}
-  assert sorted(new) == [4, 5]
+  assert sorted(new) == [5, 6]
   for step, r in new.items():
     np.testing.assert_allclose(r["loss"], ref[step]["loss"], rtol=0, atol=1e-5, err_msg=mesh)
     np.testing.assert_allclose(r["grad_norm"], ref[step]["grad_norm"], rtol=1e-5, err_msg=mesh)
@@ -244,14 +246,14 @@ def test_reshard_onto_other_meshes(compile_cache, tmp_path):
 
 def test_moe_reshards_onto_other_expert_layouts(compile_cache, tmp_path):
   """The step-3 checkpoint of a mixture-of-experts run (experts on every second layer) on
-  rp=2,ep=2,tp=2 (Dion's per-replica momenta) resumes on fs=2,ep=4 and matches the original
-  run's next steps; its log has the routing figures. Clipped by the norm of the replicas'
-  mean gradient (--grad-norm exact), as one replica is."""
+  fs=2,ep=4 resumes on rp=2,ep=2,tp=2 (one state into two replicas' Dion momenta) and matches
+  the original run's next steps; its log has the routing figures. Clipped by the norm of the
+  replicas' mean gradient (--grad-norm exact), as one replica is."""
   moe = ("--preset", "tiny-moe", "--moe-every", "2", "--moe-capacity-factor", "1.0", "--grad-norm", "exact")
-  assert train(tmp_path / "ref", *moe, "--mesh", "rp=2,ep=2,tp=2", "--steps", "5", "--save-every", "3") == 0
+  assert train(tmp_path / "ref", *moe, "--mesh", "fs=2,ep=4", "--steps", "5", "--save-every", "3") == 0
   run_dir = tmp_path / "resumed"
   logged = stopped_after(tmp_path / "ref", 3, run_dir)
-  assert gpt.main(["--run-dir", str(run_dir), "--resume", "--mesh", "fs=2,ep=4", "--steps", "5"]) == 0
+  assert gpt.main(["--run-dir", str(run_dir), "--resume", "--mesh", "rp=2,ep=2,tp=2", "--steps", "5"]) == 0
   ref = {r["step"]: r for r in records(tmp_path / "ref") if "loss" in r}
   new = {r["step"]: r for r in records(run_dir)[logged:] if "loss" in r}
   assert sorted(new) == [4, 5]
