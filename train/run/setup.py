@@ -78,12 +78,14 @@ def setup(cfg: Config) -> Run:
   model_cfg = origin.model_config(cfg, cfg.vocab_size or source.vocab_size)
   preflight.check_model(cfg, model_cfg, mesh)
   preflight.check_data(cfg, model_cfg, source, valid_source, eod, origin.imported)
+  checkpoints = ckpt_lib.Checkpoints(cfg.ckpt_path, cfg.keep, create=False)  # made once checked
+  if start_step:  # a checkpoint of another model or optimizer is refused before the model is built
+    trainer.checkpoint_record(checkpoints, start_step, cfg, model_cfg)
   with jax.set_mesh(mesh):
     graphdef, params = origin.init(model_cfg, par, cfg.seed, resuming=cfg.resume)
     state, train_step = trainer.make_trainer(cfg, model_cfg, graphdef, params, par, accum)
     eval_step = step_lib.make_eval_step(graphdef, par, 1 if par.pp > 1 else accum)
   batches = _batches(cfg, model_cfg, mesh, source, valid_source, eod, eval_step)
-  checkpoints = ckpt_lib.Checkpoints(cfg.ckpt_path, cfg.keep, create=False)  # made once checked
   state, meta, saved = trainer.resume_state(checkpoints, start_step, state, cfg, model_cfg, par)
   if saved is not None:  # after the checkpoint's model and optimizer are checked, before the compile
     preflight.check_schedule(cfg, start_step, saved["train"])

@@ -66,6 +66,16 @@ def make_trainer(cfg: Config, model_cfg: models.GPTConfig, graphdef: Any, params
   return state, train_step
 
 
+def checkpoint_record(checkpoints: ckpt_lib.Checkpoints, step: int, cfg: Config, model_cfg: models.GPTConfig
+                      ) -> tuple[dict, dict]:
+  """``(meta, record)`` of checkpoint ``step`` (its JSON), after checking that it holds this
+  model and optimizer: a ``UsageError`` otherwise, read before any array is."""
+  with preflight.reading("--resume --step", checkpoints.directory, step):
+    meta, saved = checkpoints.read_json(step)
+    preflight.check_same_model(saved, model_cfg, cfg, checkpoints.directory)
+  return meta, saved
+
+
 def resume_state(checkpoints: ckpt_lib.Checkpoints, step: int, state: step_lib.TrainState, cfg: Config,
                  model_cfg: models.GPTConfig, par: models.Parallelism
                  ) -> tuple[step_lib.TrainState, dict | None, dict | None]:
@@ -73,13 +83,11 @@ def resume_state(checkpoints: ckpt_lib.Checkpoints, step: int, state: step_lib.T
   mesh, after checking it holds this model and optimizer; ``state`` and None, None at step 0."""
   if not step:
     return state, None, None
+  meta, saved = checkpoint_record(checkpoints, step, cfg, model_cfg)
   if jax.process_index() == 0:
     print(f"restoring the checkpoint of step {step} from {checkpoints.directory}", flush=True)
-  with preflight.reading("--resume --step", checkpoints.directory, step):
-    meta, saved = checkpoints.read_json(step)
-    preflight.check_same_model(saved, model_cfg, cfg, checkpoints.directory)
-    with jax.set_mesh(par.mesh):
-      restored = checkpoints.restore_state(step, state, par.pp, par.virtual_stages)
+  with preflight.reading("--resume --step", checkpoints.directory, step), jax.set_mesh(par.mesh):
+    restored = checkpoints.restore_state(step, state, par.pp, par.virtual_stages)
   if saved["model"]["dtype"] != model_cfg.dtype:  # a scale belongs to the dtype it was found for
     restored = restored._replace(loss_scale=state.loss_scale)
   return restored, meta, saved
