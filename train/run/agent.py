@@ -32,8 +32,9 @@ The agent (:func:`supervise`) runs the same command again as its worker, with
   which aborts that process (seen once in CI: process 1 saved, printed its SIGTERM line, then
   aborted). An abort after the report, with the coordinator gone, is that race: the agent ends
   with the reported code, the C++ lines dropped. When the worker is killed or aborts otherwise,
-  the agent asks whether process 0's coordination service still answers: if not, it prints which process stopped
-  (process 0, the coordinator), the last whole checkpoint and the ``--resume`` command; else
+  the agent asks whether process 0's coordination service still answers: if not, it prints
+  which process stopped (process 0, the coordinator), the last whole checkpoint and the
+  ``--resume`` command; else
   the worker's own end (the signal, its held lines). Either way it removes unfinished saves
   and the run's lock of a process that is gone, and exits 1. After any failed end it removes
   unfinished saves again: the worker's writer threads are gone only once it is.
