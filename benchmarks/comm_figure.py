@@ -49,8 +49,8 @@ def compiled_over_rp(mesh: str, optimizer: str, rank: float = 0.25) -> int:
 def planned_over_rp(model: str, mesh: str, optimizer: str, rank: float = 0.25) -> int:
   """Wire bytes per device and step over rp of the planner's step (ring algorithms)."""
   from benchmarks import plan_figures
-  from train.plan import model as plan_model
-  from train.plan import planner as plan
+  from train.run.plan import model as plan_model
+  from train.run.plan import planner as plan
 
   p = plan.plan(model, mesh, optimizer, rank, **plan_figures.COMMON)
   sizes = plan_model.sizes_of(mesh)

@@ -32,9 +32,9 @@ import sys
 
 from jax.sharding import PartitionSpec as P
 
-from train.plan import model as plan_model
-from train.plan import optimizer as plan_optimizer
-from train.plan import planner as plan
+from train.run.plan import model as plan_model
+from train.run.plan import optimizer as plan_optimizer
+from train.run.plan import planner as plan
 
 DEVICES, BATCH, SIZES = 1024, 1024, ("1b", "8b", "70b", "405b")
 COMMON = dict(global_batch=BATCH, micro=1, gpu="h100", compare=False)

@@ -1,7 +1,7 @@
 """The planner's memory against the trainer's compiled step, per mesh kind and recompute
 policy: ``python -m benchmarks.plan_memory`` prints a Markdown table (planned device total,
 compiled arguments + outputs - aliased + temporaries, their ratio, and the planned parts),
-the numbers ``docs/planning.md`` quotes; ``tests/test_train_plan_memory.py`` holds the bound.
+the numbers ``docs/planning.md`` quotes; ``tests/test_train_run_plan_memory.py`` holds the bound.
 
     python -m benchmarks.plan_memory                      # tiny, every mesh kind and policy
     python -m benchmarks.plan_memory --case "--preset small --mesh fs=8"   # one case (heavy)
@@ -18,8 +18,8 @@ import json
 import time
 
 from benchmarks.harness import setup_process
-from train.plan import compiled as plan_compiled
-from train.plan.planner import size
+from train.run.plan import compiled as plan_compiled
+from train.run.plan.planner import size
 from train.run import compiled as compiled_lib
 
 TINY = "--preset tiny --global-batch-size 8 --vocab-size 2048"

@@ -28,7 +28,7 @@ def test_memory_stage_reports_each_policy_s_compiled_memory(tmp_path):
   path.write_text(json.dumps({"memory": out}))
   table = plan_memory.gpu_rows(str(path))
   assert len(table) == 2 + len(out["rows"])
-  # The planner's bound (tests/test_train_plan_memory.py's); one CPU device, 2 layers of 64
+  # The planner's bound (tests/test_train_run_plan_memory.py's); one CPU device, 2 layers of 64
   # tokens: 0.98 (none) and 1.04 (full) achieved.
   ratios = [float(line.split(" | ")[3]) for line in table[2:]]
   assert all(0.9 <= r <= 1.25 for r in ratios), table

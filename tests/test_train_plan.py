@@ -16,9 +16,9 @@ import models
 from dion_jax.parallel.replicas import replica_spec
 from tests import model_meshes, xla_env
 from train.plan import __main__ as plan_cmd
-from train.plan import model as plan_model
-from train.plan import optimizer as plan_optimizer
-from train.plan import planner as plan
+from train.run.plan import model as plan_model
+from train.run.plan import optimizer as plan_optimizer
+from train.run.plan import planner as plan
 from train.run import step as step_lib
 
 BATCH = 8

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import dion_jax
 import models
-from train.plan import planner as plan_lib
+from train.run.plan import planner as plan_lib
 from train.run import comm, grad_norm, setup
 from train.run import config as config_lib
 

@@ -120,7 +120,7 @@ def test_dion_rank_by_width_unless_given():
   """Without --dion-rank-fraction Dion takes the rank of its width (tiny's 128: full rank;
   small's 768: half, the measured choice of README "Training"), read off the widest Dion matrix's shorter side; a flag
   wins. The planner defaults alike."""
-  from train.plan import planner as plan
+  from train.run.plan import planner as plan
 
   for preset, want in (("tiny", 1.0), ("small", 0.5)):
     _, params = models.abstract(models.preset(preset))

@@ -9,6 +9,8 @@ import pytest
 import dion_jax
 import models
 from train.cli import UsageError
+from train.run.plan import planner
+from train.run import config as config_lib
 from train.run import preflight
 
 HOST = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -32,3 +34,28 @@ def test_a_step_over_memory_names_the_levers_that_would_fit_it():
 def test_a_step_that_fits_is_not_refused():
   mesh = dion_jax.make_mesh("fs=8", jax.devices()[:8])
   assert preflight.check_memory(_stats(HOST / 64), mesh, models.preset("tiny")) is None  # raises if refused
+
+
+def _planned(cfg, sizes, remat: str, offload: bool) -> dict:
+  return planner.plan(models.preset("tiny"), sizes, cfg.optimizer, global_batch=cfg.global_batch_size,
+                      dtype="float32", compare=False, remat=remat, offload_optimizer=offload)
+
+
+def test_a_refused_step_names_the_fastest_policy_and_offload_that_fit_its_mesh():
+  """With the run's flags, the refusal names the fastest choice (by the planner's step time)
+  whose planned memory, scaled to the compiled step's, is within the limit; none where none
+  is (then the levers, as above)."""
+  cfg = config_lib.parse(["--preset", "tiny", "--optimizer", "adamw", "--global-batch-size", "64", "--mesh", "fs=8"])
+  sizes = dion_jax.parse_mesh_spec("fs=8")
+  plans = {(remat, offload): _planned(cfg, sizes, remat, offload)
+           for remat in planner.remat_policies() for offload in (False, True)}
+  own = plans["none", False]["memory"]["device_total"]
+  least = min(p["memory"]["device_total"] for p in plans.values())
+  assert least < 0.8 * own  # the levers matter at this size
+  need = 3 * own  # a compiled step three times the plan: every estimate scales by 3
+  limit = 3 * (least + own) // 2
+  said = preflight.what_fits(cfg, models.preset("tiny"), sizes, need, limit)
+  fits = {choice: p for choice, p in plans.items() if 3 * p["memory"]["device_total"] <= limit}
+  remat, offload = min(fits, key=lambda choice: fits[choice]["time"]["step"])
+  assert ("none", False) not in fits and said.flags == f"--remat {remat}{' --offload-optimizer' * offload}"
+  assert preflight.what_fits(cfg, models.preset("tiny"), sizes, need, 3 * least - 1) is None

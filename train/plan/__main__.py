@@ -1,4 +1,4 @@
-"""``python -m train.plan``: the planner's command line (the planner: ``train/plan/planner.py``)."""
+"""``python -m train.plan``: the planner's command line (the planner: ``train/run/plan/planner.py``)."""
 from __future__ import annotations
 
 import argparse
@@ -10,10 +10,10 @@ from typing import Any
 import jax
 
 from dion_jax.parallel.mesh import AXES
-from train.plan import optimizer as plan_optimizer
-from train.plan.grpo import GRPO
-from train.plan import planner
-from train.plan.planner import GPUS, LINKS, TRAINER, Link, format_plan, format_sweep, plan, sweep
+from train.run.plan import optimizer as plan_optimizer
+from train.run.plan.grpo import GRPO
+from train.run.plan import planner
+from train.run.plan.planner import GPUS, LINKS, TRAINER, Link, format_plan, format_sweep, plan, sweep
 from train.run.optim import RANK_BY_WIDTH
 
 

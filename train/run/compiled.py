@@ -1,6 +1,6 @@
 """The trainer's step compiled for a mesh, without data or a run directory: the memory
 XLA assigns it, the reference the planner's memory is checked against
-(``tests/test_train_plan_memory.py``, ``benchmarks/plan_memory.py``) and what ``python -m
+(``tests/test_train_run_plan_memory.py``, ``benchmarks/plan_memory.py``) and what ``python -m
 train.gpu``'s memory stage measures on a GPU.
 
 :func:`compile_step` builds the step ``train.run.setup.setup`` compiles (the same mesh,

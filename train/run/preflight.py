@@ -9,6 +9,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -17,6 +18,7 @@ import data
 import models
 from models import context
 from train.cli import UsageError
+from train.run.plan import planner
 from train.run import optim
 from train.run.config import Config
 from train.store import rundir
@@ -128,10 +130,11 @@ def reading(command: str, ckpt_path: str, step: int | None) -> Iterator[None]:
     raise damaged(command, ckpt_path, step, e) from None
 
 
-def check_memory(stats, mesh: jax.sharding.Mesh, model_cfg: models.GPTConfig) -> None:
+def check_memory(stats, mesh: jax.sharding.Mesh, model_cfg: models.GPTConfig, cfg: Config | None = None) -> None:
   """Refuses a compiled training step whose memory (XLA's ``memory_analysis``: arguments,
   outputs and temporaries of one device) exceeds a device's memory, or, on CPU, whose
-  devices together exceed the host's; a backend that reports neither is not checked."""
+  devices together exceed the host's; a backend that reports neither is not checked. With
+  the run's ``cfg`` the refusal names what would fit on this mesh (:func:`what_fits`)."""
   if stats is None:
     return
   local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
@@ -139,19 +142,54 @@ def check_memory(stats, mesh: jax.sharding.Mesh, model_cfg: models.GPTConfig) ->
   need = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
           + stats.temp_size_in_bytes)
   limit = (device.memory_stats() or {}).get("bytes_limit")
+  devices = 1
   if limit is not None:
     where = f"the {limit / 2**30:.1f} GiB of a {device.device_kind}"
   elif device.platform == "cpu":
-    need, limit = need * len(local), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    where = f"the host's {limit / 2**30:.1f} GiB" + (f" ({len(local)} CPU devices)" if len(local) > 1 else "")
+    devices, limit = len(local), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    where = f"the host's {limit / 2**30:.1f} GiB" + (f" ({devices} CPU devices)" if devices > 1 else "")
   else:
     return
-  if need > limit:
-    advice = ("lower --seq-len or --micro-batch-size, choose a --remat policy (full keeps least), add"
-              " --offload-optimizer, or shard over more devices (--mesh); python -m train.plan --sweep"
-              " names the fastest that fits")
-    raise UsageError(f"a training step needs {need / 2**30:,.1f} GiB, more than {where}"
+  if need * devices > limit:
+    fits = None if cfg is None else what_fits(cfg, model_cfg, dict(mesh.shape), need, limit // devices)
+    if fits is not None:
+      advice = (f"{fits.flags} fits on this mesh by the planner (about {planner.size(fits.estimate)} a device); python -m"
+                " train.plan --sweep names other meshes")
+    else:
+      advice = ("lower --seq-len or --micro-batch-size, choose a --remat policy (full keeps least), add"
+                " --offload-optimizer, or shard over more devices (--mesh); python -m train.plan --sweep"
+                " names the fastest that fits")
+    raise UsageError(f"a training step needs {need * devices / 2**30:,.1f} GiB, more than {where}"
                      f" (--seq-len {model_cfg.seq_len}); {advice}")
+
+
+class Fit(NamedTuple):
+  """Flags that make a step fit, and its planned bytes a device."""
+  flags: str
+  estimate: int
+
+
+def what_fits(cfg: Config, model_cfg: models.GPTConfig, sizes: dict[str, int], need: int, limit: int) -> Fit | None:
+  """The planner's fastest recompute policy and optimizer offload whose step fits ``limit``
+  bytes per device on this mesh, as flags (None: none fits). The compiled step needs ``need`` bytes: each
+  choice's planned memory is scaled by ``need`` over the plan of the run's own choice, so the
+  planner's margin over the compiler (tests/test_train_run_plan_memory.py) does not hide a fit."""
+  def planned(remat: str, offload: bool) -> dict:
+    return planner.plan(model_cfg, sizes, cfg.optimizer, cfg.dion_rank_fraction, global_batch=cfg.global_batch_size,
+                        micro=cfg.micro_batch_size, dtype=model_cfg.dtype, compare=False, remat=remat,
+                        offload_optimizer=offload, loss_chunk=model_cfg.loss_chunk)
+
+  scale = need / planned(model_cfg.remat, cfg.offload_optimizer)["memory"]["device_total"]
+  fitting = []
+  for remat in planner.remat_policies():
+    for offload in (False, True):
+      p = planned(remat, offload)
+      if p["memory"]["device_total"] * scale <= limit:
+        fitting.append((p["time"]["step"], remat, offload, p["memory"]["device_total"] * scale))
+  if not fitting:
+    return None
+  _, remat, offload, estimate = min(fitting)
+  return Fit(" ".join([f"--remat {remat}"] + ["--offload-optimizer"] * offload), estimate)
 
 
 def _kept_schedule(cfg: Config, saved_train: dict) -> bool:

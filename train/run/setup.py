@@ -176,7 +176,7 @@ def compile_within_memory(train_step, state: Any, batch: dict, mesh: jax.shardin
   t0 = time.perf_counter()
   with jax.set_mesh(mesh):
     compiled = train_step.lower(state, batch).compile()
-  preflight.check_memory(compiled.memory_analysis(), mesh, model_cfg)
+  preflight.check_memory(compiled.memory_analysis(), mesh, model_cfg, cfg)
   if primary:
     print(f"compiled the training step in {time.perf_counter() - t0:.1f} s", flush=True)
   return compiled

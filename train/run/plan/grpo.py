@@ -4,7 +4,7 @@ beside the update's, per device.
 A GRPO step (``train/grpo/loop.py``) samples ``group`` completions of up to ``completion``
 tokens for each of ``prompts`` prompts left-padded to ``prompt`` tokens
 (``models/generate.py``), scores them, and runs the trainer's step on the B = prompts·group
-sequences of S = prompt + completion tokens (the update: ``train.plan.memory`` with that
+sequences of S = prompt + completion tokens (the update: ``train.run.plan.memory`` with that
 batch and length). While it samples, the device holds besides the training state
 (parameters and optimizer state, as between steps):
 
@@ -15,7 +15,7 @@ batch and length). While it samples, the device holds besides the training state
   ranks sample the same rows), twice (the decode loop's carry and its update);
 - the prefill's transient: one layer's float32 scores [B/dp, N/tp, P, S] (three), two
   [B/dp, P, d] and one [B/dp, P, F/tp] float32 activations, the logits; and XLA's packing
-  (``train.plan.memory.PACKING`` of these temporaries);
+  (``train.run.plan.memory.PACKING`` of these temporaries);
 - with ``beta`` > 0 the reference policy (the starting parameters, laid out as the
   policy's: its float32 shards), held for the whole run.
 
@@ -33,8 +33,8 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 import models
-from train.plan.memory import PACKING
-from train.plan.model import Leaf, local_bytes
+from train.run.plan.memory import PACKING
+from train.run.plan.model import Leaf, local_bytes
 
 
 class GRPO(NamedTuple):

@@ -1,4 +1,4 @@
-"""The planner's memory (``train/plan/memory.py``) against the trainer's compiled step
+"""The planner's memory (``train/run/plan/memory.py``) against the trainer's compiled step
 (``train/run/compiled.py``: ``train.run.setup.setup``'s step, compiled for the same flags)
 on every kind of mesh and every kind of recompute policy: never below XLA's
 ``memory_analysis()`` (an under-estimate is an out-of-memory error where the plan said
@@ -13,7 +13,7 @@ import functools
 
 import pytest
 
-from train.plan import compiled as plan_compiled
+from train.run.plan import compiled as plan_compiled
 from train.run import compiled as compiled_lib
 
 COMMON = ("--global-batch-size", "8", "--vocab-size", "2048")

@@ -1,6 +1,6 @@
 """What one training step holds per device, device and host memory apart, on paper: the
 memory half of ``python -m train.plan``, checked against the compiled step's
-``memory_analysis()`` (``train/run/compiled.py``) by ``tests/test_train_plan_memory.py``.
+``memory_analysis()`` (``train/run/compiled.py``) by ``tests/test_train_run_plan_memory.py``.
 
 The step is ``train.run.setup.setup``'s as XLA schedules it on one device (b sequences of
 T/cp tokens per micro-batch, a the compute dtype's bytes, L the layers of a pipeline stage):
@@ -46,8 +46,8 @@ import jax.numpy as jnp
 
 import models
 from models import remat
-from train.plan import optimizer as plan_optimizer
-from train.plan.model import Leaf, Step, local_bytes
+from train.run.plan import optimizer as plan_optimizer
+from train.run.plan.model import Leaf, Step, local_bytes
 
 PACKING = 0.1  # XLA's temporary allocation over its live peak (module docstring)
 

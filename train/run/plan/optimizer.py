@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 from dion_jax.kernels.sketch import sketch_size
 from dion_jax.optimizers.frame import DionDimensionNumbers, matrix_frame
-from train.plan.model import Collective, Leaf, group, live, local_bytes, local_shape
+from train.run.plan.model import Collective, Leaf, group, live, local_bytes, local_shape
 
 OPTIMIZERS = ("dion", "dion2", "nordion2", "muon", "normuon", "adamw")
 

@@ -41,7 +41,7 @@ partitioner (``models/sharding.py``, ``train/run/step.py``), not an idealized on
     over pp where the pipeline's ``shard_map`` begins (to their fs shards), then over fs
     once per step (every micro-batch is embedded before the pipeline); their gradients
     reduced over fs once, then summed over pp on those shards (``models.lm_loss``).
-- the optimizer update (``dion_jax``'s sharded steps, ``train.plan.optimizer``).
+- the optimizer update (``dion_jax``'s sharded steps, ``train.run.plan.optimizer``).
 
 Bytes are payloads as ``dion_jax.accounting`` counts them: operand bytes, output bytes
 for all-gather. ``tests/test_train_plan.py`` compiles steps on 8 CPU devices and

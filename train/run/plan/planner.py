@@ -4,7 +4,7 @@
     python -m train.plan --model 405b --mesh rp=16,fs=8,tp=8 --optimizer dion --rank-fraction 0.0625 --json
     python -m train.plan --model 70b --devices 1024 --sweep
 
-Bytes (``train.plan.model``, ``train.plan.optimizer``) are this repository's
+Bytes (``train.run.plan.model``, ``train.run.plan.optimizer``) are this repository's
 step as XLA partitions it, checked against compiled steps on CPU meshes by
 ``tests/test_train_plan.py``. Time is an estimate on top of them:
 
@@ -22,15 +22,15 @@ step as XLA partitions it, checked against compiled steps on CPU meshes by
 - the pipeline bubble: (pp−1)/(M+pp−1) of the step with M micro-batches.
 
 - recomputation: the forward products the recompute policy (``--remat POLICY``, the
-  trainer's) does not keep, once more (``train.plan.memory.recompute_flops``), at the same MFU;
+  trainer's) does not keep, once more (``train.run.plan.memory.recompute_flops``), at the same MFU;
 - offload: what the step moves between host and device (the offloaded residuals, the
   optimizer state with ``--offload-optimizer``), both ways, at the GPU's host link.
 
-Memory per device (``train.plan.memory``): device and host apart, for the trainer's
+Memory per device (``train.run.plan.memory``): device and host apart, for the trainer's
 ``--remat POLICY``, ``--offload-optimizer`` and ``--loss-chunk``: parameters, gradients,
 optimizer state, the residuals the policy keeps (named), the loss and the backward pass's
 transient peak, checked against the compiled step's ``memory_analysis()`` on CPU meshes of
-every kind (``tests/test_train_plan_memory.py``: never below it, at most 25% above).
+every kind (``tests/test_train_run_plan_memory.py``: never below it, at most 25% above).
 ``--sweep`` picks, for each mesh, the fastest policy and offload that fit.
 """
 from __future__ import annotations
@@ -43,10 +43,10 @@ from typing import Any, NamedTuple
 import models
 from models import remat
 from dion_jax.parallel.mesh import AXES, format_mesh_spec
-from train.plan import grpo as plan_grpo
-from train.plan import memory as plan_memory
-from train.plan import model as plan_model
-from train.plan import optimizer as plan_optimizer
+from train.run.plan import grpo as plan_grpo
+from train.run.plan import memory as plan_memory
+from train.run.plan import model as plan_model
+from train.run.plan import optimizer as plan_optimizer
 from train.run.config import Config
 from train.run.optim import default_rank_fraction
 
@@ -124,7 +124,7 @@ def plan(model: str | models.GPTConfig = "small", mesh: str | dict = "", optimiz
   overrides the link kind of some axes, ``network`` the kinds' bandwidth and latency.
   Defaults are ``python -m train.gpt``'s (Dion at its default rank for the model's width,
   ``train.run.optim.default_rank_fraction``; Dion2's fraction 1/4) on a GPU (bfloat16
-  activations). With ``grpo`` the step is GRPO's: its rollout (``train.plan.grpo``) and
+  activations). With ``grpo`` the step is GRPO's: its rollout (``train.run.plan.grpo``) and
   an update on its prompts x group sequences of prompt + completion tokens."""
   if grpo is not None:
     global_batch, seq_len = grpo.sequences, grpo.length
@@ -190,7 +190,7 @@ def plan(model: str | models.GPTConfig = "small", mesh: str | dict = "", optimiz
 def _add_rollout(out: dict, cfg: models.GPTConfig, sizes: dict[str, int], params, grpo: plan_grpo.GRPO, hw: GPU,
                  mfu: float) -> None:
   """GRPO's part of a plan: the reference policy (beta > 0) held beside the update, and the
-  rollout's memory and time (``train.plan.grpo``); the step fits when both phases do."""
+  rollout's memory and time (``train.run.plan.grpo``); the step fits when both phases do."""
   memory = out["memory"]
   if grpo.beta > 0:
     memory["device"]["reference"] = memory["device"]["parameters"]

@@ -1,4 +1,4 @@
-"""``python -m train.plan --grpo``'s rollout (``train/plan/grpo.py``) against the compiled
+"""``python -m train.plan --grpo``'s rollout (``train/run/plan/grpo.py``) against the compiled
 sampler (``models.generate``'s program on ``generate.rollout_params``' layout, as
 ``train.grpo`` runs it): its memory per device never below XLA's ``memory_analysis()`` and
 at most 25% above (achieved 1.03-1.12), the weights to the byte; and the command's plan."""
@@ -12,8 +12,8 @@ import models
 from models import generate
 from tests import model_meshes
 from train.plan import __main__ as plan_cmd
-from train.plan import grpo as plan_grpo
-from train.plan import model as plan_model
+from train.run.plan import grpo as plan_grpo
+from train.run.plan import model as plan_model
 
 
 @pytest.mark.parametrize("spec", ["fs=4,tp=2", "fs=8"])
