@@ -27,7 +27,15 @@ T/cp tokens per micro-batch, a the compute dtype's bytes, L the layers of a pipe
 - the backward pass of one layer: its kernels gathered (the forward's, for the
   recomputation, and the backward's) in float32, the causal mask XLA materializes
   (float32 and bool, scores-sized), three scores-sized float32 buffers (probabilities,
-  their gradient, the scores' gradient), four float32 [b, T/cp, d] cotangents.
+  their gradient, the scores' gradient), six float32 [b, T/cp, d] cotangents, the dense
+  MLP's float32 [b, T/cp, F/tp] activation and gradients (two for relu2, four for swiglu),
+  on tp the row-parallel products' whole-d partial sums and reductions (two [b, T/cp, d]),
+  and the products ``none`` keeps that the policy recomputes;
+- in a pipeline, its loop's copies of the residuals' stacks: the layers' inputs whole, of
+  the other kept tensors :data:`PIPELINE_COPIES` (measured: the copies needed for a plan
+  of 1.0 were 1.15-1.42 of those stacks on tiny, pp=2 and 4, under ``none`` and
+  ``selective``, with micro-batches and without, relu2 and swiglu; which XLA copies was
+  not traced).
 
 The step's temporaries are the gradients, the residuals, the update's and the larger of
 the two transients (the loss's, one layer's backward pass). XLA packs its buffers into one
@@ -50,6 +58,9 @@ from train.run.plan import optimizer as plan_optimizer
 from train.run.plan.model import Leaf, Step, local_bytes
 
 PACKING = 0.1  # XLA's temporary allocation over its live peak (module docstring)
+# A pipeline's loop copies its residuals' stacks: the layers' inputs whole, of the others this
+# part (module docstring).
+PIPELINE_COPIES = 0.6
 
 
 def placements(policy: str, devices: int = 1) -> dict[str, str]:
@@ -107,10 +118,12 @@ def memory(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, params: Seq
   layers = cfg.num_layers // sizes["pp"]
   # A pipeline differentiates its whole loop: every iteration's residuals wait for the backward pass.
   in_flight = step.accum + sizes["pp"] - 1 if sizes["pp"] > 1 else 1
-  residuals = {"device": 0, "host": 0}
+  residuals, copied = {"device": 0, "host": 0}, 0
   for name, nbytes in per_layer.items():
     if name in kept:
       residuals[kept[name]] += layers * in_flight * nbytes
+      if kept[name] == "device" and sizes["pp"] > 1:
+        copied += layers * in_flight * nbytes * (1 if name == "layer_input" else PIPELINE_COPIES)
   p_bytes = sum(local_bytes(leaf, sizes) for leaf in params)
   tp, tokens = sizes["tp"], step.micro * cfg.seq_len // sizes["cp"]
   if loss_chunk:
@@ -119,6 +132,14 @@ def memory(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, params: Seq
   t = step.micro * cfg.seq_len // sizes["cp"]
   scores = 0 if cfg.attention == "cudnn" else t * cfg.num_heads // tp * cfg.seq_len
   backward = 2 * _layer_kernels(params, sizes) + (5 + 3 * 4) * scores + 6 * t * cfg.d_model * 4
+  if not cfg.num_experts or cfg.moe_every > 1:
+    # The dense MLP's backward pass, float32 [b, T/cp, F/tp] each: relu2's activation and
+    # its gradient beside the kept products; swiglu's also the gate's and up's gradients.
+    backward += (4 if cfg.mlp == "swiglu" else 2) * t * (cfg.d_mlp // tp) * 4
+  if tp > 1:
+    # The row-parallel products' (out projection's, MLP down's) whole-d partial sums and
+    # their reductions over tp, float32 [b, T/cp, d].
+    backward += 2 * t * cfg.d_model * 4
   if cfg.num_experts:
     # Each local expert's dropless buffer of every assignment its ep group routes ([E/ep, R, d]):
     # about 3.5 float32 and a mask of them, and 2.5 of the experts' hidden width.
@@ -143,8 +164,7 @@ def memory(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, params: Seq
       # Micro-batches reduced over fs outside a pipeline: the running sum and the reduction's
       # output (measured: rp=2,fs=2,tp=2 and fs=8 hold both; rp=8 adds in place).
       "gradients": p_bytes * (2 if step.accum > 1 and sizes["pp"] == 1 and sizes["fs"] > 1 else 1),
-      # A pipeline's loop copies its residuals' stacks once more.
-      "residuals": residuals["device"] * (2 if sizes["pp"] > 1 else 1),
+      "residuals": residuals["device"] + int(copied),
       "update": _update(optimizer, matrices, state_bytes - 2 * (p_bytes - matrices))
                 + (plan_optimizer.whole_p_bytes(params, sizes, rank_fraction, per_replica=True)
                    if optimizer == "dion" else 0),
