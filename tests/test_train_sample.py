@@ -164,7 +164,8 @@ def test_step_flag_restores_that_checkpoint(run_dir, restored):
 
 @pytest.mark.parametrize("args, message", [
     (["{missing}"], "does not exist"),
-    (["{empty}"], "has no checkpoints"),
+    (["{empty}"], "holds no run (no config.json, metrics.jsonl, checkpoints)"),
+    (["{started}"], "has no checkpoints yet"),
     (["{run}", "--step", "3"], "has checkpoints at steps 2, 4"),
     (["{run}", "--temperature", "-1"], "--temperature must be a finite number >= 0"),
     (["{run}", "--temperature", "nan"], "--temperature must be a finite number >= 0"),
@@ -173,12 +174,17 @@ def test_step_flag_restores_that_checkpoint(run_dir, restored):
     (["{run}", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
     (["{run}", "--top-k", "0"], "--top-k must be positive"),
     (["{run}", "--max-new-tokens", "x"], "invalid int value"),
-    (["{run}", "--chat"], "--chat needs a chat template"),
+    (["{run}", "--max-new-tokens", "0"], "--max-new-tokens must be positive, got 0"),  # was a traceback
+    (["{run}", "--chat"], "--chat needs a chat template: this run reads bytes"),
     (["{run}", "--top-k", "40"], "--top-k 40 applies when sampling, but --temperature is 0 (the default: greedy)"),
     (["{run}", "--top-p", "0.9"], "--top-p 0.9 applies when sampling, but --temperature is 0"),
 ])
 def test_bad_input(run_dir, tmp_path, capsys, args, message):
-  paths = {"missing": str(tmp_path / "nope"), "empty": str(tmp_path), "run": run_dir}
+  for name in ("empty", "started"):
+    (tmp_path / name).mkdir()
+  (tmp_path / "started" / "config.json").write_text('{"train": {}}')  # a run killed before its first save
+  paths = {"missing": str(tmp_path / "nope"), "empty": str(tmp_path / "empty"),
+           "started": str(tmp_path / "started"), "run": run_dir}
   assert sample.main([a.format(**paths) for a in args]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err

@@ -97,8 +97,8 @@ def _parser() -> argparse.ArgumentParser:
 def _restore(argv: list[str] | None) -> tuple[argparse.Namespace, restore_lib.Restored, Any]:
   """The flags and the restored model; bad input raises here, before any generation."""
   args = _parser().parse_args(argv)
-  if args.max_new_tokens < 0:
-    raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+  if args.max_new_tokens < 1:
+    raise UsageError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
   restore_lib.check_sampling(args.temperature, args.top_k, args.top_p)
   if args.temperature == 0 and (args.top_k is not None or args.top_p < 1):
     chosen = " ".join(f for f, on in ((f"--top-k {args.top_k}", args.top_k is not None),
@@ -115,8 +115,10 @@ def _restore(argv: list[str] | None) -> tuple[argparse.Namespace, restore_lib.Re
                      f" its own: train.sample reads and writes bytes ({data.VOCAB_SIZE} tokens) or"
                      " uses the tokenizer.json of the run's --init-from checkpoint")
   if args.chat and tokenizer.chat is None:
-    raise UsageError("--chat needs a chat template: the run's --init-from checkpoint has no"
-                     " chat_template.jinja nor chat_template in tokenizer_config.json")
+    raise UsageError("--chat needs a chat template: " + (
+        "this run reads bytes (it started from no --init-from hf: checkpoint with a tokenizer)"
+        if isinstance(tokenizer, hf_tokenizer.ByteTokenizer) else
+        "the run's --init-from checkpoint has no chat_template.jinja nor chat_template in tokenizer_config.json"))
   return args, model, tokenizer
 
 
