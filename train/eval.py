@@ -25,7 +25,6 @@ Bad input prints one ``error: ...`` line on stderr and exits with code 2.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import jax
 from jax.sharding import NamedSharding
@@ -134,8 +133,8 @@ def _report(loaded) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-  return cli.run(lambda: _start(argv), _report)
+  return cli.run(lambda: _start(argv), _report, interrupted="interrupted; train.eval writes no files", read_only=True)
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  cli.exit(main())

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Any
 
 import jax
@@ -147,8 +146,9 @@ def _continue(args: argparse.Namespace, model: restore_lib.Restored, tokenizer, 
 
 
 def main(argv: list[str] | None = None) -> int:
-  return cli.run(lambda: _restore(argv), lambda restored: _write(*restored))
+  return cli.run(lambda: _restore(argv), lambda restored: _write(*restored),
+                 interrupted="interrupted; train.sample writes no files", read_only=True)
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  cli.exit(main())
