@@ -70,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
                            " N // --seq-len windows (default: the run's --eval-tokens, 16384 for hf:DIR;"
                            " sft: files are read whole)")
   parser.add_argument("--seq-len", type=int, default=None,
-                      help="tokens per window (default: the run's --seq-len; 1024 for hf:DIR)")
+                      help="tokens per window (default: the run's --seq-len; for hf:DIR, as"
+                           " train.gpt's: its max_position_embeddings, at most 1024)")
   parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
   parser.add_argument("--step", type=int, default=None, help="checkpoint step of RUN_DIR (default: the latest)")
   parser.add_argument("--mesh", default=None, metavar="SPEC",
@@ -102,7 +103,7 @@ def _start(argv):
   if spec is None:
     raise UsageError(f"{args.model} records no validation data; pass --data SPEC (e.g. --data stdlib:val)")
   with jax.set_mesh(par.mesh):
-    cfg, graphdef, params, _ = origin.load(args.step, par)
+    cfg, graphdef, params, _ = origin.load(args.step, par, args.seq_len)
   seq_len = args.seq_len or cfg.seq_len
   try:
     context.check_seq_len(seq_len, par.cp)
