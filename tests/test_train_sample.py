@@ -101,8 +101,13 @@ def test_eval_of_the_run_prints_its_validation_loss(run_dir, capsys):
     trainer = [r for r in map(json.loads, f) if "val_loss" in r][-1]["val_loss"]
   capsys.readouterr()
   assert eval_lib.main([run_dir]) == 0
-  line = capsys.readouterr().out.strip().splitlines()[-1]
+  out, err = capsys.readouterr()
+  line = out.strip().splitlines()[-1]
   assert line.startswith("validation lm loss: ") and f"| targets: {EVAL_TOKENS} |" in line
+  # the wait (compile, passes) announced on stderr, its rows those of the result line
+  rows = line.split("| rows: ")[1].split(" x ")
+  assert err == (f"evaluating {rows[0]} rows of {rows[1].split()[0]} tokens, 8 a pass"
+                 " (compiling the evaluation step first)\n")
   assert float(line.split()[3]) == pytest.approx(trainer, rel=1e-6)
 
 

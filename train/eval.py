@@ -20,11 +20,14 @@ prompt/completion lines or conversations) is read whole, with the model's tokeni
 chat template, and packed into rows as the trainer packs it: the loss is then the mean
 over the learned targets (completions, assistant turns) of every example, each once.
 
-Bad input prints one ``error: ...`` line on stderr and exits with code 2.
+While it works it says on stderr how many rows it evaluates (the compile and the passes
+take seconds to minutes). Bad input prints one ``error: ...`` line on stderr and exits with
+code 2.
 """
 from __future__ import annotations
 
 import argparse
+import sys
 
 import jax
 from jax.sharding import NamedSharding
@@ -124,6 +127,9 @@ def _start(argv):
 
 def _report(loaded) -> int:
   graphdef, params, r, par, batch_size = loaded
+  if jax.process_index() == 0:  # the compile and the passes take a while: say what is coming
+    print(f"evaluating {len(r['inputs'])} rows of {r['inputs'].shape[1]} tokens, {batch_size} a pass"
+          " (compiling the evaluation step first)", file=sys.stderr, flush=True)
   with jax.set_mesh(par.mesh):
     loss, count = evaluation.mean_loss(step_lib.make_eval_step(graphdef, par, 1), params, r, batch_size,
                                        NamedSharding(par.mesh, P(models.BATCH_AXES)))
