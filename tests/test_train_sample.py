@@ -145,7 +145,8 @@ def test_sampling_is_reproducible_and_top_k_1_is_greedy(restored):
 def test_command_prints_prompt_and_greedy_continuation(run_dir, restored, capsys):
   args = [run_dir, "--prompt", "def ", "--max-new-tokens", "12"]
   assert sample.main(args) == 0
-  out = capsys.readouterr().out
+  out, err = capsys.readouterr()
+  assert err == "writing up to 12 tokens after 1 prompt(s) (compiling the sampler first)\n"  # the wait, said
   prompt_P = data.encode("def ")
   expected = data.decode(np.concatenate([prompt_P, sample.generate(restored, prompt_P, 12)]))
   assert out == expected + "\n"

@@ -16,13 +16,14 @@ With ``--chat`` the prompt is a user message: the conversation ``[{"role": "user
 (``data.chat``), and only the reply is printed, up to its end-of-sequence token, where
 the generation stops.
 
-Bad input (a missing run, checkpoint or step, a bad flag) prints one ``error: ...``
-line on stderr and exits with code 2.
+It says on stderr what it writes before it compiles the sampler. Bad input (a missing run,
+checkpoint or step, a bad flag) prints one ``error: ...`` line on stderr and exits with code 2.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
 import jax
@@ -122,6 +123,8 @@ def _restore(argv: list[str] | None) -> tuple[argparse.Namespace, restore_lib.Re
 
 
 def _write(args: argparse.Namespace, model: restore_lib.Restored, tokenizer) -> int:
+  print(f"writing up to {args.max_new_tokens} tokens after {len(args.prompt)} prompt(s) (compiling the"
+        " sampler first)", file=sys.stderr, flush=True)
   for i, prompt in enumerate(args.prompt):
     if len(args.prompt) > 1:
       print(f"[prompt {i + 1}/{len(args.prompt)}]")
