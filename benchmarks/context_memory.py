@@ -171,7 +171,7 @@ def speed(args) -> None:
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.context_memory", description=__doc__.split("\n")[0])
   parser.add_argument("--stage", choices=("memory", "comm", "speed", "all"), default="all")
   parser.add_argument("--preset", default="small")
   parser.add_argument("--batch", type=int, default=1)

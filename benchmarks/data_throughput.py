@@ -35,7 +35,7 @@ def throughput(source, args) -> tuple[float, float]:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.data_throughput", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--batch", type=int, default=8, help="global batch (default 8)")
   parser.add_argument("--seq-len", type=int, default=256, help="tokens per row (default 256)")

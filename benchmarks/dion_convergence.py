@@ -90,7 +90,7 @@ def parse_lrs(specs: list[str], seeds: list[int]) -> list[tuple[float, list[int]
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.dion_convergence", description=__doc__.split("\n\n")[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--preset", default="tiny")
   parser.add_argument("--steps", type=int, default=300)

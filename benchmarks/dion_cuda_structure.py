@@ -65,7 +65,8 @@ def step_program(tx, params):
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.dion_cuda_structure",
+                                   description=__doc__.split("\n\n")[0])
   parser.add_argument("--rank-fractions", type=float, nargs="+", default=[1.0, 0.5, 0.25])
   parser.add_argument("--qr-methods", nargs="+", default=["auto", "polar"])
   parser.add_argument("--out")

@@ -124,7 +124,7 @@ def profile_pieces(params, rank_fraction: float, repeats: int) -> list[tuple[str
 
 
 def main():
-  parser = harness.matrix_benchmark_parser(__doc__.splitlines()[0])
+  parser = harness.matrix_benchmark_parser("dion_step", __doc__.splitlines()[0])
   parser.add_argument("--rank-fractions", type=str, default="1,0.25,0.0625")
   parser.add_argument("--qr-methods", type=str, default="shifted_cqr",
                       help="Dion's orthonormalizations to time, comma-separated (e.g. rcqr,shifted_cqr)")

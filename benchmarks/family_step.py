@@ -47,7 +47,7 @@ def optimizers(float32: bool) -> dict:
 
 
 def main():
-  parser = harness.matrix_benchmark_parser(__doc__.splitlines()[0], repeats=3)
+  parser = harness.matrix_benchmark_parser("family_step", __doc__.splitlines()[0], repeats=3)
   parser.add_argument("--float32", action="store_true", help="also time our optimizers in float32")
   parser.add_argument("--split-qkv", action="store_true", help="query, key and value as three kernels")
   args = parser.parse_args()

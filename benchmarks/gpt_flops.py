@@ -33,7 +33,7 @@ def step_flops(cfg, batch_size, spec="", **options) -> float:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.gpt_flops", description=__doc__.split("\n\n")[0])
   parser.add_argument("--layers", type=int, default=8)
   parser.add_argument("--d-model", type=int, default=128)
   parser.add_argument("--seq-len", type=int, default=64)

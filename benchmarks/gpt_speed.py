@@ -20,7 +20,7 @@ from train.gpu import timing
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.gpt_speed", description=__doc__.split("\n\n")[0])
   parser.add_argument("--preset", default="tiny", choices=sorted(models.PRESETS))
   parser.add_argument("--batch-size", type=int, default=16)
   parser.add_argument("--seq-len", type=int, default=None, help="default: the preset's")

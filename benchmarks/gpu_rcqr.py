@@ -87,7 +87,8 @@ def run_timings() -> None:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_rcqr",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--count", action="store_true", help="print counted bytes and flops per kernel and exit")
   args = parser.parse_args(argv)
   if args.count:

@@ -189,7 +189,7 @@ def death_table(runs: str, base: str, prompts: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.grpo_processes", description=__doc__.split("\n\n")[0])
   harness.add_out(parser, "benchmarks/results/grpo_processes.md", "the markdown table")
   parser.add_argument("--runs", default="runs/grpo_processes")
   parser.add_argument("--meshes", nargs="+", default=["rp=2,fs=2", "fs=2,tp=2", "fs=4"])

@@ -77,9 +77,10 @@ def add_out(parser: argparse.ArgumentParser, committed: str, what: str) -> None:
                            f" {committed}: pass --out {committed} to replace them)")
 
 
-def matrix_benchmark_parser(description: str, repeats: int = 5) -> argparse.ArgumentParser:
-  """The flags of the benchmarks that time optimizer steps on :func:`gpt_matrices`."""
-  parser = argparse.ArgumentParser(description=description)
+def matrix_benchmark_parser(name: str, description: str, repeats: int = 5) -> argparse.ArgumentParser:
+  """The flags of the benchmarks that time optimizer steps on :func:`gpt_matrices`
+  (``python -m benchmarks.NAME``)."""
+  parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=description)
   parser.add_argument("--layers", type=int, default=6)
   parser.add_argument("--d-model", type=int, default=512)
   parser.add_argument("--repeats", type=int, default=repeats, help="timed calls per case and round")

@@ -114,7 +114,7 @@ def load(directory: str, mesh: str | None) -> dict:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.hf_io", description=__doc__.split("\n\n")[0])
   parser.add_argument("--dir", required=True, help="where to write the checkpoint (must not exist)")
   parser.add_argument("--mesh", default=None, help="import onto this mesh of CPU devices")
   parser.add_argument("--from-run", action="store_true",

@@ -114,7 +114,7 @@ def speed(args) -> None:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.loss_chunk", description=__doc__.split("\n")[0])
   parser.add_argument("--stage", choices=("memory", "time"), required=True)
   parser.add_argument("--preset", default="small")
   parser.add_argument("--layers", type=int, default=None, help="override the preset's layers")

@@ -134,7 +134,7 @@ def train_tables(args) -> str:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__.splitlines()[0])
   parser.add_argument("mode", choices=("compile", "train"))
   parser.add_argument("--preset", default="small")
   parser.add_argument("--layers", type=int, default=None, help="compile: override the preset's layers")

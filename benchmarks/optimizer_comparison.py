@@ -109,7 +109,8 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.optimizer_comparison",
+                                   description=__doc__.split("\n\n")[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--preset", default="tiny", help="the model preset of every run (default tiny)")
   parser.add_argument("--steps", type=int, default=200, help="optimizer steps of every run (default 200)")

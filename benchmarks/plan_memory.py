@@ -78,7 +78,8 @@ def gpu_rows(path: str) -> list[str]:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.plan_memory",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--case", action="append", help="train.gpt flags of one case (repeatable); default: CASES")
   parser.add_argument("--gpu-json", help="python -m train.gpu's gpu.json: the planner beside its memory stage's rows")
   args = parser.parse_args()

@@ -94,7 +94,7 @@ METHODS = {
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.qr_accuracy", description=__doc__.split("\n\n")[0])
   parser.add_argument("--out")
   args = parser.parse_args(argv)
   lines = ["| shape | P | method | ‖QᵀQ − I‖₂ after passes 1, 2, 3, 4 | span residual (last) |", "|---|---|---|---|---|"]

@@ -10,8 +10,8 @@
 
 Outputs are written into a temporary folder beside them and renamed into place only when
 everything succeeded: a failed or interrupted conversion leaves nothing behind. Bad input
-exits with status 2 (as the ``train`` commands) and a failed write (disk full,
-permissions) with 1, each with a one-line `error: FILE: problem` on stderr.
+exits with status 2 (as the ``train`` commands), a failed write (disk full,
+permissions) with 1 and a Ctrl-C with 130, each with a one-line `error: ...` on stderr.
 
 Examples:
   python -m data.convert fineweb-to-megatron --input 'fineweb10B/fineweb_train_*.bin' \\
@@ -49,12 +49,24 @@ def atomic_outputs(directory: str):
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+def check_output_prefix(prefix: str) -> None:
+  """Raises DataError unless ``prefix`` names files in a folder that is one or can be made:
+  not a folder itself (``out/`` would write ``out/.bin``), not under a file."""
+  directory, base = os.path.split(prefix)
+  if not base or base in (".", ".."):
+    raise DataError(f"--output-prefix {prefix}: names a folder, not the files' name; add one,"
+                    f" e.g. {os.path.join(prefix, 'mydata')}")
+  existing = directory or "."
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing) or "."
+  if not os.path.isdir(existing):
+    raise DataError(f"--output-prefix {prefix}: {existing} is a file, not a folder")
+
+
 class ShardWriter:
   """FineWeb counterpart of `megatron.IndexedDatasetWriter`: `PREFIX_000000.bin`, ..."""
 
   def __init__(self, prefix: str, shard_tokens: int):
-    if shard_tokens < 1:
-      raise DataError(f"{prefix}: tokens per shard must be positive, got {shard_tokens}")
     self.prefix, self.shard_tokens = prefix, shard_tokens
     self._buffer: list[np.ndarray] = []
     self._buffered = self._shards = 0
@@ -83,7 +95,8 @@ def fineweb_to_megatron(pattern: str, output_prefix: str, *, sequence_length: in
                         progress: bool = True) -> dict:
   """Concatenates the shards matching `pattern` into `output_prefix`.{bin,idx}."""
   if sequence_length < 1:
-    raise DataError(f"{pattern}: sequence length must be positive, got {sequence_length}")
+    raise DataError(f"--sequence-length must be positive, got {sequence_length}")
+  check_output_prefix(output_prefix)
   paths = fineweb.shard_paths(pattern)
   counts = [fineweb.read_header(p) for p in paths]
   per_seq = sequence_length + 1
@@ -134,6 +147,9 @@ def tokenize(inputs: list[str], output_prefix: str, *, output_format: str = "meg
              progress: bool = True, tokenizer_dir: str | None = None) -> dict:
   """Tokenizes `inputs` (bytes, or `tokenizer_dir`'s tokenizer.json) into a Megatron
   dataset or FineWeb shards `PREFIX_000000.bin`."""
+  if output_format == "fineweb" and shard_tokens < 1:
+    raise DataError(f"--shard-tokens must be positive, got {shard_tokens}")
+  check_output_prefix(output_prefix)
   missing = [p for p in inputs if not os.path.isfile(p)]
   if missing:
     raise DataFileNotFoundError(f"{missing[0]}: no such input file")
@@ -222,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
   except OSError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
+  except KeyboardInterrupt:
+    print(f"error: interrupted; nothing was written to {args.output_prefix}*", file=sys.stderr)
+    return 128 + 2  # SIGINT's number, as a shell reports a Ctrl-C
   written = sum(os.path.getsize(p) for p in summary["outputs"])
   print(f"{summary['inputs']} input file(s) -> {summary['documents']:,} documents, "
         f"{summary['tokens']:,} tokens, {written:,} bytes written:")

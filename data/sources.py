@@ -98,13 +98,18 @@ def _split_weight(part: str) -> tuple[float | None, str]:
     return None, part
 
 
+# What a text or JSONL file given as token data needs.
+UNTOKENIZED = ("text or JSONL is tokenized first (python -m data.convert tokenize FILE --output-prefix"
+               " PREFIX, then the spec PREFIX), and fine-tuning examples are sft:FILE.jsonl")
+
+
 def _load_one(spec: str, cache_dir: str | None, progress: bool) -> TokenSource:
   if not spec:
     raise DataError("empty data source spec")
   if spec == "stdlib" or spec.startswith("stdlib:"):
     split = spec.partition(":")[2] or "train"
     if split not in corpus.SPLITS:
-      raise DataError(f"{spec}: unknown split {split!r} (use one of {corpus.SPLITS})")
+      raise DataError(f"{spec}: unknown split {split!r}; use {' or '.join('stdlib:' + s for s in corpus.SPLITS)}")
     prefix = corpus.build_corpus(cache_dir=cache_dir, progress=progress)[split]
     ds = megatron.IndexedDataset(prefix)
     return TokenSource(spec, (ds.tokens,), tokenizer.VOCAB_SIZE)
@@ -113,7 +118,14 @@ def _load_one(spec: str, cache_dir: str | None, progress: bool) -> TokenSource:
       return TokenSource(spec, (megatron.IndexedDataset(prefix).tokens,), None)
   if glob.has_magic(spec) or os.path.exists(spec):
     paths = fineweb.shard_paths(spec)
-    return TokenSource(spec, tuple(fineweb.read_shard(p) for p in paths),
-                       fineweb.GPT2_VOCAB_SIZE)
+    try:
+      return TokenSource(spec, tuple(fineweb.read_shard(p) for p in paths),
+                         fineweb.GPT2_VOCAB_SIZE)
+    except DataError as e:
+      if not os.path.isfile(spec) or spec.endswith(".bin"):
+        raise
+      raise DataError(f"{e}; {UNTOKENIZED}") from None
   raise DataFileNotFoundError(
-      f"{spec}: no such FineWeb shard, shard glob or Megatron prefix (PREFIX.idx)")
+      f"{spec}: no such FineWeb shard, shard glob or Megatron prefix (PREFIX.idx)"
+      + (f"; {UNTOKENIZED}" if spec.endswith((".jsonl", ".txt", ".json")) else ""))
+

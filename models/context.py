@@ -47,8 +47,9 @@ AXIS = "cp"
 
 
 def check_seq_len(seq_len: int, cp: int) -> None:
-  """Raises a one-line ValueError when ``seq_len`` does not split into 2·cp chunks."""
-  if seq_len % (2 * cp):
+  """Raises a one-line ValueError when ``seq_len`` does not split into 2·cp chunks (cp > 1;
+  without context parallelism any length goes)."""
+  if cp > 1 and seq_len % (2 * cp):
     raise ValueError(
         f"sequence length {seq_len} does not split into 2·cp = {2 * cp} chunks for context"
         f" parallelism cp={cp}; choose a sequence length that is a multiple of {2 * cp}")

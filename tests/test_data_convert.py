@@ -102,10 +102,27 @@ def test_bad_jsonl_line_leaves_no_output(tmp_path, capsys):
   assert _files(tmp_path / "out") == []
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "magic", "short"])
+@pytest.mark.parametrize("case", ["missing", "empty", "magic", "short", "under_a_file", "a_folder",
+                                  "shard_tokens", "sequence_length"])
 def test_bad_inputs_give_one_line_errors(tmp_path, capsys, case):
   out = str(tmp_path / "out" / "x")
-  if case == "missing":
+  (tmp_path / "a.txt").write_text("abc")
+  if case == "under_a_file":  # was "[Errno 17] File exists: 'a.txt'", exit 1
+    argv = ["tokenize", str(tmp_path / "a.txt"), "--output-prefix", str(tmp_path / "a.txt" / "x")]
+    expected = f"error: --output-prefix {tmp_path}/a.txt/x: {tmp_path}/a.txt is a file, not a folder"
+  elif case == "a_folder":  # wrote out/.bin and out/.idx
+    argv = ["tokenize", str(tmp_path / "a.txt"), "--output-prefix", str(tmp_path / "out") + "/"]
+    expected = (f"error: --output-prefix {tmp_path}/out/: names a folder, not the files' name; add one,"
+                f" e.g. {tmp_path}/out/mydata")
+  elif case == "shard_tokens":  # named the conversion's temporary folder
+    argv = ["tokenize", str(tmp_path / "a.txt"), "--output-prefix", out, "--format", "fineweb",
+            "--shard-tokens", "0"]
+    expected = "error: --shard-tokens must be positive, got 0"
+  elif case == "sequence_length":
+    argv = ["fineweb-to-megatron", "--input", str(tmp_path / "*.bin"), "--output-prefix", out,
+            "--sequence-length", "0"]
+    expected = "error: --sequence-length must be positive, got 0"
+  elif case == "missing":
     argv = ["tokenize", str(tmp_path / "nope.txt"), "--output-prefix", out]
     expected = f"error: {tmp_path}/nope.txt: no such input file"
   elif case == "empty":
@@ -123,6 +140,24 @@ def test_bad_inputs_give_one_line_errors(tmp_path, capsys, case):
     expected = f"error: {tmp_path}/s.bin: 10 tokens make no sequence of 11"
   assert _run_failing(argv + ["--quiet"], capsys) == expected
   assert not os.path.exists(tmp_path / "out") or _files(tmp_path / "out") == []
+
+
+def test_a_ctrl_c_is_one_line_exit_130_nothing_written(tmp_path, capsys, monkeypatch):
+  (tmp_path / "a.txt").write_text("abc")
+  (tmp_path / "out").mkdir()
+
+  def interrupted(path, json_key):
+    yield b"abc", 3
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(convert, "read_documents", interrupted)
+  prefix = str(tmp_path / "out" / "x")
+  try:
+    assert convert.main(["tokenize", str(tmp_path / "a.txt"), "--output-prefix", prefix, "--quiet"]) == 130
+  except KeyboardInterrupt:
+    pytest.fail("the Ctrl-C escaped the command as a traceback")
+  assert capsys.readouterr().err == f"error: interrupted; nothing was written to {prefix}*\n"
+  assert _files(tmp_path / "out") == []
 
 
 def test_command_line_exit_status_help_and_progress(tmp_path):

@@ -31,7 +31,7 @@ def test_stdlib_splits(tmp_path):
   assert int(train.streams[0][-1]) == tokenizer.EOD
   assert sources.load_source("stdlib:train", cache_dir=str(tmp_path)).num_tokens == \
       train.num_tokens
-  with pytest.raises(DataError, match="stdlib:test: unknown split 'test'"):
+  with pytest.raises(DataError, match="^stdlib:test: unknown split 'test'; use stdlib:train or stdlib:val$"):
     sources.load_source("stdlib:test", cache_dir=str(tmp_path))
 
 
@@ -70,6 +70,18 @@ def test_missing_paths_name_the_spec(tmp_path):
                           "Megatron prefix (PREFIX.idx)")
   with pytest.raises(DataFileNotFoundError, match="no FineWeb shards match"):
     sources.load_source(str(tmp_path / "fw_*.bin"))
+
+
+def test_text_given_as_token_data_names_the_conversion(tmp_path):
+  """A text or JSONL file where token data goes: was 'truncated FineWeb header' alone."""
+  (tmp_path / "notes.txt").write_text("hello")
+  for spec, error in ((tmp_path / "notes.txt", "truncated FineWeb header (5 bytes, need 1024)"),
+                      (tmp_path / "absent.jsonl", "no such FineWeb shard, shard glob or Megatron prefix (PREFIX.idx)")):
+    with pytest.raises(DataError) as e:
+      sources.load_source(str(spec))
+    assert str(e.value) == (f"{spec}: {error}; text or JSONL is tokenized first (python -m data.convert tokenize"
+                            " FILE --output-prefix PREFIX, then the spec PREFIX), and fine-tuning examples are"
+                            " sft:FILE.jsonl")
 
 
 def test_a_megatron_bin_without_index_is_not_a_fineweb_shard(tmp_path):

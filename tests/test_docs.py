@@ -1,5 +1,6 @@
 """The pages hold: every command README.md and docs/*.md show takes the flags it is shown
-with (each command's own ``--help``; about 2 s, no JAX).
+with (each command's own ``--help``; about 2 s, no JAX), and every ``python -m benchmarks.NAME``
+they show is a benchmark that adds those flags (read from its source).
 
 What the pages claim of the commands' output is checked on runs the suite makes anyway:
 the quick start's (``tests/test_train_gpt.py::test_default_command_trains``: the first
@@ -44,6 +45,45 @@ def documented_commands() -> list[tuple[str, str, list[str]]]:
               continue
             found.append((page.name, match.group(1), argv))
   return found
+
+
+def documented_benchmarks() -> list[tuple[str, str, list[str]]]:
+  """``(page, benchmark, flags)`` of every ``python -m benchmarks.NAME`` the pages show, its
+  flags up to the end of its code span or line; flags inside a quoted value (a benchmark's
+  ``--common '--seq-len 128'``) are the trainer's and left out."""
+  found = []
+  for page in PAGES:
+    text = re.sub(r"\\\n\s*", " ", page.read_text())
+    for name, rest in re.findall(r"python -m benchmarks\.(\w+)([^`\n]*)", text):
+      rest = re.sub(r"'[^']*'|\"[^\"]*\"", "", rest.split(" #")[0])
+      found.append((page.name, name, re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", rest)))
+  return found
+
+
+def benchmark_flags(name: str) -> set[str]:
+  """The flags ``benchmarks/NAME.py`` adds, read from its source (importing a benchmark may set
+  up JAX's devices); with the shared parsers of ``harness.py`` when it uses them; a benchmark
+  that takes the trainer's flags takes ``train.gpt``'s."""
+  source = (ROOT / "benchmarks" / f"{name}.py").read_text()
+  if "harness.matrix_benchmark_parser" in source or "harness.add_out" in source:
+    source += (ROOT / "benchmarks" / "harness.py").read_text()
+  flags = set(re.findall(r"add_argument\(\s*\"(--[a-z][a-z0-9-]*)\"", source))
+  if "config_lib.parse(" in source or "gpt.main(" in source:
+    flags |= set(re.findall(r"--[a-z][a-z0-9-]*", _help("train.gpt")))
+  return flags | {"--help"}
+
+
+def test_every_documented_benchmark_exists_with_its_flags():
+  """A ``python -m benchmarks.NAME`` the pages show is a benchmark there, with those flags."""
+  wrong = []
+  benchmarks = documented_benchmarks()
+  assert len(benchmarks) > 20
+  for page, name, flags in benchmarks:
+    if not (ROOT / "benchmarks" / f"{name}.py").exists():
+      wrong.append(f"{page}: python -m benchmarks.{name}: no such benchmark")
+      continue
+    wrong += [f"{page}: python -m benchmarks.{name}: {f}" for f in flags if f not in benchmark_flags(name)]
+  assert not wrong, "\n".join(wrong)
 
 
 def _help(command: str, argv: tuple[str, ...] = ()) -> str:

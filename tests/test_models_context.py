@@ -94,6 +94,13 @@ def test_sequence_that_does_not_split_is_refused():
     models.loss(graphdef, params, batch, par)
 
 
+def test_without_context_parallelism_any_length_goes():
+  """cp=1 keeps the sequence as it is: an odd --seq-len was refused with a cp message."""
+  context.check_seq_len(65, 1)
+  with pytest.raises(ValueError, match="sequence length 66 does not split into 2·cp = 4 chunks"):
+    context.check_seq_len(66, 2)
+
+
 # --- Dion on meshes with cp: the optimizers see cp as one more fs --------------------
 
 

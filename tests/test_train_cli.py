@@ -11,6 +11,14 @@ def _raise(error):
   raise error
 
 
+def _not_escaping(call):
+  """``call()``, a KeyboardInterrupt escaping it a failure (not pytest's own stop)."""
+  try:
+    return call()
+  except KeyboardInterrupt:
+    pytest.fail("the Ctrl-C escaped the command as a traceback")
+
+
 def test_bad_input_while_starting_is_one_line_and_exit_2(capsys):
   assert cli.run(lambda: _raise(cli.UsageError("--steps must be positive"))) == cli.EXIT_USAGE
   assert capsys.readouterr().err == "error: --steps must be positive\n"
@@ -36,3 +44,25 @@ def test_training_commands_interrupted_in_set_up(monkeypatch, capsys, tmp_path, 
   assert module.main(["--run-dir", str(tmp_path / "run")]) == 130
   assert capsys.readouterr().err == "error: interrupted before training started; nothing was saved\n"
   assert not (tmp_path / "run").exists()
+
+
+def test_ctrl_c_while_a_read_only_command_works_is_one_line_and_exit_130(capsys, monkeypatch):
+  monkeypatch.setattr(cli, "_caught_interrupt", False)
+  assert _not_escaping(lambda: cli.run(lambda: 1, lambda _: _raise(KeyboardInterrupt()), interrupted="nothing written",
+                                       read_only=True)) == 130
+  assert capsys.readouterr().err == "error: nothing written\n"
+  assert cli._caught_interrupt  # cli.exit then ends the process without the teardown that crashed (exit 139)
+  with pytest.raises(KeyboardInterrupt):  # a command that writes while it works: its own report
+    cli.run(lambda: 1, lambda _: _raise(KeyboardInterrupt()), interrupted="nothing saved")
+
+
+@pytest.mark.parametrize("command,start,then", [("train.eval", "_start", "_report"),
+                                                ("train.sample", "_restore", "_write")])
+def test_evaluation_and_sampling_interrupted_while_they_work(monkeypatch, capsys, command, start, then):
+  """A Ctrl-C in the evaluation or the generation: was a traceback (and exit 139)."""
+  module = importlib.import_module(command)
+  monkeypatch.setattr(cli, "_caught_interrupt", False)
+  monkeypatch.setattr(module, start, lambda argv: (None, None, None))
+  monkeypatch.setattr(module, then, lambda *args: _raise(KeyboardInterrupt()))
+  assert _not_escaping(lambda: module.main(["run"])) == 130
+  assert capsys.readouterr().err == f"error: interrupted; {command} writes no files\n"

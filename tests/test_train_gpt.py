@@ -326,6 +326,11 @@ def test_bad_input_one_line_exit_2_nothing_written(straight, tmp_path, capsys):
        "--global-batch-size 6 does not split over the 4 data-parallel ranks"),
       (["--mesh", "fs=2", "--micro-batch-size", "3", "--run-dir", fresh],
        "--micro-batch-size 3 does not divide the 4 sequences"),
+      (["--mesh", "pp=3", "--run-dir", fresh],  # not "--micro-batch-size 2 does not divide", a flag not given
+       "--mesh pp=3 needs micro-batches in multiples of 3, and each data-parallel rank's 8 sequences"),
+      (["--mesh", "pp=2", "--micro-batch-size", "8", "--run-dir", fresh],
+       "--micro-batch-size 8 makes 1 micro-batches of the 8 sequences per data-parallel rank, and the"
+       " pipeline (--mesh pp=2) needs a multiple of 2; choose a --micro-batch-size that divides 4"),
       (["--mesh", "cp=4", "--seq-len", "12", "--run-dir", fresh],
        "--seq-len / --mesh: sequence length 12 does not split into 2·cp = 8 chunks"),
       (["--data", str(tmp_path / "missing_*.bin"), "--run-dir", fresh], "missing_*.bin"),

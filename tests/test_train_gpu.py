@@ -7,6 +7,7 @@ import gzip
 import json
 
 import numpy as np
+import pytest
 
 from tests.test_train_store_profiling import annotated_steps
 from train.gpu import __main__ as gpu_cmd
@@ -20,6 +21,19 @@ def test_without_a_gpu_one_line_and_exit_2(capsys):
   assert gpu_cmd.main([]) == gpu_cmd.EXIT_NO_GPU
   err = capsys.readouterr().err
   assert err.startswith("error: no GPU") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--stages", "foo"], "--stages: unknown foo; choose from check,"),  # was argparse's usage and a second line
+    (["--stage-seconds", "x"], "argument --stage-seconds: invalid float value: 'x' (see python -m train.gpu --help)"),
+    (["--train-steps", "0"], "--train-steps must be positive, got 0"),
+    (["--out", "{file}"], "is a file, not a folder"),  # was FileExistsError on a GPU, after the GPU check
+])
+def test_bad_flags_one_line_and_exit_2_before_the_gpu_check(capsys, tmp_path, argv, message):
+  (tmp_path / "file").write_text("")
+  assert gpu_cmd.main([a.format(file=tmp_path / "file") for a in argv]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
 
 
 def test_profile_summary_counts_device_kernels_only(tmp_path):

@@ -71,7 +71,8 @@ def test_a_resumed_runs_later_records_win(tmp_path):
 
 @pytest.mark.parametrize("case, message", [
     ("missing", "does not exist; name the directory of a python -m train.gpt or train.grpo run"),
-    ("no_metrics", "metrics.jsonl does not exist"),
+    ("no_run", "holds no run (no config.json, metrics.jsonl, checkpoints)"),
+    ("no_metrics", "metrics.jsonl does not exist: the run has logged nothing yet"),
     ("empty_metrics", "holds no loss records"),
     ("not_json", "line 1 is not JSON"),
     ("bad_output", "cannot write"),
@@ -81,6 +82,8 @@ def test_bad_input(runs, tmp_path, capsys, case, message):
   run, output = str(tmp_path / "run"), str(tmp_path / "curves.png")
   if case != "missing":
     os.makedirs(run)
+  if case == "no_metrics":
+    open(os.path.join(run, "config.json"), "w").close()
   if case == "empty_metrics":
     open(os.path.join(run, "metrics.jsonl"), "w").close()
   if case == "not_json":

@@ -15,6 +15,7 @@ from train.store import rundir
     (["--min-lr", "1", "--lr", "0.01"], "--min-lr 1 exceeds the peak --lr 0.01; the decay ends at --min-lr,"
                                          " so choose it in [0, 0.01]"),
     (["--min-lr", "0.005", "--optimizer", "lion"], "--min-lr 0.005 exceeds the peak --lr 0.0003"),
+    (["--lr", "-1"], "--lr must be positive, got -1.0"),  # not "--min-lr 0 exceeds the peak --lr -1"
     (["--dion-momentum", "2"], "--dion-momentum must be in [0, 1), got 2"),
     (["--dion-momentum", "-0.1"], "--dion-momentum must be in [0, 1), got -0.1"),
     (["--coordinator", "10.0.0.1", "--num-processes", "2", "--process-id", "0"],

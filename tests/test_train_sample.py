@@ -101,8 +101,13 @@ def test_eval_of_the_run_prints_its_validation_loss(run_dir, capsys):
     trainer = [r for r in map(json.loads, f) if "val_loss" in r][-1]["val_loss"]
   capsys.readouterr()
   assert eval_lib.main([run_dir]) == 0
-  line = capsys.readouterr().out.strip().splitlines()[-1]
+  out, err = capsys.readouterr()
+  line = out.strip().splitlines()[-1]
   assert line.startswith("validation lm loss: ") and f"| targets: {EVAL_TOKENS} |" in line
+  # the wait (compile, passes) announced on stderr, its rows those of the result line
+  rows = line.split("| rows: ")[1].split(" x ")
+  assert err == (f"evaluating {rows[0]} rows of {rows[1].split()[0]} tokens, 8 a pass"
+                 " (compiling the evaluation step first)\n")
   assert float(line.split()[3]) == pytest.approx(trainer, rel=1e-6)
 
 
@@ -140,7 +145,8 @@ def test_sampling_is_reproducible_and_top_k_1_is_greedy(restored):
 def test_command_prints_prompt_and_greedy_continuation(run_dir, restored, capsys):
   args = [run_dir, "--prompt", "def ", "--max-new-tokens", "12"]
   assert sample.main(args) == 0
-  out = capsys.readouterr().out
+  out, err = capsys.readouterr()
+  assert err == "writing up to 12 tokens after 1 prompt(s) (compiling the sampler first)\n"  # the wait, said
   prompt_P = data.encode("def ")
   expected = data.decode(np.concatenate([prompt_P, sample.generate(restored, prompt_P, 12)]))
   assert out == expected + "\n"
@@ -164,7 +170,8 @@ def test_step_flag_restores_that_checkpoint(run_dir, restored):
 
 @pytest.mark.parametrize("args, message", [
     (["{missing}"], "does not exist"),
-    (["{empty}"], "has no checkpoints"),
+    (["{empty}"], "holds no run (no config.json, metrics.jsonl, checkpoints)"),
+    (["{started}"], "has no checkpoints yet"),
     (["{run}", "--step", "3"], "has checkpoints at steps 2, 4"),
     (["{run}", "--temperature", "-1"], "--temperature must be a finite number >= 0"),
     (["{run}", "--temperature", "nan"], "--temperature must be a finite number >= 0"),
@@ -173,12 +180,17 @@ def test_step_flag_restores_that_checkpoint(run_dir, restored):
     (["{run}", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
     (["{run}", "--top-k", "0"], "--top-k must be positive"),
     (["{run}", "--max-new-tokens", "x"], "invalid int value"),
-    (["{run}", "--chat"], "--chat needs a chat template"),
+    (["{run}", "--max-new-tokens", "0"], "--max-new-tokens must be positive, got 0"),  # was a traceback
+    (["{run}", "--chat"], "--chat needs a chat template: this run reads bytes"),
     (["{run}", "--top-k", "40"], "--top-k 40 applies when sampling, but --temperature is 0 (the default: greedy)"),
     (["{run}", "--top-p", "0.9"], "--top-p 0.9 applies when sampling, but --temperature is 0"),
 ])
 def test_bad_input(run_dir, tmp_path, capsys, args, message):
-  paths = {"missing": str(tmp_path / "nope"), "empty": str(tmp_path), "run": run_dir}
+  for name in ("empty", "started"):
+    (tmp_path / name).mkdir()
+  (tmp_path / "started" / "config.json").write_text('{"train": {}}')  # a run killed before its first save
+  paths = {"missing": str(tmp_path / "nope"), "empty": str(tmp_path / "empty"),
+           "started": str(tmp_path / "started"), "run": run_dir}
   assert sample.main([a.format(**paths) for a in args]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err

@@ -237,6 +237,8 @@ def test_bad_input_one_line_exit_2(trained, tmp_path, capsys):
        "--num-layers"),
       (eval_lib.main, [f"hf:{tmp_path / 'missing'}", "--data", "stdlib:val"], "config.json"),
       (eval_lib.main, [f"hf:{dense_moe}", "--data", "stdlib:val"], "mlp_only_layers=[1]"),
+      (eval_lib.main, [f"hf:{source}", "--data", "stdlib:val", "--seq-len", "65"],
+       "--seq-len 65 exceeds the 64 positions"),  # as train.gpt's; was evaluated past them
       (eval_lib.main, [str(run), "--data", "stdlib:val", "--mesh", "fs=4", "--batch-size", "6"],
        "--batch-size 6 does not split over the 4 data-parallel ranks"),
       (eval_lib.main, [str(run), "--data", "stdlib:val", "--mesh", "cp=2", "--seq-len", "6"], "--seq-len"),
@@ -258,6 +260,9 @@ def test_bad_input_one_line_exit_2(trained, tmp_path, capsys):
   err = capsys.readouterr().err.strip()
   assert "mlp.gate_proj.weight has shape" in err and "\n" not in err
   assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
+  # By default the model's own positions, as train.gpt's --seq-len (was 1024 past its 64).
+  assert eval_lib.main([f"hf:{source}", "--data", "stdlib:val", "--eval-tokens", "64"]) == 0
+  assert capsys.readouterr().out.strip().endswith("targets: 64 | rows: 1 x 64 tokens")
 
 
 @pytest.mark.parametrize("optimizer", ["dion2", "normuon"])

@@ -1,6 +1,7 @@
 """train.store.rundir: a run directory's refusals, metrics.jsonl as strict JSON, resumed flags."""
 import json
 import math
+import re
 
 import pytest
 
@@ -50,6 +51,22 @@ def test_check_refuses_what_a_run_cannot_use(tmp_path):
   (tmp_path / "file").write_text("")
   with pytest.raises(UsageError, match="--run-dir .*file is a file, not a directory"):
     rundir.RunDirectory(str(tmp_path / "file")).check(resume=False, step=None, steps=5)
+
+
+def test_check_run_tells_a_missing_path_a_file_and_a_folder_without_a_run(tmp_path):
+  """What the commands that read a run (eval, sample, export, plot, grpo's --init-from) say."""
+  (tmp_path / "file").write_text("x")
+  (tmp_path / "empty").mkdir()
+  for name, problem in (("absent", "does not exist"), ("file", "is a file, not a run directory"),
+                        ("empty", "holds no run (no config.json, metrics.jsonl, checkpoints)")):
+    with pytest.raises(UsageError, match=rf"^--init-from \S+{name} {re.escape(problem)}; name the directory"
+                                         r" of a python -m train.gpt run .*, or hf:DIR$"):
+      rundir.check_run(str(tmp_path / name), "--init-from", alternative=", or hf:DIR")
+  for found in ("config.json", "metrics.jsonl", "checkpoints"):
+    run = tmp_path / f"run-{found}"
+    run.mkdir()
+    (run / found).mkdir()
+    rundir.check_run(str(run))  # any one of them: a run, possibly of an older layout
 
 
 def test_open_takes_the_lock_writes_config_and_drops_newer_checkpoints(tmp_path, capsys):

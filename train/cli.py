@@ -7,6 +7,7 @@ here imports jax (``train/run/config.py`` must not).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from typing import TypeVar
@@ -14,6 +15,8 @@ from typing import TypeVar
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 128 + 2  # SIGINT's number, as a shell reports a Ctrl-C
 T = TypeVar("T")
+# Set when run() caught a Ctrl-C: the program it interrupted may still be compiling.
+_caught_interrupt = False
 # What a bad flag, file or setting raises while a command starts.
 BAD_INPUT = (ValueError, FileNotFoundError)  # UsageError is a ValueError
 
@@ -29,12 +32,15 @@ class Parser(argparse.ArgumentParser):
     raise UsageError(f"{message} (see {self.prog} --help)")
 
 
-def run(start: Callable[[], T], then: Callable[[T], int] = lambda _: 0, *, interrupted: str | None = None) -> int:
+def run(start: Callable[[], T], then: Callable[[T], int] = lambda _: 0, *, interrupted: str | None = None,
+        read_only: bool = False) -> int:
   """``then(start())``; bad input raised by ``start`` prints ``error: ...`` and returns EXIT_USAGE.
 
   Only ``start`` (flags, input checks, set-up) is guarded: a ValueError while ``then``
   works is no usage error. With ``interrupted`` (what a Ctrl-C during ``start`` left
-  behind), a Ctrl-C there prints ``error: INTERRUPTED`` and returns EXIT_INTERRUPTED.
+  behind), a Ctrl-C there prints ``error: INTERRUPTED`` and returns EXIT_INTERRUPTED; a
+  ``read_only`` command (it writes nothing, or only atomically in ``start``) says so of a
+  Ctrl-C during ``then`` too.
   """
   try:
     value = start()
@@ -44,6 +50,28 @@ def run(start: Callable[[], T], then: Callable[[T], int] = lambda _: 0, *, inter
   except KeyboardInterrupt:
     if interrupted is None:
       raise
-    print(f"error: {interrupted}", file=sys.stderr)
-    return EXIT_INTERRUPTED
-  return then(value)
+    return _interrupted(interrupted)
+  try:
+    return then(value)
+  except KeyboardInterrupt:
+    if not read_only or interrupted is None:
+      raise
+    return _interrupted(interrupted)
+
+
+def _interrupted(what: str) -> int:
+  global _caught_interrupt
+  _caught_interrupt = True
+  print(f"error: {what}", file=sys.stderr)
+  return EXIT_INTERRUPTED
+
+
+def exit(code: int) -> None:
+  """Ends the process with ``code``; after a Ctrl-C that :func:`run` caught, without the
+  interpreter's teardown, which crashes (exit 139) while XLA still compiles the program the
+  Ctrl-C interrupted."""
+  if _caught_interrupt:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+  sys.exit(code)

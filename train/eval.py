@@ -20,7 +20,9 @@ prompt/completion lines or conversations) is read whole, with the model's tokeni
 chat template, and packed into rows as the trainer packs it: the loss is then the mean
 over the learned targets (completions, assistant turns) of every example, each once.
 
-Bad input prints one ``error: ...`` line on stderr and exits with code 2.
+While it works it says on stderr how many rows it evaluates (the compile and the passes
+take seconds to minutes). Bad input prints one ``error: ...`` line on stderr and exits with
+code 2.
 """
 from __future__ import annotations
 
@@ -71,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
                            " N // --seq-len windows (default: the run's --eval-tokens, 16384 for hf:DIR;"
                            " sft: files are read whole)")
   parser.add_argument("--seq-len", type=int, default=None,
-                      help="tokens per window (default: the run's --seq-len; 1024 for hf:DIR)")
+                      help="tokens per window (default: the run's --seq-len; for hf:DIR, as"
+                           " train.gpt's: its max_position_embeddings, at most 1024)")
   parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
   parser.add_argument("--step", type=int, default=None, help="checkpoint step of RUN_DIR (default: the latest)")
   parser.add_argument("--mesh", default=None, metavar="SPEC",
@@ -103,7 +106,7 @@ def _start(argv):
   if spec is None:
     raise UsageError(f"{args.model} records no validation data; pass --data SPEC (e.g. --data stdlib:val)")
   with jax.set_mesh(par.mesh):
-    cfg, graphdef, params, _ = origin.load(args.step, par)
+    cfg, graphdef, params, _ = origin.load(args.step, par, args.seq_len)
   seq_len = args.seq_len or cfg.seq_len
   try:
     context.check_seq_len(seq_len, par.cp)
@@ -124,6 +127,9 @@ def _start(argv):
 
 def _report(loaded) -> int:
   graphdef, params, r, par, batch_size = loaded
+  if jax.process_index() == 0:  # the compile and the passes take a while: say what is coming
+    print(f"evaluating {len(r['inputs'])} rows of {r['inputs'].shape[1]} tokens, {batch_size} a pass"
+          " (compiling the evaluation step first)", file=sys.stderr, flush=True)
   with jax.set_mesh(par.mesh):
     loss, count = evaluation.mean_loss(step_lib.make_eval_step(graphdef, par, 1), params, r, batch_size,
                                        NamedSharding(par.mesh, P(models.BATCH_AXES)))
@@ -134,8 +140,8 @@ def _report(loaded) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-  return cli.run(lambda: _start(argv), _report)
+  return cli.run(lambda: _start(argv), _report, interrupted="interrupted; train.eval writes no files", read_only=True)
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  cli.exit(main())

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 from typing import Any
 
@@ -140,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
       print(f"pushed {', '.join(files)} to {args.push_to_hub}: {url}")
     return 0
 
-  return cli.run(start, report)
+  return cli.run(start, report, interrupted="interrupted; nothing was written (the export's folder appears only when"
+                                           " complete)")
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  cli.exit(main())

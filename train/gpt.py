@@ -20,7 +20,6 @@ a process of a multi-host run lost (``train/run/peers.py``, ``train/run/agent.py
 """
 from __future__ import annotations
 
-import sys
 
 import numpy  # noqa: F401  numpy's own OpenBLAS loads first, keeping its threads
 
@@ -64,4 +63,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  cli.exit(main())

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import matplotlib
 
@@ -129,4 +128,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  cli.exit(main())

@@ -16,8 +16,8 @@ With ``--chat`` the prompt is a user message: the conversation ``[{"role": "user
 (``data.chat``), and only the reply is printed, up to its end-of-sequence token, where
 the generation stops.
 
-Bad input (a missing run, checkpoint or step, a bad flag) prints one ``error: ...``
-line on stderr and exits with code 2.
+It says on stderr what it writes before it compiles the sampler. Bad input (a missing run,
+checkpoint or step, a bad flag) prints one ``error: ...`` line on stderr and exits with code 2.
 """
 from __future__ import annotations
 
@@ -97,8 +97,8 @@ def _parser() -> argparse.ArgumentParser:
 def _restore(argv: list[str] | None) -> tuple[argparse.Namespace, restore_lib.Restored, Any]:
   """The flags and the restored model; bad input raises here, before any generation."""
   args = _parser().parse_args(argv)
-  if args.max_new_tokens < 0:
-    raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+  if args.max_new_tokens < 1:
+    raise UsageError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
   restore_lib.check_sampling(args.temperature, args.top_k, args.top_p)
   if args.temperature == 0 and (args.top_k is not None or args.top_p < 1):
     chosen = " ".join(f for f, on in ((f"--top-k {args.top_k}", args.top_k is not None),
@@ -115,12 +115,16 @@ def _restore(argv: list[str] | None) -> tuple[argparse.Namespace, restore_lib.Re
                      f" its own: train.sample reads and writes bytes ({data.VOCAB_SIZE} tokens) or"
                      " uses the tokenizer.json of the run's --init-from checkpoint")
   if args.chat and tokenizer.chat is None:
-    raise UsageError("--chat needs a chat template: the run's --init-from checkpoint has no"
-                     " chat_template.jinja nor chat_template in tokenizer_config.json")
+    raise UsageError("--chat needs a chat template: " + (
+        "this run reads bytes (it started from no --init-from hf: checkpoint with a tokenizer)"
+        if isinstance(tokenizer, hf_tokenizer.ByteTokenizer) else
+        "the run's --init-from checkpoint has no chat_template.jinja nor chat_template in tokenizer_config.json"))
   return args, model, tokenizer
 
 
 def _write(args: argparse.Namespace, model: restore_lib.Restored, tokenizer) -> int:
+  print(f"writing up to {args.max_new_tokens} tokens after {len(args.prompt)} prompt(s) (compiling the"
+        " sampler first)", file=sys.stderr, flush=True)
   for i, prompt in enumerate(args.prompt):
     if len(args.prompt) > 1:
       print(f"[prompt {i + 1}/{len(args.prompt)}]")
@@ -145,8 +149,9 @@ def _continue(args: argparse.Namespace, model: restore_lib.Restored, tokenizer, 
 
 
 def main(argv: list[str] | None = None) -> int:
-  return cli.run(lambda: _restore(argv), lambda restored: _write(*restored))
+  return cli.run(lambda: _restore(argv), lambda restored: _write(*restored),
+                 interrupted="interrupted; train.sample writes no files", read_only=True)
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  cli.exit(main())

@@ -71,9 +71,12 @@ import traceback
 
 import jax
 
+from train import cli
+from train.cli import UsageError
 from train.gpu import evidence, kernels, memory, moe, optimizers, sampler
+from train.store import rundir
 
-EXIT_NO_GPU = 2
+EXIT_NO_GPU = cli.EXIT_USAGE
 STAGES = ("check", "kernels", "optimizers", "moe", "train", "memory", "profile", "sampler")
 TABLES = {"optimizers": optimizers.markdown, "memory": memory.markdown, "sampler": sampler.markdown}  # stage: its markdown
 
@@ -82,9 +85,10 @@ def device_slug(kind: str) -> str:
   return re.sub(r"[^a-z0-9]+", "-", kind.lower()).strip("-")
 
 
-def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m train.gpu", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+def _args(argv: list[str] | None) -> argparse.Namespace:
+  """The flags, checked (one ``error:`` line each, exit 2) before any stage starts."""
+  parser = cli.Parser(prog="python -m train.gpu", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset of " + ",".join(STAGES))
   parser.add_argument("--out", help="output folder (default gpu-evidence/<device>)")
   parser.add_argument("--stage-seconds", type=float, default=80.0,
@@ -92,14 +96,25 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--max-size", type=int, default=16384, help="largest n of the optimizers stage")
   parser.add_argument("--train-steps", type=int, default=30, help="trainer steps per run (default 30)")
   args = parser.parse_args(argv)
-  stages = args.stages.split(",")
-  unknown = set(stages) - set(STAGES)
+  unknown = set(args.stages.split(",")) - set(STAGES)
   if unknown:
-    parser.error(f"unknown stages {sorted(unknown)}; choose from {','.join(STAGES)}")
+    raise UsageError(f"--stages: unknown {', '.join(sorted(unknown))}; choose from {','.join(STAGES)}")
+  for name in ("stage_seconds", "max_size", "train_steps"):
+    if not getattr(args, name) > 0:
+      raise UsageError(f"{rundir.flag_name(name)} must be positive, got {getattr(args, name)}")
+  if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
+    raise UsageError(f"--out {args.out} is a file, not a folder; choose a folder")
   if jax.default_backend() != "gpu":
-    print(f"error: no GPU here (JAX's default backend is {jax.default_backend()}); run this on an NVIDIA GPU",
-          file=sys.stderr)
-    return EXIT_NO_GPU
+    raise UsageError(f"no GPU here (JAX's default backend is {jax.default_backend()}); run this on an NVIDIA GPU")
+  return args
+
+
+def main(argv: list[str] | None = None) -> int:
+  return cli.run(lambda: _args(argv), lambda args: _evidence(args, argv))
+
+
+def _evidence(args: argparse.Namespace, argv: list[str] | None) -> int:
+  stages = args.stages.split(",")
   device = jax.devices()[0].device_kind
   out = args.out or os.path.join("gpu-evidence", device_slug(device))
   os.makedirs(out, exist_ok=True)
@@ -128,4 +143,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  cli.exit(main())

@@ -57,7 +57,6 @@ reward that raises or is not finite (the first rollout is scored during set-up),
 rollout that does not split over the mesh, a flag ``--resume`` may not change, a run
 directory in use.
 """
-import sys
 
 import numpy  # noqa: F401  numpy's own OpenBLAS loads first, keeping its threads
 
@@ -119,4 +118,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  cli.exit(main())

@@ -129,9 +129,8 @@ class GRPOConfig(ObjectiveConfig):
   def check_inputs(self) -> None:
     """This process's own inputs exist: checked before it waits for the others
     (``--coordinator``), not for ``--print-config``, which may be written for another host."""
-    if not self.init_from.startswith("hf:") and not os.path.isdir(self.init_from):
-      raise UsageError(f"--init-from {self.init_from} does not exist; name the directory of a python -m"
-                       " train.gpt run (e.g. runs/tiny-dion), or hf:DIR a Hugging Face checkpoint")
+    if not self.init_from.startswith("hf:"):
+      rundir.check_run(self.init_from, "--init-from", alternative=", or hf:DIR a Hugging Face checkpoint")
     if not os.path.exists(self.prompts):
       raise UsageError(f"--prompts {self.prompts} does not exist; pass a JSONL or Parquet file of prompts,"
                        " or a folder of Parquet files or a saved dataset")

@@ -216,6 +216,9 @@ class Config:
     if self.fp8 not in FP8_RECIPES:
       raise UsageError(f"--fp8 {self.fp8}: unknown recipe; choose one of {', '.join(FP8_RECIPES)}"
                        " (--fp8 alone: current)")
+    for name in ("lr", "initial_loss_scale", "min_loss_scale", "qk_clip_threshold"):
+      if getattr(self, name) is not None and getattr(self, name) <= 0:
+        raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
     if self.min_lr > self.learning_rate:
       raise UsageError(f"--min-lr {self.min_lr:g} exceeds the peak --lr {self.learning_rate:g}; the decay"
                        f" ends at --min-lr, so choose it in [0, {self.learning_rate:g}]")
@@ -227,9 +230,6 @@ class Config:
       raise UsageError(f"--dion-momentum must be in [0, 1), got {self.dion_momentum:g}")
     if self.dion_rank_fraction is not None and not 0 < self.dion_rank_fraction <= 1:
       raise UsageError(f"--dion-rank-fraction must be in (0, 1], got {self.dion_rank_fraction}")
-    for name in ("lr", "initial_loss_scale", "min_loss_scale", "qk_clip_threshold"):
-      if getattr(self, name) is not None and getattr(self, name) <= 0:
-        raise UsageError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
     if self.min_loss_scale > self.initial_loss_scale:
       raise UsageError(f"--min-loss-scale {self.min_loss_scale:g} exceeds --initial-loss-scale"
                        f" {self.initial_loss_scale:g}")

@@ -91,6 +91,15 @@ class ModelSource:
     """The weights (and tokenizer) come from a Hugging Face checkpoint."""
     return self.hf_dir is not None
 
+  def positions(self, seq_len: int | None) -> int:
+    """The ``--seq-len`` of an imported model: ``seq_len`` (None: its max_position_embeddings,
+    at most 1024), refused past the positions it was trained for."""
+    longest = self.hf_config.get("max_position_embeddings")
+    if seq_len and longest and seq_len > longest:
+      raise UsageError(f"--seq-len {seq_len} exceeds the {longest} positions {self.hf_dir} was"
+                       f" trained for (max_position_embeddings); choose at most {longest}")
+    return seq_len or min(longest or 1024, 1024)
+
   def model_config(self, cfg: Config, vocab_size: int | None) -> models.GPTConfig:
     """The model of a new run from ``cfg``'s flags: a preset's shape with the flags' overrides
     and ``vocab_size`` (the data's), or the Hugging Face checkpoint's with ``cfg``'s
@@ -98,12 +107,7 @@ class ModelSource:
     compute = compute_settings(cfg)
     routing = {name: getattr(cfg, name) for name in _ROUTING_FLAGS if getattr(cfg, name) is not None}
     if self.imported:
-      longest = self.hf_config.get("max_position_embeddings")
-      if cfg.seq_len and longest and cfg.seq_len > longest:
-        raise UsageError(f"--seq-len {cfg.seq_len} exceeds the {longest} positions {self.hf_dir} was"
-                         f" trained for (max_position_embeddings); choose at most {longest}")
-      seq_len = cfg.seq_len or min(longest or 1024, 1024)
-      return hf_io.model_config(self.hf_dir, self.hf_config, seq_len=seq_len, **compute, **routing)
+      return hf_io.model_config(self.hf_dir, self.hf_config, seq_len=self.positions(cfg.seq_len), **compute, **routing)
     overrides = {"vocab_size": vocab_size, **compute, **routing}
     overrides |= {field: getattr(cfg, flag) for flag, field in _PRESET_FLAGS if getattr(cfg, flag) is not None}
     if cfg.moe_shared_expert:
@@ -126,15 +130,16 @@ class ModelSource:
       return hf_io.load(self.hf_dir, model_cfg, par)
     return models.init(model_cfg, par, seed)
 
-  def load(self, step: int | None, par: models.Parallelism | None) -> restore_lib.Restored:
+  def load(self, step: int | None, par: models.Parallelism | None, seq_len: int | None = None
+           ) -> restore_lib.Restored:
     """The trained model as it is, on ``par``'s mesh (one device when None): checkpoint
     ``step`` of a run of ours (the latest when None: ``train.run.restore.restore``), or a
-    Hugging Face checkpoint at 1024 positions. Call under ``jax.set_mesh(par.mesh)``."""
+    Hugging Face checkpoint at :meth:`positions` ``(seq_len)``. Call under ``jax.set_mesh(par.mesh)``."""
     if not self.imported:
       return restore_lib.restore(self.run_dir, step, par)
     if step is not None:
       raise UsageError("--step applies to run directories, not to hf:DIR")
-    cfg = hf_io.model_config(self.hf_dir, self.hf_config, seq_len=1024)
+    cfg = hf_io.model_config(self.hf_dir, self.hf_config, seq_len=self.positions(seq_len))
     try:
       graphdef, params = hf_io.load(self.hf_dir, cfg, par or models.Parallelism())
     except UsageError:

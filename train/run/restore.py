@@ -24,6 +24,7 @@ from train.run import config as config_lib
 from train.run import preflight
 from train.store import checkpoint as ckpt_lib
 from train.store import hf as hf_io
+from train.store import rundir
 
 
 class Restored(NamedTuple):
@@ -49,9 +50,7 @@ def open_checkpoint(run_dir: str, step: int | None = None
   any part of it (``partial_restore``): the parameters without the optimizer state the
   trainer saved beside them, or one leaf at a time (``train.export``).
   ``train.store.checkpoint.Checkpoints`` restores whole states only."""
-  if not os.path.isdir(run_dir):
-    raise UsageError(f"run directory {run_dir} does not exist; name the directory of a python -m"
-                     " train.gpt run (by default runs/PRESET-OPTIMIZER, e.g. runs/tiny-dion)")
+  rundir.check_run(run_dir)
   where = checkpoint_path(run_dir)
   if not os.path.isdir(where):
     raise UsageError(f"{where} does not exist: the run has no checkpoints yet; train it"

@@ -29,14 +29,22 @@ def parallelism(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[models.Parallelis
     raise UsageError(f"--global-batch-size {cfg.global_batch_size} does not split over the {dp}"
                      f" data-parallel ranks (rp x fs x ep = {sizes['rp']} x {sizes['fs']} x"
                      f" {sizes['ep']}); choose a multiple of {dp}")
-  per_rank = cfg.global_batch_size // dp
+  per_rank, pp = cfg.global_batch_size // dp, sizes["pp"]
   # A pipeline needs micro-batches in multiples of pp: by default exactly pp of them.
-  micro = cfg.micro_batch_size or max(per_rank // sizes["pp"], 1)
+  if per_rank % pp:
+    raise UsageError(f"--mesh pp={pp} needs micro-batches in multiples of {pp}, and each data-parallel rank's"
+                     f" {per_rank} sequences (--global-batch-size {cfg.global_batch_size} over {dp} ranks) do not"
+                     f" split so; choose a --global-batch-size that is a multiple of {dp * pp}")
+  micro = cfg.micro_batch_size or max(per_rank // pp, 1)
   if per_rank % micro:
     raise UsageError(f"--micro-batch-size {micro} does not divide the {per_rank} sequences per"
                      f" data-parallel rank (--global-batch-size {cfg.global_batch_size} over"
                      f" {dp} ranks); choose a divisor of {per_rank}")
   accum = per_rank // micro
+  if pp > 1 and accum % pp:
+    raise UsageError(f"--micro-batch-size {micro} makes {accum} micro-batches of the {per_rank} sequences per"
+                     f" data-parallel rank, and the pipeline (--mesh pp={pp}) needs a multiple of {pp};"
+                     f" choose a --micro-batch-size that divides {per_rank // pp}")
   par = models.Parallelism(mesh, sequence_parallel=cfg.sequence_parallel,
                            microbatches=accum if sizes["pp"] > 1 else 1, virtual_stages=cfg.virtual_stages)
   return par, accum

@@ -207,9 +207,7 @@ def read_metrics(run_dir: str) -> tuple[dict[int, dict], dict[int, dict]]:
   past its last checkpoint) replace the earlier ones. Raises UsageError for a missing run
   directory or metrics.jsonl, a line that is not JSON, or a file without records.
   """
-  if not os.path.isdir(run_dir):
-    raise UsageError(f"run directory {run_dir} does not exist; name the directory of a python -m"
-                     " train.gpt or train.grpo run (by default runs/PRESET-OPTIMIZER, e.g. runs/tiny-dion)")
+  rundir.check_run(run_dir, runs="python -m train.gpt or train.grpo")
   path = os.path.join(run_dir, "metrics.jsonl")
   if not os.path.isfile(path):
     raise UsageError(f"{path} does not exist: the run has logged nothing yet")

@@ -52,6 +52,23 @@ def check_usable(path: str, flag: str) -> None:
     raise UsageError(f"{flag} {path}: {existing} is not writable; choose a writable directory")
 
 
+RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints")
+
+
+def check_run(path: str, name: str = "run directory", runs: str = "python -m train.gpt", alternative: str = "") -> None:
+  """Raises UsageError unless ``path`` is a run's directory: one that exists, is a folder,
+  and holds a run's config.json, metrics.jsonl or checkpoints/ (``name``: how the message
+  calls it, e.g. ``--init-from``; ``runs``: the commands whose runs it takes;
+  ``alternative``: what else it takes, e.g. ``, or hf:DIR ...``)."""
+  fix = f"name the directory of a {runs} run (by default runs/PRESET-OPTIMIZER, e.g. runs/tiny-dion){alternative}"
+  if not os.path.exists(path):
+    raise UsageError(f"{name} {path} does not exist; {fix}")
+  if not os.path.isdir(path):
+    raise UsageError(f"{name} {path} is a file, not a run directory; {fix}")
+  if not any(os.path.exists(os.path.join(path, f)) for f in RUN_FILES):
+    raise UsageError(f"{name} {path} holds no run (no {', '.join(RUN_FILES)}); {fix}")
+
+
 def _alive(pid: int) -> bool:
   try:
     os.kill(pid, 0)
