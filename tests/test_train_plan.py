@@ -311,8 +311,12 @@ def test_a_closed_pipe_ends_quietly(monkeypatch):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--mesh", "fs=3"], "does not split"),
-    (["--model", "nope"], "--model nope"),
+    (["--mesh", "fs=3"], "--mesh fs=3: the parameter"),
+    (["--model", "nope"], "--model nope: expected one of tiny, tiny-moe, small, 350m, 1b, 8b,"),
+    (["--model", "hf:/nonexistent/model"], "/nonexistent/model/config.json does not exist"),
+    (["--global-batch-size", "0"], "--global-batch-size must be positive, got 0"),
+    (["--global-batch-size", "x"], "invalid int value: 'x' (see python -m train.plan --help)"),
+    (["--mfu", "2"], "--mfu must be in (0, 1], got 2"),
     (["--links", "tp=copper"], "--links"),
     (["--sweep"], "--devices"),
     (["--ib", "25"], "GBPS:MICROSECONDS"),

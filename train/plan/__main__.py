@@ -10,6 +10,7 @@ from typing import Any
 import jax
 
 from dion_jax.parallel.mesh import AXES
+from train import cli
 from train.run.plan import optimizer as plan_optimizer
 from train.run.plan.grpo import GRPO
 from train.run.plan import planner
@@ -37,9 +38,27 @@ def _link(flag: str, text: str) -> Link:
   return Link(gbps * 1e9, us * 1e-6)
 
 
+def _check(args: argparse.Namespace) -> None:
+  """Refuses counts and fractions no step has (None: the flag's default)."""
+  positive = ("global_batch_size", "micro_batch_size", "seq_len", "gpus_per_node", "prompts_per_step", "group_size",
+              "prompt_len", "max_new_tokens")
+  for name in positive:
+    value = getattr(args, name)
+    if value is not None and value < 1:
+      raise cli.UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
+  if args.loss_chunk < 0:
+    raise cli.UsageError(f"--loss-chunk must be 0 (unchunked) or positive, got {args.loss_chunk}")
+  for name in ("rank_fraction", "fraction", "mfu"):
+    value = getattr(args, name)
+    if value is not None and not 0 < value <= 1:
+      raise cli.UsageError(f"--{name.replace('_', '-')} must be in (0, 1], got {value:g}")
+  if args.beta < 0:
+    raise cli.UsageError(f"--beta must be 0 or positive, got {args.beta:g}")
+
+
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m train.plan", description=planner.__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = cli.Parser(prog="python -m train.plan", description=planner.__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--model", default="small", help="small|350m|1b|8b|70b|405b|tiny|tiny-moe, hf:DIR, hf:ORG/NAME[@REVISION] (its config.json only) or CONFIG.json")
   parser.add_argument("--mesh", default="fs=8", help="rp=..,fs=..,ep=..,cp=..,tp=..,pp=.. (default fs=8)")
   parser.add_argument("--optimizer", default=TRAINER.optimizer, choices=plan_optimizer.OPTIMIZERS,
@@ -52,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                       help="activations' dtype (default bfloat16, python -m train.gpt's on a GPU; float32 is"
                            " its CPU default, to compare with a CPU run)")
-  parser.add_argument("--global-batch-size", type=int, default=0, help="sequences per step (default: one per rank)")
+  parser.add_argument("--global-batch-size", type=int, default=None, help="sequences per step (default: one per rank)")
   parser.add_argument("--micro-batch-size", type=int, default=None, help="sequences per rank and micro-batch")
   parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's; for hf:DIR min(max_position_embeddings,"
                            " 1024), as python -m train.gpt)")
@@ -81,9 +100,14 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--json", action="store_true", help="print one JSON object")
   parser.add_argument("--sweep", action="store_true", help="rank the meshes of --devices that fit")
   parser.add_argument("--devices", type=int, default=0, help="with --sweep: the device count")
-  args = parser.parse_args(argv)
+  try:
+    args = parser.parse_args(argv)
+    _check(args)
+  except ValueError as e:  # cli.UsageError too
+    print(f"error: {e}", file=sys.stderr)
+    return cli.EXIT_USAGE
   kwargs = dict(optimizer=args.optimizer, rank_fraction=args.rank_fraction, fraction=args.fraction,
-                global_batch=args.global_batch_size, micro=args.micro_batch_size, seq_len=args.seq_len,
+                global_batch=args.global_batch_size or 0, micro=args.micro_batch_size, seq_len=args.seq_len,
                 gpu=args.gpu, per_node=args.gpus_per_node, mfu=args.mfu, dtype=args.dtype, loss_chunk=args.loss_chunk)
   if args.grpo:
     kwargs["grpo"] = GRPO(args.prompts_per_step, args.group_size, args.prompt_len, args.max_new_tokens, args.beta)
@@ -103,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                     **kwargs)
   except (ValueError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)
-    return 2
+    return cli.EXIT_USAGE
   text = json.dumps(result) if args.json else format_sweep(result) if args.sweep else format_plan(result)
   try:
     print(text, flush=True)

@@ -122,9 +122,13 @@ def load_config(model: str | models.GPTConfig, seq_len: int | None = None, dtype
   path = model
   if model.startswith("hf:"):
     path = os.path.join(hub.local_dir(model[3:], weights=False), "config.json")
+  if model.startswith("hf:") and not os.path.isfile(path):
+    raise ValueError(f"--model {model}: {path} does not exist; pass hf:DIR of a Hugging Face model folder (with"
+                     " its config.json) or hf:ORG/NAME of the Hub")
   if not path.endswith(".json") or not os.path.isfile(path):
-    raise ValueError(f"--model {model}: expected one of {', '.join([*models.PRESETS, *LLAMA3])},"
-                     " hf:DIR (with a config.json) or a GPTConfig .json file")
+    names = dict.fromkeys([*models.PRESETS, *LLAMA3])  # 1b is both: Llama 3's shape is planned
+    raise ValueError(f"--model {model}: expected one of {', '.join(names)}, hf:DIR (with a config.json)"
+                     " or a GPTConfig .json file")
   try:
     with open(path) as f:
       record = json.load(f)
@@ -182,10 +186,12 @@ def leaves(cfg: models.GPTConfig, pp: int = 1) -> tuple[Leaf, ...]:
 def local_shape(leaf: Leaf, sizes: dict[str, int]) -> tuple[int, ...]:
   out = []
   for n, entry in zip(leaf.shape, leaf.spec):
-    shards = group(sizes, live(sizes, [entry]))
+    axes = live(sizes, [entry])
+    shards = group(sizes, axes)
     if n % shards:
-      raise ValueError(f"{leaf.name}: dimension {n} does not split into {shards} shards on this mesh;"
-                       " choose sizes that divide it")
+      split = " x ".join(f"{a}={sizes[a]}" for a in axes)
+      raise ValueError(f"--mesh {split}: the parameter {leaf.name}'s dimension {n} does not split into"
+                       f" {shards} shards; choose sizes that divide {n}")
     out.append(n // shards)
   return tuple(out)
 
