@@ -9,6 +9,7 @@ import pytest
 import dion_jax
 import models
 from train.cli import UsageError
+from train.run.plan import grpo as plan_grpo
 from train.run.plan import planner
 from train.run import config as config_lib
 from train.run import preflight
@@ -36,26 +37,29 @@ def test_a_step_that_fits_is_not_refused():
   assert preflight.check_memory(_stats(HOST / 64), mesh, models.preset("tiny")) is None  # raises if refused
 
 
-def _planned(cfg, sizes, remat: str, offload: bool) -> dict:
+def _planned(cfg, sizes, remat: str, offload: bool, grpo) -> dict:
   return planner.plan(models.preset("tiny"), sizes, cfg.optimizer, global_batch=cfg.global_batch_size,
-                      dtype="float32", compare=False, remat=remat, offload_optimizer=offload)
+                      dtype="float32", compare=False, remat=remat, offload_optimizer=offload, grpo=grpo)
 
 
-def test_a_refused_step_names_the_fastest_policy_and_offload_that_fit_its_mesh():
+@pytest.mark.parametrize("grpo", [None, plan_grpo.GRPO(prompts=8, group=8, prompt=64, completion=64, beta=0.04)],
+                         ids=["train.gpt", "train.grpo"])
+def test_a_refused_step_names_the_fastest_policy_and_offload_that_fit_its_mesh(grpo):
   """With the run's flags, the refusal names the fastest choice (by the planner's step time)
   whose planned memory, scaled to the compiled step's, is within the limit; none where none
-  is (then the levers, as above)."""
+  is (then the levers, as above). GRPO's update is planned as GRPO's (its sequences, the
+  reference policy)."""
   cfg = config_lib.parse(["--preset", "tiny", "--optimizer", "adamw", "--global-batch-size", "64", "--mesh", "fs=8"])
   sizes = dion_jax.parse_mesh_spec("fs=8")
-  plans = {(remat, offload): _planned(cfg, sizes, remat, offload)
+  plans = {(remat, offload): _planned(cfg, sizes, remat, offload, grpo)
            for remat in planner.remat_policies() for offload in (False, True)}
   own = plans["none", False]["memory"]["device_total"]
   least = min(p["memory"]["device_total"] for p in plans.values())
   assert least < 0.8 * own  # the levers matter at this size
   need = 3 * own  # a compiled step three times the plan: every estimate scales by 3
   limit = 3 * (least + own) // 2
-  said = preflight.what_fits(cfg, models.preset("tiny"), sizes, need, limit)
+  said = preflight.what_fits(cfg, models.preset("tiny"), sizes, need, limit, grpo)
   fits = {choice: p for choice, p in plans.items() if 3 * p["memory"]["device_total"] <= limit}
   remat, offload = min(fits, key=lambda choice: fits[choice]["time"]["step"])
   assert ("none", False) not in fits and said.flags == f"--remat {remat}{' --offload-optimizer' * offload}"
-  assert preflight.what_fits(cfg, models.preset("tiny"), sizes, need, 3 * least - 1) is None
+  assert preflight.what_fits(cfg, models.preset("tiny"), sizes, need, 3 * least - 1, grpo) is None

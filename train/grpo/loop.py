@@ -30,6 +30,7 @@ from train.grpo.config import GRPOConfig
 from train.run import config as config_lib
 from train.run import hosts, loop, peers, preflight, trainer
 from train.run import model_source as model_source_lib
+from train.run.plan import grpo as plan_grpo
 from train.run import setup as setup_lib
 from train.run.setup import Run
 from train.run import restore as restore_lib
@@ -147,7 +148,11 @@ def setup(grpo: GRPOConfig, cfg: config_lib.Config) -> Run:
   first = rollout(run, state.params, start_step + 1)
   if jax.process_index() == 0:
     print(f"sampled the first rollout in {first.seconds:.1f} s (step {start_step + 1}'s)", flush=True)
-  compiled = setup_lib.compile_within_memory(train_step, state, first.batch, mesh, model_cfg)
+  # The planner's shape of this update, for a refusal that names what would fit.
+  length = first.batch["inputs"].shape[1]
+  shape = plan_grpo.GRPO(grpo.prompts_per_step, grpo.group_size, max(length - grpo.max_new_tokens, 1),
+                         grpo.max_new_tokens, grpo.beta)
+  compiled = setup_lib.compile_within_memory(train_step, state, first.batch, mesh, model_cfg, cfg, shape)
   setup_lib.describe_communication(run, compiled)
   run.data = prompts._replace(first=first)
   if jax.process_index() == 0:

@@ -18,6 +18,7 @@ import data
 import models
 from models import context
 from train.cli import UsageError
+from train.run.plan import grpo as plan_grpo
 from train.run.plan import planner
 from train.run import optim
 from train.run.config import Config
@@ -130,11 +131,13 @@ def reading(command: str, ckpt_path: str, step: int | None) -> Iterator[None]:
     raise damaged(command, ckpt_path, step, e) from None
 
 
-def check_memory(stats, mesh: jax.sharding.Mesh, model_cfg: models.GPTConfig, cfg: Config | None = None) -> None:
+def check_memory(stats, mesh: jax.sharding.Mesh, model_cfg: models.GPTConfig, cfg: Config | None = None,
+                 grpo: plan_grpo.GRPO | None = None) -> None:
   """Refuses a compiled training step whose memory (XLA's ``memory_analysis``: arguments,
   outputs and temporaries of one device) exceeds a device's memory, or, on CPU, whose
   devices together exceed the host's; a backend that reports neither is not checked. With
-  the run's ``cfg`` the refusal names what would fit on this mesh (:func:`what_fits`)."""
+  the run's ``cfg`` the refusal names what would fit on this mesh (:func:`what_fits`; with
+  ``grpo``, the shape of GRPO's update)."""
   if stats is None:
     return
   local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
@@ -151,7 +154,7 @@ def check_memory(stats, mesh: jax.sharding.Mesh, model_cfg: models.GPTConfig, cf
   else:
     return
   if need * devices > limit:
-    fits = None if cfg is None else what_fits(cfg, model_cfg, dict(mesh.shape), need, limit // devices)
+    fits = None if cfg is None else what_fits(cfg, model_cfg, dict(mesh.shape), need, limit // devices, grpo)
     if fits is not None:
       advice = (f"{fits.flags} fits on this mesh by the planner (about {planner.size(fits.estimate)} a device); python -m"
                 " train.plan --sweep names other meshes")
@@ -169,15 +172,18 @@ class Fit(NamedTuple):
   estimate: int
 
 
-def what_fits(cfg: Config, model_cfg: models.GPTConfig, sizes: dict[str, int], need: int, limit: int) -> Fit | None:
+def what_fits(cfg: Config, model_cfg: models.GPTConfig, sizes: dict[str, int], need: int, limit: int,
+              grpo: plan_grpo.GRPO | None = None) -> Fit | None:
   """The planner's fastest recompute policy and optimizer offload whose step fits ``limit``
-  bytes per device on this mesh, as flags (None: none fits). The compiled step needs ``need`` bytes: each
-  choice's planned memory is scaled by ``need`` over the plan of the run's own choice, so the
-  planner's margin over the compiler (tests/test_train_run_plan_memory.py) does not hide a fit."""
+  bytes per device on this mesh, as flags (None: none fits); with ``grpo`` the step is GRPO's
+  update (the planner's, beside the reference policy where beta > 0). The compiled step
+  needs ``need`` bytes: each choice's planned memory is scaled by ``need`` over the plan of
+  the run's own choice, so the planner's margin over the compiler
+  (tests/test_train_run_plan_memory.py) does not hide a fit."""
   def planned(remat: str, offload: bool) -> dict:
     return planner.plan(model_cfg, sizes, cfg.optimizer, cfg.dion_rank_fraction, global_batch=cfg.global_batch_size,
                         micro=cfg.micro_batch_size, dtype=model_cfg.dtype, compare=False, remat=remat,
-                        offload_optimizer=offload, loss_chunk=model_cfg.loss_chunk)
+                        offload_optimizer=offload, loss_chunk=model_cfg.loss_chunk, grpo=grpo)
 
   scale = need / planned(model_cfg.remat, cfg.offload_optimizer)["memory"]["device_total"]
   fitting = []

@@ -29,6 +29,7 @@ from train.run import comm, evaluation, optim, preflight, trainer
 from train.run import grad_norm as grad_norm_lib
 from train.run import model_source as model_source_lib
 from train.run import step as step_lib
+from train.run.plan import grpo as plan_grpo
 from train.run.config import Config
 from train.store import checkpoint as ckpt_lib
 from train.store import rundir, tracking
@@ -166,7 +167,8 @@ def _batches(cfg: Config, model_cfg: models.GPTConfig, mesh: jax.sharding.Mesh, 
 
 
 def compile_within_memory(train_step, state: Any, batch: dict, mesh: jax.sharding.Mesh,
-                          model_cfg: models.GPTConfig, cfg: Config | None = None) -> jax.stages.Compiled:
+                          model_cfg: models.GPTConfig, cfg: Config | None = None,
+                          grpo: plan_grpo.GRPO | None = None) -> jax.stages.Compiled:
   """Compiles the step for ``state`` and ``batch`` (later calls reuse the executable) and
   refuses one whose memory the devices cannot hold (``preflight.check_memory``), before
   anything is written."""
@@ -176,7 +178,7 @@ def compile_within_memory(train_step, state: Any, batch: dict, mesh: jax.shardin
   t0 = time.perf_counter()
   with jax.set_mesh(mesh):
     compiled = train_step.lower(state, batch).compile()
-  preflight.check_memory(compiled.memory_analysis(), mesh, model_cfg, cfg)
+  preflight.check_memory(compiled.memory_analysis(), mesh, model_cfg, cfg, grpo)
   if primary:
     print(f"compiled the training step in {time.perf_counter() - t0:.1f} s", flush=True)
   return compiled
