@@ -43,14 +43,6 @@ def mesh(spec: str) -> jax.sharding.Mesh:
   return dion_jax.make_mesh(sizes, devices[:n])
 
 
-
-
-
-
-
-
-
-
 def gpt_matrices(layers: int, d: int, fused_qkv: bool = True) -> dict[str, jax.Array]:
   """A GPT's matrices as Flax kernels stacked over layers, ``(layers, fan_in, fan_out)``.
 
