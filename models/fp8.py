@@ -24,6 +24,11 @@ shards; inside a ``shard_map`` it is maxed over the manual axes the tensor varie
 (the replicas of Dion's per-replica gradients, cp), except the pipeline's ``pp``, whose
 stages hold different layers. Every mesh thus quantizes what one device quantizes for the
 same micro-batches (a scalar all-reduce per tensor where a manual axis splits it).
+
+The experts' kernels [G, K, N] take one scale per expert (the amax of each kernel, maxed
+over the manual axes that split a kernel, tp, but not over ``ep``, whose ranks hold other
+experts): the experts drift apart in magnitude as they train, and one scale for all would
+flush a small expert's weights below e4m3's subnormals. The rows keep one scale.
 """
 from __future__ import annotations
 
@@ -35,27 +40,32 @@ from flax.linen import fp8_ops
 
 RECIPES = ("none", "current")
 FORWARD, BACKWARD = jnp.float8_e4m3fn, jnp.float8_e5m2
-# Manual mesh axes over which a tensor's shards are different tensors, not parts of one.
+# Manual mesh axes over which a tensor's shards are different tensors, not parts of one;
+# with a scale per expert also ep (models.moe.EXPERT_AXIS), whose shards hold other experts.
 _OWN_TENSOR_AXES = ("pp",)
+_EXPERTS_AXIS = "ep"
 
 
-def amax(x: jax.Array) -> jax.Array:
-  """max |x| over the whole logical tensor, float32 scalar (module docstring)."""
-  m = jnp.max(jnp.abs(x)).astype(jnp.float32)
-  parts = tuple(a for a in jax.typeof(m).manual_axis_type.varying if a not in _OWN_TENSOR_AXES)
+def amax(x: jax.Array, per_expert: bool = False) -> jax.Array:
+  """max |x| over the whole logical tensor, float32 scalar; ``per_expert``: over each
+  expert's slice x[g] of a [G, ...] stack, float32 [G] (module docstring)."""
+  m = jnp.max(jnp.abs(x), axis=tuple(range(1, x.ndim)) if per_expert else None).astype(jnp.float32)
+  own = _OWN_TENSOR_AXES + ((_EXPERTS_AXIS,) if per_expert else ())
+  parts = tuple(a for a in jax.typeof(m).manual_axis_type.varying if a not in own)
   return jax.lax.pmax(m, parts) if parts else m
 
 
-def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+def quantize(x: jax.Array, dtype, per_expert: bool = False) -> tuple[jax.Array, jax.Array]:
   """``(q, s)``: x in the FP8 ``dtype`` scaled so that its amax is the type's largest
-  value, and the float32 scale s (x ≈ q·s; 1 for an all-zero x, NaN for a non-finite one)."""
-  m = amax(x)
-  scale = fp8_ops.compute_scale(m, jnp.ones((), jnp.float32), fp8_ops.get_fp8_max(dtype, jnp.float32))
+  value, and the float32 scale s (x ≈ q·s; 1 for an all-zero x, NaN for a non-finite one);
+  ``per_expert``: each expert's slice x[g] of a [G, ...] stack by its own, s [G]."""
+  m = amax(x, per_expert)
+  scale = fp8_ops.compute_scale(m, jnp.ones_like(m), fp8_ops.get_fp8_max(dtype, jnp.float32))
   # flax keeps the last scale for a non-finite amax, and the cast would clip an inf to the
   # largest FP8 value: NaN instead, so that an overflow (float16's, which loss scaling
   # must see) reaches the loss and the step's guard as it does without FP8.
   scale = jnp.where(jnp.isfinite(m), scale, jnp.nan)
-  return fp8_ops.quantize(x, dtype, scale, jnp.float32), scale
+  return fp8_ops.quantize(x, dtype, scale.reshape(scale.shape + (1,) * (x.ndim - scale.ndim)), jnp.float32), scale
 
 
 def _product(a: jax.Array, b: jax.Array, contract: tuple[Sequence[int], Sequence[int]], scale: jax.Array) -> jax.Array:
@@ -104,16 +114,26 @@ def _grouped(a, b, group_sizes_G, dims, scale):
 @jax.custom_vjp
 def grouped_matmul(x_RxK: jax.Array, w_GxKxN: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
   """``jax.lax.ragged_dot(x_RxK, w_GxKxN, group_sizes_G)`` (the rows of group g times kernel
-  g) through FP8 as :func:`matmul`: one scale for all the rows, one for all the kernels
-  (per tensor, as the dense products); in x's dtype. Backward ``dx = ragged(q_g, q_wᵀ)``,
-  ``dw[g] = q_x[rows of g]ᵀ q_g[rows of g]``, both from the e4m3 tensors kept forward."""
+  g) through FP8 as :func:`matmul`: one scale for all the rows and one for each expert's
+  kernel (Transformer Engine's grouped linear: an expert whose weights are small keeps its
+  precision beside large ones), so row r's product is dequantized by ``s_x·s_w[g(r)]``; in
+  x's dtype. Backward ``dx = ragged(q_g, q_wᵀ)·s_g·s_w[g(r)]``,
+  ``dw[g] = q_x[rows of g]ᵀ q_g[rows of g]·s_x·s_g``, both from the e4m3 tensors kept forward."""
   return _grouped_forward(x_RxK, w_GxKxN, group_sizes_G)[0]
+
+
+def _row_scales(s_w_G: jax.Array, group_sizes_G: jax.Array, rows: int) -> jax.Array:
+  """Each row's expert's kernel scale, float32 [R, 1] (rows past the groups, whose
+  products are zeros, take the last expert's)."""
+  expert_R = jnp.repeat(jnp.arange(s_w_G.shape[0]), group_sizes_G, total_repeat_length=rows)
+  return s_w_G[expert_R][:, None]
 
 
 def _grouped_forward(x, w, group_sizes):
   q_x, s_x = quantize(x, FORWARD)
-  q_w, s_w = quantize(w, FORWARD)
-  y = _grouped(q_x, q_w, group_sizes, _ROWS_BY_KERNELS, s_x * s_w).astype(x.dtype)
+  q_w, s_w = quantize(w, FORWARD, per_expert=True)
+  rows_scale = _row_scales(s_w, group_sizes, x.shape[0])
+  y = _grouped(q_x, q_w, group_sizes, _ROWS_BY_KERNELS, s_x * rows_scale).astype(x.dtype)
   # Empty slices of x and w: their dtypes and the manual axes they vary over.
   return y, (q_x, s_x, q_w, s_w, group_sizes, x.reshape(-1)[:0], w.reshape(-1)[:0])
 
@@ -130,7 +150,7 @@ def _summed_like(ct: jax.Array, primal: jax.Array) -> jax.Array:
 def _grouped_backward(residuals, g):
   q_x, s_x, q_w, s_w, group_sizes, x, w = residuals
   q_g, s_g = quantize(g, BACKWARD)
-  dx = _grouped(q_g, q_w, group_sizes, _GRADIENT_BY_KERNELS, s_g * s_w)
+  dx = _grouped(q_g, q_w, group_sizes, _GRADIENT_BY_KERNELS, s_g * _row_scales(s_w, group_sizes, g.shape[0]))
   dw = _grouped(q_x, q_g, group_sizes, _ROWS_BY_GRADIENT, s_x * s_g)
   return _summed_like(dx, x), _summed_like(dw, w), None
 

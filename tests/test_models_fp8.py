@@ -19,10 +19,12 @@ E4M3 = (ml_dtypes.float8_e4m3fn, 448.0, 2.0**-4, 2.0**-10)
 E5M2 = (ml_dtypes.float8_e5m2, 57344.0, 2.0**-3, 2.0**-17)
 
 
-def np_quantized(v, kind, scaled=True):
-  """``(q·s in float64, the bound on each element's error |q·s − v|)``: s = amax/max."""
+def np_quantized(v, kind, scaled=True, per_expert=False):
+  """``(q·s in float64, the bound on each element's error |q·s − v|)``: s = amax/max (with
+  ``per_expert``, each v[g]'s own)."""
   dtype, largest, unit, subnormal = kind
-  s = np.max(np.abs(v)) / largest if scaled else 1.0
+  axes = tuple(range(1, v.ndim)) if per_expert else None
+  s = np.max(np.abs(v), axis=axes, keepdims=per_expert) / largest if scaled else 1.0
   q = np.clip(v / s, -largest, largest).astype(dtype).astype(np.float64) * s
   return q, unit * np.abs(v) + subnormal * s
 
@@ -74,17 +76,20 @@ def test_product_and_its_gradients_err_as_fp8_rounding_allows():
 def test_grouped_product_and_its_gradients_err_as_fp8_rounding_allows():
   """The experts' grouped product (rows of group g times kernel g; one group empty, two
   rows past the groups) and both gradients: equal up to float32 accumulation to the
-  float64 products of ml_dtypes' roundings with the scales of the whole rows and of all
-  the kernels (per tensor), and within FP8's error of the exact products."""
+  float64 products of ml_dtypes' roundings with the scale of the whole rows and each
+  expert's own kernel scale, and within FP8's error of the exact products, each expert's
+  rows on their own: experts 5·10^5 apart in magnitude (one scale for all the kernels
+  flushes the small expert's weights below e4m3's subnormals: its rows' error is 100%)."""
   x, _, g = _inputs()
   x, g = x.reshape(-1, 64)[:10], g.reshape(-1, 48)[:10]
-  w = np.random.default_rng(1).normal(size=(3, 64, 48)).astype(np.float32).astype(np.float64) * 1e-3
+  w = np.random.default_rng(1).normal(size=(3, 64, 48)).astype(np.float32).astype(np.float64)
+  w *= np.array([1e-3, 1.0, 500.0])[:, None, None]
   sizes = [3, 0, 5]
   group = np.repeat(np.arange(3), sizes)
   y, vjp = jax.vjp(lambda a, b: fp8.grouped_matmul(a, b, jnp.asarray(sizes, jnp.int32)),
                    jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
   dx, dw = (np.asarray(d, np.float64) for d in vjp(jnp.asarray(g, jnp.float32)))
-  (qx, _), (qw, _), (qg, _) = np_quantized(x, E4M3), np_quantized(w, E4M3), np_quantized(g, E5M2)
+  (qx, _), (qw, _), (qg, _) = np_quantized(x, E4M3), np_quantized(w, E4M3, per_expert=True), np_quantized(g, E5M2)
 
   def grouped(a, b_GxKxN):  # rows past the groups give zeros
     rows = [a[i] @ b_GxKxN[k] for i, k in enumerate(group)]
@@ -100,7 +105,12 @@ def test_grouped_product_and_its_gradients_err_as_fp8_rounding_allows():
   for name, got in (("y", np.asarray(y, np.float64)), ("dx", dx), ("dw", dw)):
     rounded, magnitude, exact = want[name]
     assert np.all(np.abs(got - rounded) <= 2.0**-20 * magnitude), name
-    assert 1e-3 < np.max(np.abs(got - exact)) / np.max(np.abs(exact)) < 0.1, name
+    # Each expert on its own: its kernel's gradient (dw), or its rows (y, dx); expert 1 has none.
+    for k in (0, 2):
+      got_k, exact_k = (got[k], exact[k]) if name == "dw" else (got[: len(group)][group == k],
+                                                                exact[: len(group)][group == k])
+      assert 1e-3 < np.max(np.abs(got_k - exact_k)) / np.max(np.abs(exact_k)) < 0.1, (name, k)
+  assert np.all(dw[1] == 0) and np.all(np.asarray(y)[len(group):] == 0)
 
 
 def test_grouped_products_lower_for_cuda_on_fp8_operands():
@@ -230,8 +240,9 @@ def test_fp8_on_tp_and_fs_scales_whole_tensors(monkeypatch):
 
 def test_fp8_experts_on_fs_ep_tp_match_one_device():
   """A mixture of experts with its grouped products in FP8 on fs=2,ep=2,tp=2 (rows
-  exchanged over ep, each expert's F split over tp, the rows' and kernels' amax maxed over
-  the dispatch's manual axes): one device's loss and gradients. Measured: <= 8.2e-7."""
+  exchanged over ep, each expert's F split over tp, the rows' amax maxed over the
+  dispatch's manual axes, each expert's kernel amax over tp but not ep): one device's loss
+  and gradients (the experts' scales maxed over ep too: 1.4e-3 off)."""
   cfg = models.preset("tiny-moe", num_layers=2, d_model=32, num_heads=2, seq_len=16, mlp_dim=32, num_experts=4,
                       fp8="current")
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (8, cfg.seq_len + 1))
