@@ -36,6 +36,14 @@ import models
 from train.run.plan.memory import PACKING
 from train.run.plan.model import Leaf, local_bytes
 
+# GRPO's update beside train.gpt's step: its batch's per-token fields past inputs and
+# targets (old log-probabilities, advantages, masks, weights, positions, segment ids: 9),
+# int32 or float32, all the rank's rows; and its objective's per-token float32 terms and
+# their gradients, one micro-batch's, counted generously (measured: tiny, 8 prompts x 4,
+# 32-token rows, fs=8, fs=4,tp=2, rp=2,fs=2,tp=2, AdamW and Dion: the compiled update 15-36
+# KB above train.gpt's step of the same shape, 30-36 [b, T] float32 buffers).
+UPDATE_FIELDS, OBJECTIVE_TERMS = 9, 40
+
 
 class GRPO(NamedTuple):
   """A GRPO step's shape: ``train.grpo``'s --prompts-per-step, --group-size,

@@ -57,7 +57,7 @@ from models import remat
 from train.run.plan import optimizer as plan_optimizer
 from train.run.plan.model import Leaf, Step, local_bytes
 
-PACKING = 0.1  # XLA's temporary allocation over its live peak (module docstring)
+PACKING = 0.12  # XLA's temporary allocation over its live peak (module docstring)
 # A pipeline's loop copies its residuals' stacks: the layers' inputs whole, of the others this
 # part (module docstring).
 PIPELINE_COPIES = 0.6

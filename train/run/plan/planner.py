@@ -178,6 +178,7 @@ def plan(model: str | models.GPTConfig = "small", mesh: str | dict = "", optimiz
   }
   out["caveats"] = caveats(sizes)
   if grpo is not None:
+    _add_update_fields(memory, cfg, sizes, step)
     _add_rollout(out, cfg, sizes, params, grpo, hw, mfu)
   if compare:
     out["versus"] = {o: _summary(plan(model, sizes, o, rank_fraction, fraction, global_batch, micro, seq_len, gpu,
@@ -185,6 +186,16 @@ def plan(model: str | models.GPTConfig = "small", mesh: str | dict = "", optimiz
                                       offload_optimizer=offload_optimizer, loss_chunk=loss_chunk, grpo=grpo))
                      for o in ("adamw", "muon") if o != optimizer}
   return out
+
+
+def _add_update_fields(memory: dict, cfg: models.GPTConfig, sizes: dict[str, int], step: plan_model.Step) -> None:
+  """What GRPO's update holds beside train.gpt's step (``train.run.plan.grpo``'s
+  ``UPDATE_FIELDS``, ``OBJECTIVE_TERMS``): its batch's per-token fields and its objective's
+  per-token float32 terms."""
+  dp = sizes["rp"] * sizes["fs"] * sizes["ep"]
+  rows, tokens = step.global_batch // dp * cfg.seq_len, step.micro * cfg.seq_len // sizes["cp"]
+  memory["device"]["grpo_update"] = 4 * (plan_grpo.UPDATE_FIELDS * rows + plan_grpo.OBJECTIVE_TERMS * tokens)
+  memory["device_total"] += memory["device"]["grpo_update"]
 
 
 def _add_rollout(out: dict, cfg: models.GPTConfig, sizes: dict[str, int], params, grpo: plan_grpo.GRPO, hw: GPU,
