@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -108,7 +109,9 @@ def _table(rows: dict[str, list], full: int, full_wire: int, label: str) -> list
   return lines
 
 
-def report(mesh, shapes, specs, optimizer: str, rank_fractions: list[float]) -> str:
+def report(mesh, shapes, specs, optimizer: str, rank_fractions: list[float],
+           say: Callable[[str], None] = lambda _: None) -> str:
+  """The report's text; ``say`` hears which update is being compiled (each takes a while)."""
   params = accounting.abstract_params(shapes, specs, mesh)
   per_replica = mesh.shape["rp"] > 1
   full = accounting.full_gradient_bytes(params)
@@ -124,8 +127,10 @@ def report(mesh, shapes, specs, optimizer: str, rank_fractions: list[float]) -> 
       "",
   ]
   if optimizer == "dion":
-    rows = {f"{rf:g}": accounting.update_stats(transformation("dion", mesh, specs, rf), params, mesh, per_replica)
-            for rf in rank_fractions}
+    rows = {}
+    for i, rf in enumerate(rank_fractions):
+      say(f"compiling Dion's update at rank fraction {rf:g} ({i + 1}/{len(rank_fractions)})")
+      rows[f"{rf:g}"] = accounting.update_stats(transformation("dion", mesh, specs, rf), params, mesh, per_replica)
     lines += _table(rows, full, full_wire, "rank_fraction")
     lines += ["", "| rank_fraction | state bytes/device | state bytes on one device | ratio |",
               "| --- | --- | --- | --- |"]
@@ -136,10 +141,15 @@ def report(mesh, shapes, specs, optimizer: str, rank_fractions: list[float]) -> 
     return "\n".join(lines)
   tx = lambda **kw: transformation(optimizer, mesh, specs, **kw)  # noqa: E731
   if optimizer in ("dion2", "nordion2"):
-    rows = {f"{optimizer} (fraction 0.25, {scope})": accounting.update_stats(
-        tx(fraction=0.25, selection_scope=scope), params, mesh) for scope in ("local", "global")}
+    rows = {}
+    for scope in ("local", "global"):
+      say(f"compiling {optimizer}'s update ({scope} selection)")
+      rows[f"{optimizer} (fraction 0.25, {scope})"] = accounting.update_stats(
+          tx(fraction=0.25, selection_scope=scope), params, mesh)
   else:
+    say(f"compiling {optimizer}'s update")
     rows = {optimizer: accounting.update_stats(tx(), params, mesh)}
+  say("compiling Dion's update at rank fraction 1/4, for comparison")
   rows["dion (rank 1/4)"] = accounting.update_stats(transformation("dion", mesh, specs), params, mesh, per_replica)
   return "\n".join(lines + _table(rows, full, full_wire, "optimizer"))
 
@@ -176,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  print(report(mesh, shapes, specs, args.optimizer, rank_fractions))
+  print(report(mesh, shapes, specs, args.optimizer, rank_fractions,
+               say=lambda what: print(what, file=sys.stderr, flush=True)))
   return 0
 
 

@@ -176,10 +176,15 @@ def tokenize(inputs: list[str], output_prefix: str, *, output_format: str = "meg
             docs, tokens = docs + 1, tokens + len(ids)
       if docs == 0:
         raise DataError(f"{inputs[0] if inputs else output_prefix}: no non-empty documents "
-                        f"in {len(inputs)} input file(s)")
+                        f"in {_count(len(inputs), 'input file')}")
     outputs = sorted(os.listdir(tmp))
   return {"inputs": len(inputs), "documents": docs, "tokens": tokens,
           "outputs": [os.path.join(directory, n) for n in outputs]}
+
+
+def _count(n: int, noun: str) -> str:
+  """``n`` and its noun, in the plural unless one: "1 document", "2,048 tokens"."""
+  return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -242,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"error: interrupted; nothing was written to {args.output_prefix}*", file=sys.stderr)
     return 128 + 2  # SIGINT's number, as a shell reports a Ctrl-C
   written = sum(os.path.getsize(p) for p in summary["outputs"])
-  print(f"{summary['inputs']} input file(s) -> {summary['documents']:,} documents, "
-        f"{summary['tokens']:,} tokens, {written:,} bytes written:")
+  print(f"{_count(summary['inputs'], 'input file')} -> {_count(summary['documents'], 'document')}, "
+        f"{_count(summary['tokens'], 'token')}, {_count(written, 'byte')} written:")
   if "dropped tokens" in summary:
     print(f"  ({summary['dropped tokens']:,} trailing tokens dropped, short of a sequence)")
   for path in summary["outputs"]:

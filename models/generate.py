@@ -76,6 +76,11 @@ def init_cache(cfg: GPTConfig, batch: int, slots: int) -> tuple[jax.Array, jax.A
   return jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)
 
 
+def cache_bytes(cfg: GPTConfig, batch: int, slots: int) -> int:
+  """Bytes of :func:`init_cache`'s keys and values."""
+  return 2 * batch * slots * cfg.num_layers * cfg.kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+
+
 def forward(graphdef: Any, params: Any, tokens_BxT: jax.Array, pad_B: jax.Array, start: jax.Array,
             cache: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
   """The model on T tokens at slots ``[start, start + T)`` of left-padded sequences (``pad_B``

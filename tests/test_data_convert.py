@@ -27,7 +27,7 @@ def test_fineweb_to_megatron_cuts_sequences_across_shards(tmp_path, capsys):
   assert _files(out) == ["ds.bin", "ds.idx"]
   summary = capsys.readouterr().out
   written = 15 * 2 + (34 + 3 * (4 + 8) + 4 * 8)  # uint16 tokens + MMIDIDX index
-  assert f"2 input file(s) -> 3 documents, 15 tokens, {written} bytes written" in summary
+  assert f"2 input files -> 3 documents, 15 tokens, {written:,} bytes written" in summary
   assert "1 trailing tokens dropped" in summary
 
 
@@ -42,7 +42,7 @@ def test_tokenize_text_and_jsonl_to_megatron(tmp_path, capsys):
   docs = [ds[i].tolist() for i in range(len(ds))]
   assert docs == [[104, 195, 169, 108, 108, 111, 10, 256], [111, 110, 101, 256],
                   [116, 119, 111, 256]]
-  assert "2 input file(s) -> 3 documents, 16 tokens" in capsys.readouterr().out
+  assert "2 input files -> 3 documents, 16 tokens" in capsys.readouterr().out
 
 
 def test_tokenize_to_fineweb_shards(tmp_path):
@@ -128,7 +128,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path, capsys, case):
   elif case == "empty":
     (tmp_path / "e.txt").write_text("")
     argv = ["tokenize", str(tmp_path / "e.txt"), "--output-prefix", out]
-    expected = f"error: {tmp_path}/e.txt: no non-empty documents in 1 input file(s)"
+    expected = f"error: {tmp_path}/e.txt: no non-empty documents in 1 input file"
   elif case == "magic":
     (tmp_path / "m.bin").write_bytes(b"\x00" * 2048)
     argv = ["fineweb-to-megatron", "--input", str(tmp_path / "m.bin"), "--output-prefix", out]
@@ -172,7 +172,7 @@ def test_command_line_exit_status_help_and_progress(tmp_path):
                       text=True)
   assert ok.returncode == 0 and "tokenizing: [####" in ok.stderr
   written = 4 * 2 + (34 + 1 * (4 + 8) + 2 * 8)
-  assert f"1 input file(s) -> 1 documents, 4 tokens, {written} bytes written" in ok.stdout
+  assert f"1 input file -> 1 document, 4 tokens, {written:,} bytes written" in ok.stdout
   bad = subprocess.run([sys.executable, "-m", "data.convert", "tokenize", str(tmp_path / "z"),
                         "--output-prefix", str(tmp_path / "m")], env=env, capture_output=True,
                        text=True)

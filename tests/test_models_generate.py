@@ -31,6 +31,16 @@ def _layered(params):
   return dict(params, blocks=models.to_layers(params["blocks"], 1))
 
 
+@pytest.mark.parametrize("moe_every", [0, 2])
+def test_cache_bytes_are_the_caches(moe_every):
+  """What train.sample checks against the device's memory is what the sampler allocates
+  (the layers grouped by the mixture of experts too)."""
+  cfg = models.GPTConfig(vocab_size=64, d_model=32, num_heads=4, num_kv_heads=2, num_layers=4, seq_len=16,
+                         dtype="bfloat16", **({"num_experts": 4, "moe_every": moe_every} if moe_every else {}))
+  keys, values = jax.eval_shape(lambda: generate.init_cache(cfg, 3, 21))
+  assert generate.cache_bytes(cfg, 3, 21) == (np.prod(keys.shape) + np.prod(values.shape)) * 2 == 2 * 3 * 21 * 4 * 2 * 8 * 2
+
+
 def test_cache_path_equals_full_recompute():
   """Prefill of left-padded prompts, then teacher-forced tokens one at a time through the
   cache: every step's logits are the full forward's (sample.logits on the unpadded

@@ -146,7 +146,7 @@ def test_command_prints_prompt_and_greedy_continuation(run_dir, restored, capsys
   args = [run_dir, "--prompt", "def ", "--max-new-tokens", "12"]
   assert sample.main(args) == 0
   out, err = capsys.readouterr()
-  assert err == "writing up to 12 tokens after 1 prompt(s) (compiling the sampler first)\n"  # the wait, said
+  assert err == "writing up to 12 tokens after 1 prompt (compiling the sampler first)\n"  # the wait, said
   prompt_P = data.encode("def ")
   expected = data.decode(np.concatenate([prompt_P, sample.generate(restored, prompt_P, 12)]))
   assert out == expected + "\n"
@@ -181,6 +181,8 @@ def test_step_flag_restores_that_checkpoint(run_dir, restored):
     (["{run}", "--top-k", "0"], "--top-k must be positive"),
     (["{run}", "--max-new-tokens", "x"], "invalid int value"),
     (["{run}", "--max-new-tokens", "0"], "--max-new-tokens must be positive, got 0"),  # was a traceback
+    # was XLA's out-of-memory traceback after the compile
+    (["{run}", "--max-new-tokens", str(10**11)], "--max-new-tokens 100,000,000,000 needs a key/value cache of"),
     (["{run}", "--chat"], "--chat needs a chat template: this run reads bytes"),
     (["{run}", "--top-k", "40"], "--top-k 40 applies when sampling, but --temperature is 0 (the default: greedy)"),
     (["{run}", "--top-p", "0.9"], "--top-p 0.9 applies when sampling, but --temperature is 0"),

@@ -38,6 +38,7 @@ from models import generate as model_generate
 from models import gpt
 from train import cli
 from train.cli import UsageError
+from train.run import preflight
 from train.run import restore as restore_lib
 
 
@@ -94,8 +95,9 @@ def _parser() -> argparse.ArgumentParser:
   return parser
 
 
-def _restore(argv: list[str] | None) -> tuple[argparse.Namespace, restore_lib.Restored, Any]:
-  """The flags and the restored model; bad input raises here, before any generation."""
+def _restore(argv: list[str] | None) -> tuple[argparse.Namespace, restore_lib.Restored, Any, list[np.ndarray]]:
+  """The flags, the restored model, its tokenizer and the prompts' tokens; bad input raises
+  here, before any generation."""
   args = _parser().parse_args(argv)
   if args.max_new_tokens < 1:
     raise UsageError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
@@ -119,26 +121,49 @@ def _restore(argv: list[str] | None) -> tuple[argparse.Namespace, restore_lib.Re
         "this run reads bytes (it started from no --init-from hf: checkpoint with a tokenizer)"
         if isinstance(tokenizer, hf_tokenizer.ByteTokenizer) else
         "the run's --init-from checkpoint has no chat_template.jinja nor chat_template in tokenizer_config.json"))
-  return args, model, tokenizer
+  prompts = [_encode(args, tokenizer, prompt) for prompt in args.prompt]
+  _check_cache(model.cfg, max(len(p) for p in prompts), args.max_new_tokens)
+  return args, model, tokenizer, prompts
 
 
-def _write(args: argparse.Namespace, model: restore_lib.Restored, tokenizer) -> int:
-  print(f"writing up to {args.max_new_tokens} tokens after {len(args.prompt)} prompt(s) (compiling the"
+def _encode(args: argparse.Namespace, tokenizer, prompt: str) -> np.ndarray:
+  """The prompt's tokens (with ``--chat``, its user message rendered by the chat template)."""
+  if args.chat:
+    text = tokenizer.chat.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return tokenizer.encode(text, special=False)  # the template writes the special tokens
+  return tokenizer.encode(prompt) if prompt else np.zeros(0, np.int32)
+
+
+def _check_cache(cfg: models.GPTConfig, prompt_tokens: int, max_new_tokens: int) -> None:
+  """Refuses a key/value cache (the prompt's bucket + the new tokens, a slot each) that
+  one device cannot hold, naming the --max-new-tokens that fits."""
+  capacity = preflight.device_capacity([jax.devices()[0]])
+  if capacity is None:
+    return
+  limit, _, where = capacity
+  prompt_slots = model_generate.bucket(min(max(prompt_tokens, 1), cfg.seq_len))
+  slot = model_generate.cache_bytes(cfg, 1, 1)
+  if slot * (prompt_slots + max_new_tokens) > limit:
+    fits = limit // slot - prompt_slots
+    raise UsageError(f"--max-new-tokens {max_new_tokens:,} needs a key/value cache of"
+                     f" {slot * (prompt_slots + max_new_tokens) / 2**30:,.1f} GiB, more than {where};"
+                     f" at most {fits:,} new tokens fit" + (
+                         f" (the model was trained on {cfg.seq_len:,} positions)" if fits > cfg.seq_len else ""))
+
+
+def _write(args: argparse.Namespace, model: restore_lib.Restored, tokenizer, prompts: list[np.ndarray]) -> int:
+  n = len(prompts)
+  print(f"writing up to {args.max_new_tokens} tokens after {n} prompt{'s' if n > 1 else ''} (compiling the"
         " sampler first)", file=sys.stderr, flush=True)
-  for i, prompt in enumerate(args.prompt):
-    if len(args.prompt) > 1:
-      print(f"[prompt {i + 1}/{len(args.prompt)}]")
-    _continue(args, model, tokenizer, prompt)
+  for i, prompt_P in enumerate(prompts):
+    if n > 1:
+      print(f"[prompt {i + 1}/{n}]")
+    _continue(args, model, tokenizer, prompt_P)
   return 0
 
 
-def _continue(args: argparse.Namespace, model: restore_lib.Restored, tokenizer, prompt: str) -> None:
-  """Prints what the model writes after ``prompt`` (only the reply with ``--chat``)."""
-  if args.chat:
-    text = tokenizer.chat.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    prompt_P = tokenizer.encode(text, special=False)  # the template writes the special tokens
-  else:
-    prompt_P = tokenizer.encode(prompt) if prompt else np.zeros(0, np.int32)
+def _continue(args: argparse.Namespace, model: restore_lib.Restored, tokenizer, prompt_P: np.ndarray) -> None:
+  """Prints what the model writes after the prompt's tokens (only the reply with ``--chat``)."""
   new = generate(model, prompt_P, args.max_new_tokens, args.temperature, args.top_k, args.seed,
                  tokenizer.eod, args.top_p, eos_id=tokenizer.eod if args.chat else None)
   if args.chat:

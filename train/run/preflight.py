@@ -141,18 +141,12 @@ def check_memory(stats, mesh: jax.sharding.Mesh, model_cfg: models.GPTConfig, cf
   if stats is None:
     return
   local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-  device = local[0]  # memory_stats answers for this process's devices only
   need = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
           + stats.temp_size_in_bytes)
-  limit = (device.memory_stats() or {}).get("bytes_limit")
-  devices = 1
-  if limit is not None:
-    where = f"the {limit / 2**30:.1f} GiB of a {device.device_kind}"
-  elif device.platform == "cpu":
-    devices, limit = len(local), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    where = f"the host's {limit / 2**30:.1f} GiB" + (f" ({devices} CPU devices)" if devices > 1 else "")
-  else:
+  capacity = device_capacity(local)
+  if capacity is None:
     return
+  limit, devices, where = capacity
   if need * devices > limit:
     fits = None if cfg is None else what_fits(cfg, model_cfg, dict(mesh.shape), need, limit // devices, grpo)
     if fits is not None:
@@ -164,6 +158,19 @@ def check_memory(stats, mesh: jax.sharding.Mesh, model_cfg: models.GPTConfig, cf
                 " names the fastest that fits")
     raise UsageError(f"a training step needs {need * devices / 2**30:,.1f} GiB, more than {where}"
                      f" (--seq-len {model_cfg.seq_len}); {advice}")
+
+
+def device_capacity(local: list[jax.Device]) -> tuple[int, int, str] | None:
+  """What this process's ``local`` devices hold: (bytes, devices sharing them, in words).
+  A GPU's own memory; CPU devices share the host's; None where the backend reports neither."""
+  device = local[0]  # memory_stats answers for this process's devices only
+  limit = (device.memory_stats() or {}).get("bytes_limit")
+  if limit is not None:
+    return limit, 1, f"the {limit / 2**30:.1f} GiB of a {device.device_kind}"
+  if device.platform == "cpu":
+    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return limit, len(local), f"the host's {limit / 2**30:.1f} GiB" + (f" ({len(local)} CPU devices)" if len(local) > 1 else "")
+  return None
 
 
 class Fit(NamedTuple):
