@@ -36,6 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from train.grpo import batch as grpo_batch  # noqa: E402
 from train.grpo import loop as grpo_loop  # noqa: E402
+from train.grpo import rollout as grpo_rollout  # noqa: E402
 from train.grpo import objective as grpo_objective  # noqa: E402
 
 GRPO_FLAGS = ["--optimizer", "adamw", "--lr", "1e-3", "--lr-decay-style", "constant", "--lr-warmup-steps", "0",
@@ -84,7 +85,7 @@ def demo(runs: str, steps: int, repeats: int) -> dict:
     made = {}
     for pack in (True, False):
       run.data = run.data._replace(grpo=dataclasses.replace(run.data.grpo, pack=pack))
-      made["packed" if pack else "padded"] = grpo_loop.rollout(run, run.state.params, step)
+      made["packed" if pack else "padded"] = grpo_rollout.rollout(run, run.state.params, step)
     tokens = int(made["packed"].lengths_B.sum())
     out.append({"step": step, "completion_tokens": tokens,
                 **_timed(run, {name: m.batch for name, m in made.items()}, tokens, repeats)})

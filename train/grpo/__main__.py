@@ -12,7 +12,7 @@ level, two-sided clip, off-policy sequence mask, high-entropy mask, KL to the fr
 starting policy with ``--beta`` > 0 and entropy bonus), its completions packed with their
 prompts several to a row (``train/grpo/batch.py``; ``--no-pack``: one to a row).
 
-What is GRPO's own is in this package (``train/grpo/loop.py``): the prompts, the rollouts,
+What is GRPO's own is in this package (``train/grpo/loop.py``, ``rollout.py``): the prompts, the rollouts,
 the rewards and advantages, the update's rows. The rest is ``python -m train.gpt``'s (``train/run/setup.py``,
 ``train/run/loop.py``): the same set-up steps, the same jitted step (``train/run/step.py``, with GRPO's per-token objective in ``models.loss``: the
 non-finite guard, float16 loss scaling, clipping, accumulation over
@@ -46,7 +46,7 @@ Several processes (``--coordinator HOST:PORT --num-processes N --process-id I`` 
 each samples the rows its devices hold, decodes and scores its own completions (a reward
 function sees that process's strings only), and the rewards, numbers, are gathered, so that
 the advantages are taken over whole groups wherever their completions were sampled
-(``train/grpo/loop.py``). Process 0 writes ``metrics.jsonl``, the log and the checkpoint's
+(``train/grpo/rollout.py``). Process 0 writes ``metrics.jsonl``, the log and the checkpoint's
 metadata; a lost or failed process ends them all with one line (``train/run/peers.py``,
 ``train/run/agent.py``).
 

@@ -1,5 +1,6 @@
-"""GRPO's run: its set-up on the trainer's (``train.run.setup``), the rollouts (sampling,
-rewards, advantages) and the updates, stepped by the trainer's loop (``train.run.loop``)."""
+"""GRPO's run: its set-up on the trainer's (``train.run.setup``) with GRPO's own model, prompts
+and objective, and its steps in the trainer's loop (``train.run.loop``): a rollout
+(``train/grpo/rollout.py``), then ``--updates-per-rollout`` updates on it."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,28 +8,25 @@ import functools
 import math
 import sys
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import data
 import models
 from data import prompts as prompts_lib
 from dion_jax.parallel import format_mesh_spec
-from models import generate
 from train import cli
 from train.cli import UsageError
-from train.grpo import batch as grpo_batch
 from train.grpo import config as grpo_config
 from train.grpo import objective as grpo_objective
 from train.grpo import rewards as grpo_rewards
+from train.grpo import rollout as rollout_lib
 from train.grpo.config import GRPOConfig
 from train.run import config as config_lib
-from train.run import hosts, loop, peers, preflight, trainer
+from train.run import loop, peers, preflight, trainer
 from train.run import model_source as model_source_lib
 from train.run.plan import grpo as plan_grpo
 from train.run import setup as setup_lib
@@ -39,36 +37,6 @@ from train.run.interrupt import Agreement, Interrupt
 from train.store import checkpoint as ckpt_lib
 from train.store import log, rundir
 
-
-class Prompts(NamedTuple):
-  """GRPO's own part of a run (``Run.data``)."""
-  grpo: GRPOConfig
-  rows: list[dict]
-  texts: list[str]  # each row's prompt as the rewards see it
-  tokens: list[np.ndarray]
-  tokenizer: Any
-  rewards: list[tuple[str, Callable, float]]
-  objective: grpo_objective.Objective
-  graphdef: Any
-  reference: Any | None  # the starting policy's parameters (with --beta > 0)
-  first: Rollout | None  # the first step's rollout, made in set-up to score and compile
-  rows_unit: int  # the update's rows split over the data-parallel ranks and micro-batches: a multiple of this
-  entropy_control: grpo_objective.EntropyControl  # the entropy bonus's at the start (a resumed run's saved one)
-
-
-class Rollout(NamedTuple):
-  """One step's completions, their rewards and the update batch."""
-  batch: dict  # grpo_batch.update_batch's
-  layout: grpo_batch.Layout  # the completions, each after its prompt, in the update's rows
-  mask_BxM: np.ndarray  # 1 on the completion tokens
-  old_BxM: jax.Array  # the rollout policy's log-probabilities
-  ref_BxM: jax.Array | None  # the reference's (with --beta > 0)
-  rewards_BxR: np.ndarray
-  advantages_B: np.ndarray
-  lengths_B: np.ndarray
-  ended_B: np.ndarray  # the completion ends with eos
-  entropy: float | None  # mean over the completion tokens (with --top-entropy-quantile < 1)
-  seconds: float  # sampling, scoring and the log-probabilities
 
 
 def read_prompts(grpo: GRPOConfig, tokenizer, limit: int) -> tuple[list[dict], list[str], list[np.ndarray]]:
@@ -145,7 +113,7 @@ def setup(grpo: GRPOConfig, cfg: config_lib.Config) -> Run:
   if jax.process_index() == 0:
     print(f"sampling the first rollout ({grpo.prompts_per_step} prompts x {grpo.group_size} completions of up to"
           f" {grpo.max_new_tokens} tokens; compiling the sampler first)", flush=True)
-  first = rollout(run, state.params, start_step + 1)
+  first = rollout_lib.rollout(run, state.params, start_step + 1)
   if jax.process_index() == 0:
     print(f"sampled the first rollout in {first.seconds:.1f} s (step {start_step + 1}'s)", flush=True)
   # The planner's shape of this update, for a refusal that names what would fit.
@@ -174,7 +142,7 @@ def _starting_policy(grpo: GRPOConfig, cfg: config_lib.Config, par: models.Paral
 
 
 def _prompts(grpo: GRPOConfig, model_cfg: models.GPTConfig, graphdef: Any, starting: restore_lib.Restored,
-             tokenizer, rows_unit: int) -> Prompts:
+             tokenizer, rows_unit: int) -> rollout_lib.Prompts:
   """GRPO's data: the prompts, the rewards, the objective, the reference (with --beta > 0)."""
   rewards = grpo_rewards.reward_functions(list(grpo.reward), grpo.answer_column)
   limit = model_cfg.seq_len - grpo.max_new_tokens
@@ -187,100 +155,8 @@ def _prompts(grpo: GRPOConfig, model_cfg: models.GPTConfig, graphdef: Any, start
       max_completion_length=grpo.max_new_tokens, sequences=grpo.rollout_size)
   # The step donates the policy's buffers: the reference keeps its own.
   reference = jax.tree.map(jnp.copy, starting.params) if grpo.beta > 0 else None
-  return Prompts(grpo, rows, texts, tokens, tokenizer, rewards, objective, graphdef, reference, None, rows_unit,
+  return rollout_lib.Prompts(grpo, rows, texts, tokens, tokenizer, rewards, objective, graphdef, reference, None, rows_unit,
                  grpo_objective.EntropyControl(grpo.entropy_coef))
-
-
-def rollout(run: Run, params: Any, step: int) -> Rollout:
-  """Step ``step``'s rollout from the policy ``params``: the prompts, completions, rewards,
-  advantages, the rollout policy's (and reference's) log-probabilities, the update batch."""
-  p, grpo = run.data, run.data.grpo
-  G, M = grpo.group_size, grpo.max_new_tokens
-  t0 = time.perf_counter()
-  order = np.random.default_rng(grpo.seed).permutation(len(p.rows))
-  picks = [order[((step - 1) * grpo.prompts_per_step + j) % len(p.rows)] for j in range(grpo.prompts_per_step)]
-  batch_sharding = NamedSharding(run.mesh, P(models.BATCH_AXES))
-  with jax.set_mesh(run.mesh):
-    out = generate.complete(p.graphdef, generate.rollout_params(params, run.par), [p.tokens[i] for i in picks], M,
-                            generate.Sampling(grpo.temperature, grpo.top_k, grpo.top_p),
-                            seed=grpo.seed * 1_000_003 + step, eos_id=p.tokenizer.eod, group_size=G,
-                            batch_sharding=batch_sharding)
-  completions_BxM, lengths_B = hosts.fetch(out.tokens_BxM), hosts.fetch(out.lengths_B)
-  ended_B = np.asarray([n > 0 and row[n - 1] == p.tokenizer.eod for row, n in zip(completions_BxM, lengths_B)])
-  rewards_BxR = _score(p, picks, completions_BxM, lengths_B, ended_B, hosts.row_owners(batch_sharding, len(lengths_B)))
-  advantages_B = np.asarray(grpo_objective.advantages(
-      jnp.asarray(rewards_BxR, jnp.float32), jnp.asarray([w for _, _, w in p.rewards], jnp.float32), G,
-      grpo.scale_rewards, grpo.multi_objective_aggregation))
-  layout = _layout(run, [p.tokens[i] for i in picks for _ in range(G)], completions_BxM, lengths_B)
-  mask_BxM = (np.arange(M)[None] < lengths_B[:, None]).astype(np.float32)
-  old_BxM, keep_BxM, entropy = _logps_and_keep(run, params, layout, mask_BxM)
-  ref_BxM = None if p.reference is None else _logps(run, p.reference, layout)
-  made = Rollout(None, layout, mask_BxM, old_BxM, ref_BxM, rewards_BxR, advantages_B, lengths_B, ended_B, entropy,
-                 0.0)
-  return made._replace(batch=_update_batch(run, made, keep_BxM), seconds=time.perf_counter() - t0)
-
-
-def _layout(run: Run, prompts: list[np.ndarray], completions_BxM: np.ndarray, lengths_B: np.ndarray
-            ) -> grpo_batch.Layout:
-  """The update's rows (``train/grpo/batch.py``): packed, or with --no-pack one completion
-  to a row; their length a multiple of cp's 2·cp chunks."""
-  multiple = 2 * run.par.cp
-  if run.data.grpo.pack:
-    return grpo_batch.packed(prompts, completions_BxM, lengths_B, run.model_cfg.seq_len, run.data.rows_unit,
-                             multiple)
-  return grpo_batch.padded(prompts, completions_BxM, lengths_B, multiple)
-
-
-def _score(p: Prompts, picks: list[int], completions_BxM: np.ndarray, lengths_B: np.ndarray, ended_B: np.ndarray,
-           owners_B: np.ndarray) -> np.ndarray:
-  """The rewards [B, R]. Each process decodes and scores the completions it owns, those its
-  devices sampled (``train/run/hosts.py``): the reward functions see this process's strings
-  only. The rewards, numbers, are then gathered, so that every process takes the advantages
-  over whole groups and the whole rollout, wherever a group's completions were sampled."""
-  G = p.grpo.group_size
-  mine = np.flatnonzero(owners_B == jax.process_index())
-  texts = [p.tokenizer.decode(completions_BxM[b, :lengths_B[b] - int(ended_B[b])]) for b in mine]
-  rows = [picks[b // G] for b in mine]
-  rewards_BxR = np.zeros((len(owners_B), len(p.rewards)))
-  rewards_BxR[mine] = grpo_rewards.score(p.rewards, [p.rows[i] for i in rows], [p.texts[i] for i in rows], texts)
-  return hosts.gather_rows(rewards_BxR, owners_B)
-
-
-def _update_batch(run: Run, made: Rollout, keep_BxM: jax.Array | None) -> dict:
-  """The rollout's update batch (``grpo_batch.update_batch``), split over the batch axes;
-  the entropy bonus's coefficient is set for each update (:func:`_updates`)."""
-  with jax.set_mesh(run.mesh):
-    batch = _jitted_update_batch(made.layout, made.old_BxM, made.ref_BxM, jnp.asarray(made.advantages_B),
-                                 jnp.asarray(made.mask_BxM), run.data.objective, jnp.float32(made.mask_BxM.sum()),
-                                 keep_BxM)
-    return jax.device_put(batch, NamedSharding(run.mesh, P(models.BATCH_AXES)))
-
-
-@functools.partial(jax.jit, static_argnames="objective")
-def _jitted_update_batch(layout, old_BxM, ref_BxM, advantages_B, mask_BxM, objective, num_items, keep_BxM):
-  return grpo_batch.update_batch(layout, grpo_objective.per_token_fields(old_BxM, ref_BxM, advantages_B, mask_BxM,
-                                                                         objective, num_items, keep_BxM))
-
-
-def _logps(run: Run, params: Any, layout: grpo_batch.Layout, entropy: bool = False) -> Any:
-  with jax.set_mesh(run.mesh):
-    return _token_logps(run.data.graphdef, params, layout, run.data.grpo.temperature, run.par, entropy)
-
-
-_token_logps = jax.jit(grpo_batch.token_logps, static_argnums=(0, 3, 4, 5))
-
-
-def _logps_and_keep(run: Run, params: Any, layout: grpo_batch.Layout, mask_BxM: np.ndarray
-                    ) -> tuple[jax.Array, jax.Array | None, float | None]:
-  """The completion tokens' log-probabilities under ``params`` [B, M]; with
-  ``--top-entropy-quantile`` < 1 also the high-entropy mask and the mean entropy."""
-  quantile = run.data.grpo.top_entropy_quantile
-  if quantile >= 1:
-    return _logps(run, params, layout), None, None
-  logps_BxM, entropies_BxM = _logps(run, params, layout, entropy=True)
-  keep_BxM = grpo_objective.high_entropy_mask(entropies_BxM, jnp.asarray(mask_BxM), quantile)
-  return logps_BxM, keep_BxM, float(jnp.sum(entropies_BxM * mask_BxM) / max(mask_BxM.sum(), 1))
-
 
 def train(run: Run) -> int:
   """The GRPO steps in ``loop.run_loop`` (its exit codes); a reward's bad output later in
@@ -305,7 +181,7 @@ def _steps(run: Run, progress: loop.Progress, interrupt: Interrupt) -> None:
   try:
     for step in range(run.start_step + 1, grpo.steps + 1):
       progress.step = step
-      made = made if made is not None else rollout(run, progress.state.params, step)
+      made = made if made is not None else rollout_lib.rollout(run, progress.state.params, step)
       t0 = time.perf_counter()
       updates, control = _updates(run, progress, made, control)
       train_s = time.perf_counter() - t0
@@ -329,7 +205,7 @@ def _steps(run: Run, progress: loop.Progress, interrupt: Interrupt) -> None:
       metrics.close()
 
 
-def _updates(run: Run, progress: loop.Progress, made: Rollout, control: grpo_objective.EntropyControl
+def _updates(run: Run, progress: loop.Progress, made: rollout_lib.Rollout, control: grpo_objective.EntropyControl
              ) -> tuple[list[step_lib.StepMetrics], grpo_objective.EntropyControl]:
   """``--updates-per-rollout`` steps on the rollout (each skipped one counted; TRL's
   ``num_iterations``); with the high-entropy mask each after the first takes it from the
@@ -339,8 +215,8 @@ def _updates(run: Run, progress: loop.Progress, made: Rollout, control: grpo_obj
   batch, objective = made.batch, run.data.objective
   for update in range(run.data.grpo.updates_per_rollout):
     if update and "keep" in batch:
-      _, keep_BxM, _ = _logps_and_keep(run, progress.state.params, made.layout, made.mask_BxM)
-      batch = _update_batch(run, made, keep_BxM)
+      _, keep_BxM, _ = rollout_lib.logps_and_keep(run, progress.state.params, made.layout, made.mask_BxM)
+      batch = rollout_lib.update_batch(run, made, keep_BxM)
     with jax.set_mesh(run.mesh):
       if objective.entropy_bonus:
         batch = {**batch, "entropy_bonus": batch["entropy_weights"] * control.applied(objective)}
@@ -363,7 +239,7 @@ def _meta(run: Run, control: grpo_objective.EntropyControl) -> dict:
                               else None}}
 
 
-def _record(run: Run, step: int, made: Rollout, updates: list[step_lib.StepMetrics], train_s: float,
+def _record(run: Run, step: int, made: rollout_lib.Rollout, updates: list[step_lib.StepMetrics], train_s: float,
             control: grpo_objective.EntropyControl) -> dict:
   """Step ``step``'s metrics.jsonl record; the updates' numbers are means over them."""
   rewards, grpo = run.data.rewards, run.data.grpo

@@ -3,7 +3,7 @@ needs from the others.
 
 A global batch's rows are split over the mesh's batch axes: each process computes on the
 rows its devices hold. Work that runs on the host, row by row (GRPO decodes and scores its
-completions there, ``train/grpo/loop.py``), is done once per row, by the row's *owner*: the
+completions there, ``train/grpo/rollout.py``), is done once per row, by the row's *owner*: the
 lowest process holding it (processes that split the model over tp or pp hold the same
 rows). What every process then needs is gathered as numbers, never as Python objects.
 

@@ -1,7 +1,7 @@
 """GRPO's step on paper (``python -m train.plan --grpo``): the rollout's memory and time
 beside the update's, per device.
 
-A GRPO step (``train/grpo/loop.py``) samples ``group`` completions of up to ``completion``
+A GRPO step (``train/grpo/rollout.py``) samples ``group`` completions of up to ``completion``
 tokens for each of ``prompts`` prompts left-padded to ``prompt`` tokens
 (``models/generate.py``), scores them, and runs the trainer's step on the B = prompts·group
 sequences of S = prompt + completion tokens (the update: ``train.run.plan.memory`` with that
