@@ -116,17 +116,21 @@ def setup(grpo: GRPOConfig, cfg: config_lib.Config) -> Run:
   first = rollout_lib.rollout(run, state.params, start_step + 1)
   if jax.process_index() == 0:
     print(f"sampled the first rollout in {first.seconds:.1f} s (step {start_step + 1}'s)", flush=True)
-  # The planner's shape of this update, for a refusal that names what would fit.
-  length = first.batch["inputs"].shape[1]
-  shape = plan_grpo.GRPO(grpo.prompts_per_step, grpo.group_size, max(length - grpo.max_new_tokens, 1),
-                         grpo.max_new_tokens, grpo.beta)
-  compiled = setup_lib.compile_within_memory(train_step, state, first.batch, mesh, model_cfg, cfg, shape)
+  compiled = setup_lib.compile_within_memory(train_step, state, first.batch, mesh, model_cfg, cfg,
+                                             update_shape(grpo, first.batch))
   setup_lib.describe_communication(run, compiled)
   run.data = prompts._replace(first=first)
   if jax.process_index() == 0:
     setup_lib.start_trackers(run)
     setup_lib.open_directory(run)
   return run
+
+
+def update_shape(grpo: GRPOConfig, batch: dict) -> plan_grpo.GRPO:
+  """The planner's shape of GRPO's update on ``batch`` (its rows' length, not the prompts')."""
+  length = batch["inputs"].shape[1]
+  return plan_grpo.GRPO(grpo.prompts_per_step, grpo.group_size, max(length - grpo.max_new_tokens, 1),
+                        grpo.max_new_tokens, grpo.beta)
 
 
 def _starting_policy(grpo: GRPOConfig, cfg: config_lib.Config, par: models.Parallelism,

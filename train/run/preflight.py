@@ -188,9 +188,7 @@ def what_fits(cfg: Config, model_cfg: models.GPTConfig, sizes: dict[str, int], n
   the run's own choice, so the planner's margin over the compiler
   (tests/test_train_run_plan_memory.py) does not hide a fit."""
   def planned(remat: str, offload: bool) -> dict:
-    return planner.plan(model_cfg, sizes, cfg.optimizer, cfg.dion_rank_fraction, global_batch=cfg.global_batch_size,
-                        micro=cfg.micro_batch_size, dtype=model_cfg.dtype, compare=False, remat=remat,
-                        offload_optimizer=offload, loss_chunk=model_cfg.loss_chunk, grpo=grpo)
+    return planner.plan_run(cfg, model_cfg, sizes, grpo, remat=remat, offload_optimizer=offload)
 
   scale = need / planned(model_cfg.remat, cfg.offload_optimizer)["memory"]["device_total"]
   fitting = []

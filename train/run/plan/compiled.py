@@ -13,8 +13,4 @@ def planned(argv: list[str], vocab_size: int = 50257) -> dict:
   """The planner's memory (``train.run.plan.memory.memory``) of the step
   ``train.run.compiled.compile_step`` compiles for the same flags."""
   cfg, model_cfg = configs(argv, vocab_size)
-  return planner.plan(model_cfg, cfg.mesh or f"fs={len(jax.devices())}", cfg.optimizer,
-                      rank_fraction=cfg.dion_rank_fraction, global_batch=cfg.global_batch_size,
-                      micro=cfg.micro_batch_size, dtype=model_cfg.dtype, compare=False, remat=model_cfg.remat,
-                      offload_optimizer=getattr(cfg, "offload_optimizer", False),
-                      loss_chunk=model_cfg.loss_chunk)["memory"]
+  return planner.plan_run(cfg, model_cfg, cfg.mesh or f"fs={len(jax.devices())}")["memory"]

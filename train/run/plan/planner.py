@@ -188,6 +188,16 @@ def plan(model: str | models.GPTConfig = "small", mesh: str | dict = "", optimiz
   return out
 
 
+def plan_run(cfg: Config, model_cfg: models.GPTConfig, mesh: str | dict, grpo: plan_grpo.GRPO | None = None,
+             **choices: Any) -> dict[str, Any]:
+  """The plan of the trainer's run ``cfg`` of ``model_cfg`` (its dtype, recompute policy and
+  loss chunk) on ``mesh``, as compiled (``compare=False``); with ``grpo``, GRPO's update of
+  that shape. ``choices`` (``remat``, ``offload_optimizer``) stand in for the run's own."""
+  return plan(model_cfg, mesh, cfg.optimizer, cfg.dion_rank_fraction, global_batch=cfg.global_batch_size,
+              micro=cfg.micro_batch_size, dtype=model_cfg.dtype, compare=False, loss_chunk=model_cfg.loss_chunk,
+              grpo=grpo, **{"remat": model_cfg.remat, "offload_optimizer": cfg.offload_optimizer, **choices})
+
+
 def _add_update_fields(memory: dict, cfg: models.GPTConfig, sizes: dict[str, int], step: plan_model.Step) -> None:
   """What GRPO's update holds beside train.gpt's step (``train.run.plan.grpo``'s
   ``UPDATE_FIELDS``, ``OBJECTIVE_TERMS``): its batch's per-token fields and its objective's
