@@ -32,6 +32,8 @@ CASES = {
     # The default run's optimizer: Dion at tiny's rank 1, megabatches of 12 and 4 over fs=8 (0.862 without
     # their whole P).
     "fs, none, Dion at its default rank": ("--preset", "tiny", "--mesh", "fs=8", "--optimizer", "dion"),
+    # Q's r split over tp: the state 1/4 of Q, the update the whole Q gathered.
+    "fs x tp, none, Dion, Q split over tp": ("--preset", "tiny", "--mesh", "fs=2,tp=4", *DION, "--dion-split-q"),
     "ep, save_qkv_proj, AdamW": ("--preset", "tiny-moe", "--mesh", "ep=2,fs=2,tp=2", "--optimizer", "adamw",
                                  "--remat", "save_qkv_proj"),
     # Where the layers' backward pass, not the loss, is the step's peak: a 257-token vocabulary,

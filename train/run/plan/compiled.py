@@ -17,4 +17,4 @@ def planned(argv: list[str], vocab_size: int = 50257) -> dict:
                       rank_fraction=cfg.dion_rank_fraction, global_batch=cfg.global_batch_size,
                       micro=cfg.micro_batch_size, dtype=model_cfg.dtype, compare=False, remat=model_cfg.remat,
                       offload_optimizer=getattr(cfg, "offload_optimizer", False),
-                      loss_chunk=model_cfg.loss_chunk)["memory"]
+                      loss_chunk=model_cfg.loss_chunk, split_q=cfg.dion_split_q)["memory"]
