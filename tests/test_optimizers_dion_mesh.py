@@ -13,9 +13,9 @@ from tests import mesh_cases
 from tests.mesh_cases import MESHES, SHAPES, SPECS, jitted_step
 
 
-# Q's r split over the row axes (split_q) where rows are split: tp beside fs, beside rp with
-# the compressed sync, beside pp (stages and a stacked layer axis), and tp alone over 8.
-SPLIT_Q_MESHES = ["fs=4,tp=2", "rp=2,fs=2,tp=2", "fs=2,tp=2,pp=2", "tp=8"]
+# Q's r split over the row axes (split_q) where rows are split: tp beside rp and fs with the
+# compressed sync, beside pp (stages and a stacked layer axis), and tp alone over 8.
+SPLIT_Q_MESHES = ["rp=2,fs=2,tp=2", "fs=2,tp=2,pp=2", "tp=8"]
 
 
 @pytest.mark.parametrize(
@@ -24,8 +24,8 @@ SPLIT_Q_MESHES = ["fs=4,tp=2", "rp=2,fs=2,tp=2", "fs=2,tp=2,pp=2", "tp=8"]
     + [(m, True, True) for m in SPLIT_Q_MESHES],
 )
 def test_sharded_equals_single_device(mesh_spec, replicate_sync, split_q):
-  """Parameters within 1e-5 of one device's after 3 steps (achieved: about 1e-7); with
-  split_q, Q held 1/tp per device and still the single device's at the end."""
+  """Parameters within 1e-5 of one device's after 3 steps (achieved: 6e-8 of their largest);
+  with split_q, Q held 1/tp per device and still the single device's at the end."""
   mesh = dion_jax.make_mesh(mesh_spec)
   rp = dict(mesh.shape)["rp"]
   kw = dict(learning_rate=0.02, rank_fraction=0.25, partition_specs=SPECS, backend="xla")
@@ -60,7 +60,7 @@ def test_sharded_equals_single_device(mesh_spec, replicate_sync, split_q):
     for k in ("qkv", "out", "fc1", "fc2"):
       Q = _dion_state(state_mesh)[1][k]
       assert Q.addressable_shards[0].data.shape[-1] == Q.shape[-1] // tp, k
-      np.testing.assert_allclose(np.asarray(Q), q_one[k], atol=1e-5, err_msg=k)  # achieved: about 1e-7
+      np.testing.assert_allclose(np.asarray(Q), q_one[k], atol=2e-6, err_msg=k)  # achieved: 6e-7 of max |Q|
 
 
 def _dion_state(state):

@@ -229,15 +229,17 @@ def scale_by_dion(
     split_q: on a mesh, store each Q (*batch, cols/C, r) with its r also split over the
       mesh axes that split the matrix's rows (tp, for both the column- and row-parallel
       orientation; any axis of the row's PartitionSpec entry), ZeRO-style: each device of
-      a row group holds (*batch, cols/C, r/R) instead of a replica of the whole, Q's
-      memory divided by R. The step all-gathers Q over those axes first (a transient
+      a row group holds (*batch, cols/C, r/R) instead of a replica of the whole, the
+      state's Q divided by R. The step all-gathers Q over those axes first (a transient
       full (b, cols/C, r) per megabatch, for B Q), runs unchanged, and keeps its own
       r/R columns of the new Q = R / ‖R‖_col, which is the same on every device of the
       row group (R is summed over the rows): one all-gather of Q, cols/C x r per matrix,
       over the row axes per step, nothing else, and the same numbers as without. Where
       the row axes span one device or do not divide r, that parameter keeps the
-      unsplit layout. Off by default: the all-gather is an extra collective on the
-      step's critical path, worth it where Q's memory is what does not fit.
+      unsplit layout. Off by default: the all-gather is one more collective on the
+      step's path, and the update holds every megabatch's whole Q at once (measured on
+      a compiled step), so the split saves memory between steps (the state, what sits
+      beside it, a host copy), not at the update's peak.
   """
   validation.check_static("STATIC_ARGS", rank_fraction=rank_fraction, rank_multiple_of=rank_multiple_of,
                           oversample=oversample, power_iters=power_iters, momentum_dtype=momentum_dtype,

@@ -187,8 +187,9 @@ HELP = {
     "dion_mixed_precision": "keep Dion's momentum and Q in bfloat16 (microsoft/dion's"
                             " mixed_precision: true; default off: the parameter's dtype)",
     "dion_split_q": "split Dion's Q (columns x r) over the mesh axes that split each matrix's rows"
-                    " (tp) as well as its columns, ZeRO-style: Q's memory per device divided by tp,"
-                    " for one all-gather of Q over tp per step (default off: Q replicated over tp)",
+                    " (tp) as well as its columns, ZeRO-style: the state's Q per device divided by tp,"
+                    " for one all-gather of Q over tp per step; the update still holds it whole, so"
+                    " the step's peak does not drop (default off: Q replicated over tp)",
     "dion_replicate_sync": "with rp > 1 keep per-replica momentum and average only Dion's"
                            " low-rank factors over rp (default on)",
     "offload_optimizer": "keep the optimizer state (Dion's, Muon's, AdamW's, ...) in pinned host memory"
