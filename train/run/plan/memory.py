@@ -185,8 +185,8 @@ def memory(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, params: Seq
 def _update(optimizer: str, matrices: int, matrix_state: int) -> int:
   """The update's temporaries beside the state: Dion stacks each geometry's gradients and
   state into megabatches (a float32 copy of both; a megabatch that does not split over
-  P's group also holds every matrix's P, ``optimizer.whole_p_bytes``, and with a split Q
-  the whole Q gathered, ``optimizer.gathered_q_bytes``); Muon and Dion2
+  P's group also holds every matrix's P, ``optimizer.whole_p_bytes``, and a split Q is
+  held whole, gathered and new, ``optimizer.gathered_q_bytes``); Muon and Dion2
   move their blocks in bfloat16 (half the gradients); AdamW works in place."""
   if optimizer == "adamw":
     return 0

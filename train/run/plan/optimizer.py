@@ -32,8 +32,8 @@ their slices' L1 norms and only the selected slices (``_selected``).
 AdamW (and the scalar optimizer of the others) is elementwise on shards: no collective.
 
 State per device: AdamW two float32 copies of the parameter; Dion the momentum and Q
-(b, cols/C, r), or (b, cols/C, r/R) split; Muon and Dion2 the momentum; NorMuon and NorDion2 also a second moment
-per output neuron.
+(b, cols/C, r), or (b, cols/C, r/R) split; Muon and Dion2 the momentum; NorMuon and
+NorDion2 also a second moment per output neuron.
 """
 from __future__ import annotations
 
