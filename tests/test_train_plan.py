@@ -66,9 +66,10 @@ def forward_backward(name, spec, microbatches):
   return _by_axes(planned), _by_axes(dion_jax.collective_stats(compiled, mesh))
 
 
-def update(name, spec, optimizer):
+def update(name, spec, optimizer, split_q=False):
   """``(planned, compiled, planned memory, compiled arguments' bytes)`` of one update of
-  ``optimizer`` (Dion at rank 1/4, or NorMuon) on the mesh ``spec``."""
+  ``optimizer`` (Dion at rank 1/4, its Q split over tp with ``split_q``, or NorMuon) on the
+  mesh ``spec``."""
   cfg = models.preset(name)
   mesh = model_meshes.mesh(spec)
   sizes = dict(mesh.shape)
@@ -76,7 +77,7 @@ def update(name, spec, optimizer):
   _, params = models.init(cfg, par)
   specs = models.param_specs(params)
   if optimizer == "dion":
-    tx = dion_jax.dion(0.01, rank_fraction=0.25, mesh=mesh, partition_specs=specs)
+    tx = dion_jax.dion(0.01, rank_fraction=0.25, mesh=mesh, partition_specs=specs, split_q=split_q)
   else:
     tx = dion_jax.normuon(0.01, mesh=mesh, partition_specs=specs, replicate_sync=False)
   abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)  # noqa: E731
@@ -93,7 +94,7 @@ def update(name, spec, optimizer):
     state = abstract(tx.init(params))
     compiled = jax.jit(lambda g, s, p: tx.update(g, s, p)).lower(grads, state, abstract(params)).compile()
   leaves = plan_model.leaves(cfg)
-  planned, state_bytes = plan_optimizer.update(leaves, sizes, optimizer, rank_fraction=0.25)
+  planned, state_bytes = plan_optimizer.update(leaves, sizes, optimizer, rank_fraction=0.25, split_q=split_q)
   # Arguments: gradients (per device as large as the parameters), state, parameters.
   memory = 2 * plan_model.param_bytes(leaves, sizes) + state_bytes
   return (_by_axes(planned), _by_axes(dion_jax.collective_stats(compiled, mesh)), memory,
@@ -139,13 +140,14 @@ def test_gradient_reductions_of_a_step_with_micro_batches_and_replicas():
   assert abs(planned["fs",] - reduced["fs",]) <= RTOL * reduced["fs",]
 
 
-@pytest.mark.parametrize("name,spec,optimizer", [
-    ("tiny", "rp=2,fs=2,tp=2", "dion"),  # compressed sync: P and R over rp
-    ("tiny-moe", "fs=2,ep=2", "dion"),  # experts: a batch of E/ep matrices per layer
-    ("tiny", "fs=4,tp=2", "normuon"),  # Muon's all-to-alls, and NorMuon's norms
+@pytest.mark.parametrize("name,spec,optimizer,split_q", [
+    ("tiny", "rp=2,fs=2,tp=2", "dion", False),  # compressed sync: P and R over rp
+    ("tiny-moe", "fs=2,ep=2", "dion", False),  # experts: a batch of E/ep matrices per layer
+    ("tiny", "fs=2,tp=4", "dion", True),  # Q 1/tp a device, gathered over tp
+    ("tiny", "fs=4,tp=2", "normuon", False),  # Muon's all-to-alls, and NorMuon's norms
 ])  # AdamW's state: the Dion cases' embeddings, norms and LM head (fs=8 alone: 2e-6, by hand)
-def test_update_bytes_and_state_memory_equal_the_compiled_update(name, spec, optimizer):
-  planned, compiled, memory, arguments = update(name, spec, optimizer)
+def test_update_bytes_and_state_memory_equal_the_compiled_update(name, spec, optimizer, split_q):
+  planned, compiled, memory, arguments = update(name, spec, optimizer, split_q)
   _assert_match(planned, compiled)
   assert abs(memory - arguments) <= RTOL * arguments
 

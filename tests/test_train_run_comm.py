@@ -59,7 +59,7 @@ def _planned(record) -> dict[tuple[str, ...], int]:
   sizes = dion_jax.parse_mesh_spec(train["mesh"])
   plan = plan_lib.plan(models.GPTConfig(**record["model"]), sizes, train["optimizer"],
                        rank_fraction=train["dion_rank_fraction"], global_batch=BATCH, dtype=record["model"]["dtype"],
-                       compare=False)
+                       compare=False, split_q=train["dion_split_q"])
   return {tuple(axes.split(",")): b for axes, b in plan["bytes_by_axes"].items()}
 
 
@@ -69,7 +69,9 @@ def _wire_over_replicas(record) -> int:
 
 MESHES = {"rp": "rp=8", "rp x fs": "rp=4,fs=2", "rp x fs x tp": "rp=2,fs=2,tp=2", "fs x tp": "fs=4,tp=2",
           "cp": "fs=2,cp=2,tp=2", "ep": "ep=2,fs=2,tp=2", "pp beside batch axes": "pp=2,fs=2,tp=2",
-          "pp beside rp": "rp=2,fs=2,pp=2"}
+          "pp beside rp": "rp=2,fs=2,pp=2", "fs x tp, Q split over tp": "fs=4,tp=2"}
+# Kinds set up with more flags than the mesh: Q's all-gather over tp (--dion-split-q).
+FLAGS = {"fs x tp, Q split over tp": ("--dion-split-q",)}
 # Dion on every kind of mesh at rank 1/4 (compressed), and on rp at full rank (the gradient
 # averaged). Muon and Dion2 average their gradients over rp as AdamW does (AdamW's rp and
 # rp x fs cases hold that path); what differs from Dion is their own update's collectives,
@@ -87,7 +89,7 @@ CASES = ([(kind, "dion", 0.25) for kind in MESHES] + [("rp", "dion", 1.0)]
 def setup_record(kind: str, optimizer: str, rank: float = 0.25) -> dict:
   """The record of a case's set-up: every test here reads these (one compile each)."""
   return trainer_step("tiny-moe" if kind == "ep" else "tiny", MESHES[kind], optimizer, rank,
-                      flags=() if kind == "rp" else SHRUNK)
+                      flags=(() if kind == "rp" else SHRUNK) + FLAGS.get(kind, ()))
 
 
 def _assert_plan_matches(kind, optimizer, rank=0.25):

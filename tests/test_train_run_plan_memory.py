@@ -22,6 +22,7 @@ COMMON = ("--global-batch-size", "8", "--vocab-size", "2048")
 LOW, HIGH = 1.0, 1.25
 
 DION = ("--optimizer", "dion", "--dion-rank-fraction", "0.25")  # tiny's default rank 1 is no scale's
+SPLIT_Q = ("--preset", "tiny", "--mesh", "fs=2,tp=4", *DION)  # with and without --dion-split-q
 CASES = {
     # Micro-batches over fs: the embedding and LM head stay gathered through the loop (0.984 uncounted).
     "fs x tp, none, AdamW, chunked loss, micro-batches": ("--preset", "tiny", "--mesh", "fs=4,tp=2", "--optimizer",
@@ -32,6 +33,8 @@ CASES = {
     # The default run's optimizer: Dion at tiny's rank 1, megabatches of 12 and 4 over fs=8 (0.862 without
     # their whole P).
     "fs, none, Dion at its default rank": ("--preset", "tiny", "--mesh", "fs=8", "--optimizer", "dion"),
+    # Q's r split over tp: the state 1/4 of Q, the update the whole Q gathered.
+    "fs x tp, none, Dion, Q split over tp": (*SPLIT_Q, "--dion-split-q"),
     "ep, save_qkv_proj, AdamW": ("--preset", "tiny-moe", "--mesh", "ep=2,fs=2,tp=2", "--optimizer", "adamw",
                                  "--remat", "save_qkv_proj"),
     # Where the layers' backward pass, not the loss, is the step's peak: a 257-token vocabulary,
@@ -87,3 +90,17 @@ def test_named_residuals_are_the_policy_s():
   plan = plan_compiled.planned([*COMMON, "--preset", "tiny", "--mesh", "fs=4"])
   assert plan["residuals_per_layer"]["scores"] == 2 * 4 * 128 * 128 * 4  # [b, N, T, T] float32
   assert "mlp_down" not in plan["residuals_per_layer"]  # the backward pass never reads it
+
+
+def test_split_q_moves_q_from_the_state_into_the_update():
+  """--dion-split-q on tp=4: the compiled step's arguments (the state) drop by 3/4 of Q, as
+  planned to the byte (147,456 bytes), and its temporaries grow by more (the update gathers
+  the whole Q: achieved +163,840); the plan's growth of the whole step covers the compiled
+  step's (planned +72,745 with its packing, compiled +16,384)."""
+  split, plan_split, got_split = ratio((*SPLIT_Q, "--dion-split-q"))
+  _, plan, got = ratio(SPLIT_Q)
+  state_saved = plan["device"]["optimizer_state"] - plan_split["device"]["optimizer_state"]
+  assert state_saved > 0 and got.arguments - got_split.arguments == state_saved
+  assert got_split.temporaries - got.temporaries > state_saved
+  compiled_growth = got_split.device - got.device
+  assert 0 < compiled_growth <= plan_split["device_total"] - plan["device_total"]

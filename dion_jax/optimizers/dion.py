@@ -21,6 +21,14 @@ matrices (stacked parameters and layers) divides the group, the sum is a reduce-
 batch instead, each device orthonormalizes its share, and an all-gather restores P
 (as the reference does): the same bytes on the wire, 1/group of the work.
 
+Q's layout. Q (*batch, cols, r) is split like B's columns and, by default, replicated over
+the axes that split B's rows (tp): on tp=8 each device holds 1/8 of M but all of Q. With
+``split_q`` its r is split over those axes too (ZeRO-style): the step all-gathers it
+(cols/C x r per matrix, over the rows), runs as above, and keeps its own r/R columns of
+the new Q, which every device of the row group computes alike (R is summed over rows).
+Dion2 and NorDion2 keep no Q (only M, and NorDion2 a second moment per neuron, both
+sharded like the parameter): there is nothing of theirs to split.
+
 Data-parallel replicas (``rp``). With ``replicate_sync`` and rp > 1, Dion matrices
 get their gradient per replica (``dion_jax.value_and_grad_per_replica``). Then, per
 matrix:
@@ -51,6 +59,7 @@ from dion_jax.optimizers import dion_math
 from dion_jax.optimizers.frame import MatrixFrame, MatrixView, leaf_views
 from dion_jax.optimizers.routing import matrix_optimizer
 from dion_jax.optimizers.skeleton import MatrixRule, scale_by_matrix_rule
+from dion_jax.parallel import collectives
 from dion_jax.parallel.layout import Layout, Placement
 from dion_jax.parallel.mesh import REPLICA_AXIS, axis_names
 
@@ -64,7 +73,7 @@ from dion_jax.parallel.mesh import REPLICA_AXIS, axis_names
 STATIC_ARGS = (
     "rank_fraction", "rank_multiple_of", "oversample", "power_iters", "cqr_warmup_steps",
     "seed", "lm_head_lr_scale", "labels", "scale_rule", "dimension_numbers",
-    "momentum_dtype", "q_dtype", "mixed_precision", "cautious_wd",
+    "momentum_dtype", "q_dtype", "mixed_precision", "cautious_wd", "split_q",
 )  # fmt: skip
 
 
@@ -77,7 +86,8 @@ class ScaleByDionState(NamedTuple):
       ``momentum_dtype``); with compressed data-parallel sync on a mesh, with a
       leading replica axis (module docstring).
     q: per Dion parameter, Q of shape (*batch, cols, r): (fan_in, r), or (fan_out, r)
-      when fan_out < fan_in, as in the reference.
+      when fan_out < fan_in, as in the reference. On a mesh its cols are split like the
+      matrix's columns and, with ``split_q``, its r over the matrix's row axes.
   """
 
   count: jax.Array
@@ -110,12 +120,24 @@ def _compressed(fr: MatrixFrame, layout: Layout) -> bool:
   return layout.per_replica and fr.compressible
 
 
-def _placement(view: MatrixView, layout: Layout) -> Placement:
-  fr = view.frame
-  spec = layout.check(fr.shape, fr.spec, fr.name)
-  q_spec = P(*(spec[a] for a in fr.batch_axes), spec[fr.col_axis], None)
-  compressed = _compressed(fr, layout)
-  return Placement(P(*spec), (P(*spec), q_spec), (compressed, False), own_gradient=compressed)
+def _q_rank_axes(fr: MatrixFrame, layout: Layout, split_q: bool) -> tuple[str, ...]:
+  """The mesh axes that split Q's r: with ``split_q``, those that split B's rows, where
+  they span more than one device and r divides by their size; else none."""
+  rows = axis_names(fr.spec[fr.row_axis])
+  size = layout.size(rows)
+  return rows if split_q and size > 1 and fr.rank % size == 0 else ()
+
+
+def _placement(split_q: bool):
+  def placement(view: MatrixView, layout: Layout) -> Placement:
+    fr = view.frame
+    spec = layout.check(fr.shape, fr.spec, fr.name)
+    rank_axes = _q_rank_axes(fr, layout, split_q)
+    q_spec = P(*(spec[a] for a in fr.batch_axes), spec[fr.col_axis], spec[fr.row_axis] if rank_axes else None)
+    compressed = _compressed(fr, layout)
+    return Placement(P(*spec), (P(*spec), q_spec), (compressed, False), own_gradient=compressed)
+
+  return placement
 
 
 def _collectives(fr: MatrixFrame, layout: Layout, compressed: bool) -> dion_math.Collectives:
@@ -152,6 +174,7 @@ def scale_by_dion(
     mesh: jax.sharding.Mesh | None = None,
     replicate_sync: bool = True,
     backend: str = "auto",
+    split_q: bool = False,
 ) -> optax.GradientTransformation:
   """Dion's orthonormalized low-rank update direction for matrix parameters.
 
@@ -203,6 +226,20 @@ def scale_by_dion(
       arrive per replica (leading replica axis) and only P and R are averaged
       (compressed sync) where that moves fewer bytes; False: gradients arrive averaged.
     backend: orthonormalization passes: ``"auto"``, ``"xla"`` or ``"pallas"``.
+    split_q: on a mesh, store each Q (*batch, cols/C, r) with its r also split over the
+      mesh axes that split the matrix's rows (tp, for both the column- and row-parallel
+      orientation; any axis of the row's PartitionSpec entry), ZeRO-style: each device of
+      a row group holds (*batch, cols/C, r/R) instead of a replica of the whole, the
+      state's Q divided by R. The step all-gathers Q over those axes first (a transient
+      full (b, cols/C, r) per megabatch, for B Q), runs unchanged, and keeps its own
+      r/R columns of the new Q = R / ‖R‖_col, which is the same on every device of the
+      row group (R is summed over the rows): one all-gather of Q, cols/C x r per matrix,
+      over the row axes per step, nothing else, and the same numbers as without. Where
+      the row axes span one device or do not divide r, that parameter keeps the
+      unsplit layout. Off by default: the all-gather is one more collective on the
+      step's path, and the update holds every megabatch's whole Q at once (measured on
+      a compiled step), so the split saves memory between steps (the state, what sits
+      beside it, a host copy), not at the update's peak.
   """
   validation.check_static("STATIC_ARGS", rank_fraction=rank_fraction, rank_multiple_of=rank_multiple_of,
                           oversample=oversample, power_iters=power_iters, momentum_dtype=momentum_dtype,
@@ -236,17 +273,19 @@ def scale_by_dion(
   def local_step(view, scale, layout, placement):
     fr = view.frame
     axes = dion_math.Collectives() if layout is None else _collectives(fr, layout, placement.own_gradient)
+    rank_axes = () if layout is None else _q_rank_axes(fr, layout, split_q)
 
     def step(g, M, Q, seed, use_cqr):
+      Q = collectives.gather(Q, rank_axes, -1)
       M, Q, U = dion_math.update_batched(fr, M, g, Q, seed, use_cqr, scale, hp, axes)
-      return U, M, Q
+      return U, M, collectives.own_block(Q, rank_axes, -1)
 
     return step
 
   def step_args(count):
     return sketch.mix_seed(seed, count), count > cqr_warmup_steps
 
-  rule = MatrixRule(ScaleByDionState, ("momentum", "q"), views, init_leaf, _placement, local_step, step_args,
+  rule = MatrixRule(ScaleByDionState, ("momentum", "q"), views, init_leaf, _placement(split_q), local_step, step_args,
                     megabatch=True)
   return scale_by_matrix_rule(rule, scale_rule, mesh, replicate_sync)
 
@@ -284,6 +323,7 @@ def dion(
     mesh: jax.sharding.Mesh | None = None,
     replicate_sync: bool = True,
     backend: str = "auto",
+    split_q: bool = False,
 ) -> optax.GradientTransformation:
   """Dion (arXiv 2504.05295) for matrices, AdamW or Lion for everything else.
 
@@ -292,8 +332,8 @@ def dion(
       further multiplied by its shape scale (``scale_rule``).
     rank_fraction, rank_multiple_of, mu, epsilon, qr_method, cqr_warmup_steps,
       oversample, power_iters, scale_rule, momentum_dtype, q_dtype, mixed_precision,
-      power_precision, qr_precision, seed, dimension_numbers, partition_specs, mesh, replicate_sync, backend: see
-      :func:`scale_by_dion`.
+      power_precision, qr_precision, seed, dimension_numbers, partition_specs, mesh, replicate_sync, backend,
+      split_q: see :func:`scale_by_dion`.
     weight_decay: decoupled weight decay, multiplied by the base learning rate, for
       Dion and (unless ``scalar_weight_decay`` is given) the scalar optimizer.
     scalar_weight_decay: the scalar optimizer's weight decay, for embeddings, LM head
@@ -320,7 +360,7 @@ def dion(
       momentum_dtype=momentum_dtype, q_dtype=q_dtype, mixed_precision=mixed_precision,
       power_precision=power_precision, qr_precision=qr_precision, seed=seed,
       dimension_numbers=dimension_numbers, partition_specs=partition_specs,
-      mesh=mesh, replicate_sync=replicate_sync, backend=backend,
+      mesh=mesh, replicate_sync=replicate_sync, backend=backend, split_q=split_q,
   )  # fmt: skip
   return matrix_optimizer(
       matrix, learning_rate, weight_decay=weight_decay, scalar_weight_decay=scalar_weight_decay,

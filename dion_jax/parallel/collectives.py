@@ -35,6 +35,23 @@ def axis_index(axes: Axes) -> jax.Array:
   return jax.lax.axis_index(names(axes)).astype(jnp.uint32) if names(axes) else jnp.uint32(0)
 
 
+def gather(x: jax.Array, axes: Axes, axis: int) -> jax.Array:
+  """``x``'s blocks along ``axis`` from every device of ``axes``, joined in their order
+  (a tiled all-gather); ``x`` itself when there are none. :func:`own_block` undoes it."""
+  if not names(axes):
+    return x
+  return jax.lax.all_gather(x, names(axes), axis=axis % x.ndim, tiled=True, to="invarying")
+
+
+def own_block(x: jax.Array, axes: Axes, axis: int) -> jax.Array:
+  """This device's block of ``x`` along ``axis`` split over ``axes`` (the block
+  :func:`gather` takes from it): local, no communication; ``x`` itself when there are none."""
+  if not names(axes):
+    return x
+  size = x.shape[axis] // axis_size(axes)
+  return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(names(axes)) * size, size, axis)
+
+
 def sum_then_mean(x: jax.Array, sum_axes: Axes, mean_axes: Axes) -> jax.Array:
   """``pmean(psum(x, sum_axes), mean_axes)``, the mean over ``mean_axes`` taken on a
   1/|sum_axes| part of the sum (a hierarchical all-reduce).
@@ -69,7 +86,7 @@ def scatter_sum_then_mean(x: jax.Array, sum_axes: Axes, mean_axes: Axes) -> jax.
 def gather_back(x: jax.Array, sum_axes: Axes, mean_axes: Axes) -> jax.Array:
   """The whole of what :func:`scatter_sum_then_mean` split, on every device."""
   for axes in reversed(_levels(sum_axes, mean_axes)):
-    x = jax.lax.all_gather(x, axes, axis=0, tiled=True, to="invarying")
+    x = gather(x, axes, 0)
   return x
 
 

@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--rank-fraction", type=float, default=None,
                       help="Dion's rank fraction (default: python -m train.gpt's for the model's width,"
                            + ", ".join(f" {f:g} from {w}" for w, f in RANK_BY_WIDTH) + ")")
+  parser.add_argument("--dion-split-q", action="store_true",
+                      help="Dion's Q split over the row axes (tp) too, an all-gather of it per step"
+                           " (python -m train.gpt --dion-split-q; with --sweep: always, where without"
+                           " it the sweep tries both)")
   parser.add_argument("--fraction", type=float, default=0.25,
                       help="Dion2/NorDion2's selected fraction (default 0.25, as python -m train.gpt)")
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
@@ -121,10 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("--sweep needs --global-batch-size (it fixes the work every mesh splits)")
       if args.remat is not None or args.offload_optimizer:
         kwargs |= {"policies": [args.remat or "none"], "offloads": [args.offload_optimizer]}
-      result: Any = sweep(args.model, args.devices, **kwargs)
+      result: Any = sweep(args.model, args.devices, splits=[True] if args.dion_split_q else None, **kwargs)
     else:
       result = plan(args.model, args.mesh, remat=args.remat or "none", offload_optimizer=args.offload_optimizer,
-                    **kwargs)
+                    split_q=args.dion_split_q, **kwargs)
   except (ValueError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)
     return cli.EXIT_USAGE

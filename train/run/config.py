@@ -26,8 +26,8 @@ from train.store import hub, rundir, tracking
 _ORTHOGONAL_FLAGS = ("dion_scale_rule", "dion_scalar_optimizer", "ortho_dtype")
 OPTIMIZER_FLAGS = {
     "dion": ("dion_rank_fraction", "dion_momentum", "dion_qr_method", "dion_power_precision", "dion_qr_precision",
-             "dion_scale_rule", "dion_scalar_optimizer", "dion_replicate_sync", "grad_norm",
-             "grad_norm_sketch_size"),
+             "dion_scale_rule", "dion_scalar_optimizer", "dion_replicate_sync", "dion_split_q",
+             "grad_norm", "grad_norm_sketch_size"),
     **dict.fromkeys(("dion2", "nordion2", "normuon", "muon"), _ORTHOGONAL_FLAGS),
     "adamw": (), "lion": (),
 }
@@ -95,6 +95,7 @@ class Config:
   dion_scalar_optimizer: str = "adamw"
   dion_replicate_sync: bool = True
   dion_mixed_precision: bool = False
+  dion_split_q: bool = False
   ortho_dtype: str = "bfloat16"
   offload_optimizer: bool = False
   # batch and steps

@@ -186,6 +186,10 @@ HELP = {
                    " bfloat16, as the reference; float32 replays exactly on every mesh)",
     "dion_mixed_precision": "keep Dion's momentum and Q in bfloat16 (microsoft/dion's"
                             " mixed_precision: true; default off: the parameter's dtype)",
+    "dion_split_q": "split Dion's Q (columns x r) over the mesh axes that split each matrix's rows"
+                    " (tp) as well as its columns, ZeRO-style: the state's Q per device divided by tp,"
+                    " for one all-gather of Q over tp per step; the update still holds it whole, so"
+                    " the step's peak does not drop (default off: Q replicated over tp)",
     "dion_replicate_sync": "with rp > 1 keep per-replica momentum and average only Dion's"
                            " low-rank factors over rp (default on)",
     "offload_optimizer": "keep the optimizer state (Dion's, Muon's, AdamW's, ...) in pinned host memory"
@@ -263,7 +267,7 @@ GRPO_HELP = {
     "seed": "seed of the prompts' order and the sampler (default 0)",
     "resume": "continue the run in --run-dir from its latest checkpoint (or --step) with the flags"
               " saved in its config.json; only --steps, --save-every, --keep, --mesh,"
-              " --micro-batch-size, --max-skipped, --remat and --offload-optimizer may change",
+              " --micro-batch-size, --max-skipped, --remat, --offload-optimizer and --dion-split-q may change",
     "prompts_per_step": "prompts of each rollout, in a seeded order, epoch after epoch (default 8)",
     "group_size": "completions of each prompt, G >= 2 (default 8; TRL's num_generations)",
     "max_new_tokens": "most tokens of a completion (default 64; TRL's max_completion_length)",

@@ -110,4 +110,5 @@ def optimizer(cfg: Config, params: Any, mesh: jax.sharding.Mesh, specs: Any) -> 
       partition_specs=specs,
       replicate_sync=cfg.dion_replicate_sync,
       mixed_precision=cfg.dion_mixed_precision,
+      split_q=cfg.dion_split_q,
   )

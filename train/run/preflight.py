@@ -6,6 +6,7 @@ Each check raises ``UsageError`` with one line that names the problem and the fi
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import sys
 from collections.abc import Iterator
@@ -181,26 +182,27 @@ class Fit(NamedTuple):
 
 def what_fits(cfg: Config, model_cfg: models.GPTConfig, sizes: dict[str, int], need: int, limit: int,
               grpo: plan_grpo.GRPO | None = None) -> Fit | None:
-  """The planner's fastest recompute policy and optimizer offload whose step fits ``limit``
-  bytes per device on this mesh, as flags (None: none fits); with ``grpo`` the step is GRPO's
+  """The planner's fastest recompute policy, optimizer offload and (Dion on tp > 1) split of
+  Q over tp whose step fits ``limit`` bytes per device on this mesh, as flags (None: none
+  fits); with ``grpo`` the step is GRPO's
   update (the planner's, beside the reference policy where beta > 0). The compiled step
   needs ``need`` bytes: each choice's planned memory is scaled by ``need`` over the plan of
   the run's own choice, so the planner's margin over the compiler
   (tests/test_train_run_plan_memory.py) does not hide a fit."""
-  def planned(remat: str, offload: bool) -> dict:
-    return planner.plan_run(cfg, model_cfg, sizes, grpo, remat=remat, offload_optimizer=offload)
+  def planned(remat: str, offload: bool, split_q: bool) -> dict:
+    return planner.plan_run(cfg, model_cfg, sizes, grpo, remat=remat, offload_optimizer=offload, split_q=split_q)
 
-  scale = need / planned(model_cfg.remat, cfg.offload_optimizer)["memory"]["device_total"]
+  scale = need / planned(model_cfg.remat, cfg.offload_optimizer, cfg.dion_split_q)["memory"]["device_total"]
+  splits = {cfg.dion_split_q, cfg.optimizer == "dion" and sizes["tp"] > 1}
   fitting = []
-  for remat in planner.remat_policies():
-    for offload in (False, True):
-      p = planned(remat, offload)
-      if p["memory"]["device_total"] * scale <= limit:
-        fitting.append((p["time"]["step"], remat, offload, p["memory"]["device_total"] * scale))
+  for remat, offload, split_q in itertools.product(planner.remat_policies(), (False, True), sorted(splits)):
+    p = planned(remat, offload, split_q)
+    if p["memory"]["device_total"] * scale <= limit:
+      fitting.append((p["time"]["step"], remat, offload, split_q, p["memory"]["device_total"] * scale))
   if not fitting:
     return None
-  _, remat, offload, estimate = min(fitting)
-  return Fit(" ".join([f"--remat {remat}"] + ["--offload-optimizer"] * offload), estimate)
+  _, remat, offload, split_q, estimate = min(fitting)
+  return Fit(" ".join([f"--remat {remat}"] + ["--offload-optimizer"] * offload + ["--dion-split-q"] * split_q), estimate)
 
 
 def _kept_schedule(cfg: Config, saved_train: dict) -> bool:

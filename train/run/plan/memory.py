@@ -108,11 +108,11 @@ def _layer_kernels(params: Sequence[Leaf], sizes: dict[str, int]) -> int:
 
 def memory(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, params: Sequence[Leaf], state_bytes: int,
            policy: str = "none", offload_optimizer: bool = False, loss_chunk: int = 0, optimizer: str = "adamw",
-           rank_fraction: float = 0.25) -> dict:
+           rank_fraction: float = 0.25, split_q: bool = False) -> dict:
   """The step's memory per device (module docstring): ``{"device": {part: bytes},
   "host": {part: bytes}, "device_total", "host_total", "residuals": {name: bytes per
   layer}}``; ``loss_chunk`` tokens per chunk of the loss (0: unchunked); ``rank_fraction``
-  Dion's."""
+  and ``split_q`` Dion's."""
   kept = placements(policy, math.prod(sizes.values()))
   per_layer = layer_tensors(cfg, sizes, step.micro)
   layers = cfg.num_layers // sizes["pp"]
@@ -167,6 +167,7 @@ def memory(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, params: Seq
       "residuals": residuals["device"] + int(copied),
       "update": _update(optimizer, matrices, state_bytes - 2 * (p_bytes - matrices))
                 + (plan_optimizer.whole_p_bytes(params, sizes, rank_fraction, per_replica=True)
+                   + plan_optimizer.gathered_q_bytes(params, sizes, rank_fraction, split_q)
                    if optimizer == "dion" else 0),
       # A pipeline's loop state: every micro-batch's embedded input and stage output, and
       # their cotangents, float32 [b, T/cp, d] each.
@@ -184,7 +185,8 @@ def memory(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, params: Seq
 def _update(optimizer: str, matrices: int, matrix_state: int) -> int:
   """The update's temporaries beside the state: Dion stacks each geometry's gradients and
   state into megabatches (a float32 copy of both; a megabatch that does not split over
-  P's group also holds every matrix's P, ``optimizer.whole_p_bytes``); Muon and Dion2
+  P's group also holds every matrix's P, ``optimizer.whole_p_bytes``, and a split Q is
+  held whole, gathered and new, ``optimizer.gathered_q_bytes``); Muon and Dion2
   move their blocks in bfloat16 (half the gradients); AdamW works in place."""
   if optimizer == "adamw":
     return 0

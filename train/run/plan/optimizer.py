@@ -18,6 +18,10 @@ sync adds rp, ``dion_jax.optimizers.dion``):
     ‖R‖_col     (b, 1, r) summed over C;  an int32 (b,) guard (all zero, not finite) over
                 R, C (+rp)
 
+With ``split_q`` (``--dion-split-q``) Q's r is split over R where R > 1 divides it: Q
+(b, cols/C, r) is all-gathered over R before B Q (its float32 bytes, the whole Q), and
+each device keeps its r/R columns of the new one.
+
 Without compression on rp > 1 the matrix's gradient is averaged over rp first.
 
 Muon and NorMuon (``dion_jax.parallel.megabatch``): each megabatch, padded to a multiple
@@ -28,8 +32,8 @@ their slices' L1 norms and only the selected slices (``_selected``).
 AdamW (and the scalar optimizer of the others) is elementwise on shards: no collective.
 
 State per device: AdamW two float32 copies of the parameter; Dion the momentum and Q
-(b, cols/C, r); Muon and Dion2 the momentum; NorMuon and NorDion2 also a second moment
-per output neuron.
+(b, cols/C, r), or (b, cols/C, r/R) split; Muon and Dion2 the momentum; NorMuon and
+NorDion2 also a second moment per output neuron.
 """
 from __future__ import annotations
 
@@ -43,13 +47,30 @@ from train.run.plan.model import Collective, Leaf, group, live, local_bytes, loc
 OPTIMIZERS = ("dion", "dion2", "nordion2", "muon", "normuon", "adamw")
 
 
-def _dion(leaf: Leaf, sizes: dict[str, int], rank_fraction: float, per_replica: bool, stacked: int):
+def _q_split(leaf: Leaf, sizes: dict[str, int], rank_fraction: float, split_q: bool) -> int:
+  """The devices Q's r is split over: with ``split_q`` the row group, where it is more than
+  one device and divides r (``dion_jax.optimizers.dion``); else 1."""
+  fr = matrix_frame(leaf.shape, DionDimensionNumbers(), rank_fraction, 1, leaf.spec, leaf.name)
+  rows = group(sizes, live(sizes, [leaf.spec[fr.row_axis]]))
+  return rows if split_q and fr.rank % rows == 0 else 1
+
+
+def _q_bytes(leaf: Leaf, sizes: dict[str, int], rank_fraction: float, stacked: int) -> int:
+  """One megabatch's whole Q on a device, (b, cols/C, r) float32."""
+  fr = matrix_frame(leaf.shape, DionDimensionNumbers(), rank_fraction, 1, leaf.spec, leaf.name)
+  shape = local_shape(leaf, sizes)
+  return stacked * math.prod(shape[a] for a in fr.batch_axes) * shape[fr.col_axis] * fr.rank * 4
+
+
+def _dion(leaf: Leaf, sizes: dict[str, int], rank_fraction: float, per_replica: bool, stacked: int,
+          split_q: bool = False):
   """One megabatch: ``stacked`` parameters of ``leaf``'s geometry."""
   fr = matrix_frame(leaf.shape, DionDimensionNumbers(), rank_fraction, 1, leaf.spec, leaf.name)
   rows_ax, cols_ax = live(sizes, [leaf.spec[fr.row_axis]]), live(sizes, [leaf.spec[fr.col_axis]])
   shape = local_shape(leaf, sizes)
   b = stacked * math.prod(shape[a] for a in fr.batch_axes)
-  rows, cols, r = shape[fr.row_axis], shape[fr.col_axis], fr.rank
+  rows, r = shape[fr.row_axis], fr.rank
+  q_bytes, q_split = _q_bytes(leaf, sizes, rank_fraction, stacked), _q_split(leaf, sizes, rank_fraction, split_q)
   compressed = per_replica and sizes["rp"] > 1 and fr.compressible
   replica = ("rp",) if compressed else ()
   out = []
@@ -71,6 +92,8 @@ def _dion(leaf: Leaf, sizes: dict[str, int], rank_fraction: float, per_replica: 
 
   if per_replica and sizes["rp"] > 1 and not compressed:
     add("replica gradient mean", "all-reduce", ["rp"], stacked * local_bytes(leaf, sizes))
+  if q_split > 1:
+    add("dion Q", "all-gather", rows_ax, q_bytes)
   p_group = live(sizes, cols_ax + replica)
   p_bytes = b * rows * r * 4
   spread = p_group and b % group(sizes, p_group) == 0
@@ -87,10 +110,10 @@ def _dion(leaf: Leaf, sizes: dict[str, int], rank_fraction: float, per_replica: 
     add("dion orthonormalization", "all-gather", rows_ax, matrices * fr.rows * r * 4)
   else:
     add("dion orthonormalization", "all-reduce", rows_ax, matrices * (sketch_size(r, 1.25) + r) * r * 4)
-  mean_of_sum("dion R", rows_ax, replica, b * cols * r * 4)
+  mean_of_sum("dion R", rows_ax, replica, q_bytes)
   add("dion column norms", "all-reduce", cols_ax, b * r * 4)
   add("dion column norms", "all-reduce", rows_ax + cols_ax + replica, b * 4)  # the guard
-  state = stacked * local_bytes(leaf, sizes) + b * cols * r * 4
+  state = stacked * local_bytes(leaf, sizes) + q_bytes // q_split
   return out, state
 
 
@@ -157,11 +180,11 @@ def _state(leaf: Leaf, sizes: dict[str, int], optimizer: str, stacked: int) -> i
 
 def update(params: Sequence[Leaf], sizes: dict[str, int], optimizer: str, rank_fraction: float = 0.25,
            fraction: float = 0.25, per_replica: bool = True, selection_scope: str = "global",
-           ) -> tuple[list[Collective], int]:
+           split_q: bool = False) -> tuple[list[Collective], int]:
   """``(collectives, optimizer-state bytes)`` of one update, per device.
 
-  ``rank_fraction`` is Dion's; ``fraction`` and ``selection_scope`` Dion2's and NorDion2's
-  (the trainer's: "global"); ``per_replica``: Dion's compressed sync over rp
+  ``rank_fraction`` and ``split_q`` are Dion's; ``fraction`` and ``selection_scope`` Dion2's
+  and NorDion2's (the trainer's: "global"); ``per_replica``: Dion's compressed sync over rp
   (``replicate_sync``, the default of ``dion_jax.dion``).
   """
   if optimizer not in OPTIMIZERS:
@@ -170,7 +193,7 @@ def update(params: Sequence[Leaf], sizes: dict[str, int], optimizer: str, rank_f
   state = sum(2 * local_bytes(leaf, sizes) for leaf in params if optimizer == "adamw" or leaf.label != "dion")
   for same in _megabatches(params, optimizer):
     if optimizer == "dion":
-      c, s = _dion(same[0], sizes, rank_fraction, per_replica, len(same))
+      c, s = _dion(same[0], sizes, rank_fraction, per_replica, len(same), split_q)
     elif optimizer in ("dion2", "nordion2"):
       c, s = _selected(same[0], sizes, optimizer, fraction, selection_scope, len(same))
     else:
@@ -234,3 +257,19 @@ def whole_p_bytes(params: Sequence[Leaf], sizes: dict[str, int], rank_fraction: 
       total += b * shape[fr.row_axis] * fr.rank * 4  # the P that :func:`_dion`'s all-reduce sums
   return total
 
+
+
+def gathered_q_bytes(params: Sequence[Leaf], sizes: dict[str, int], rank_fraction: float, split_q: bool) -> int:
+  """With ``split_q``, what the update holds of every split Q beyond the r/R columns its
+  copy of the state counts: the whole Q gathered, and the new one whole before its slice.
+  The update then holds one whole Q more than the unsplit layout's, so the split saves
+  memory between steps, not at the update's peak (measured, the trainer's compiled step,
+  tiny at rank 1 and 1/2 on fs=4,tp=2 and fs=2,tp=4: the temporaries grow by 5/6 of Q,
+  the arguments drop by (R - 1)/R of it)."""
+  total = 0
+  for same in _megabatches(params, "dion"):
+    split = _q_split(same[0], sizes, rank_fraction, split_q)
+    if split > 1:
+      q = _q_bytes(same[0], sizes, rank_fraction, len(same))
+      total += 2 * q - q // split
+  return total
