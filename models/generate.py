@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -175,31 +175,77 @@ def generate(graphdef: Any, params: Any, prompts_BxP: jax.Array, lengths_B: jax.
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling", "pad_id"))
 def _generate(graphdef: Any, params: Any, prompts_BxP: jax.Array, lengths_B: jax.Array, key: jax.Array,
               eos_id: jax.Array, *, max_new_tokens: int, sampling: Sampling, pad_id: int) -> Completions:
+  state = _prefill(graphdef, params, prompts_BxP, lengths_B, max_new_tokens, pad_id)
+  return _decode(graphdef, params, state, key, eos_id, jnp.int32(max_new_tokens), sampling, pad_id).out
+
+
+class _State(NamedTuple):
+  """The decoding loop's carry: ``t`` tokens written of ``out``, the next token's logits,
+  the cache, the sequences done, and each one's padding slots."""
+  t: jax.Array
+  out: Completions
+  logits_BxV: jax.Array
+  cache: tuple[jax.Array, jax.Array]
+  done_B: jax.Array
+  pad_B: jax.Array
+
+
+def _prefill(graphdef: Any, params: Any, prompts_BxP: jax.Array, lengths_B: jax.Array, max_new_tokens: int,
+             pad_id: int) -> _State:
+  """The prompts run once into a cache of P + ``max_new_tokens`` slots; nothing written yet."""
   cfg = nnx.merge(graphdef, params).cfg
   B, P = prompts_BxP.shape
   M = max_new_tokens
   pad_B = (P - lengths_B).astype(jnp.int32)
-  logits_BxV, cache = forward(graphdef, params, prompts_BxP, pad_B, jnp.int32(0),
-                              init_cache(cfg, B, P + M))
+  logits_BxV, cache = forward(graphdef, params, prompts_BxP, pad_B, jnp.int32(0), init_cache(cfg, B, P + M))
+  out = Completions(jnp.full((B, M), pad_id, jnp.int32), jnp.zeros((B, M), jnp.float32), jnp.zeros(B, jnp.int32))
+  return _State(jnp.int32(0), out, logits_BxV, cache, jnp.zeros(B, bool), pad_B)
 
-  def body(state):
-    t, out, logits_BxV, cache, done_B = state
-    token_B, logprob_B = _choose(logits_BxV, jax.random.fold_in(key, t), sampling, cfg.vocab_size)
+
+def _decode(graphdef: Any, params: Any, state: _State, key: jax.Array, eos_id: jax.Array, stop: jax.Array,
+            sampling: Sampling, pad_id: int) -> _State:
+  """Tokens ``state.t`` to ``stop`` (fewer where every sequence has ended): each step
+  samples a token from the last logits (keyed by its position t), stores it and runs the
+  model on it."""
+  vocab_size = nnx.merge(graphdef, params).cfg.vocab_size
+  P = state.cache[0].shape[-3] - state.out.tokens_BxM.shape[1]
+
+  def body(state: _State) -> _State:
+    t, out, logits_BxV, cache, done_B, pad_B = state
+    token_B, logprob_B = _choose(logits_BxV, jax.random.fold_in(key, t), sampling, vocab_size)
     token_B = jnp.where(done_B, pad_id, token_B)
     out = Completions(out.tokens_BxM.at[:, t].set(token_B),
                       out.logprobs_BxM.at[:, t].set(jnp.where(done_B, 0.0, logprob_B)),
                       out.lengths_B + (~done_B).astype(jnp.int32))
     done_B = done_B | (token_B == eos_id)  # eos_id -1: never
     logits_BxV, cache = forward(graphdef, params, token_B[:, None], pad_B, P + t, cache)
-    return t + 1, out, logits_BxV, cache, done_B
+    return _State(t + 1, out, logits_BxV, cache, done_B, pad_B)
 
-  def running(state):
-    t, *_, done_B = state
-    return (t < M) & ~jnp.all(done_B)
+  return jax.lax.while_loop(lambda state: (state.t < stop) & ~jnp.all(state.done_B), body, state)
 
-  out = Completions(jnp.full((B, M), pad_id, jnp.int32), jnp.zeros((B, M), jnp.float32), jnp.zeros(B, jnp.int32))
-  state = (jnp.int32(0), out, logits_BxV, cache, jnp.zeros(B, bool))
-  return jax.lax.while_loop(running, body, state)[1]
+
+_prefill_jit = jax.jit(_prefill, static_argnames=("graphdef", "max_new_tokens", "pad_id"))
+_decode_jit = jax.jit(_decode, static_argnames=("graphdef", "sampling", "pad_id"), donate_argnames="state")
+
+
+def stream(graphdef: Any, params: Any, prompt_P: np.ndarray, max_new_tokens: int, sampling: Sampling = Sampling(),
+           seed: int = 0, eos_id: int | None = None, chunk: int = 16) -> Iterator[np.ndarray]:
+  """:func:`complete`'s tokens for one prompt (int [P], P >= 1), ``chunk`` at a time as
+  they are written (int32 [<= chunk] each, up to and with ``eos_id``), so that a caller can
+  show them and a Ctrl-C stops within a chunk: the same prefill and steps, each token keyed
+  by its position as there, run ``chunk`` steps per call."""
+  prompts_BxP, lengths_B = left_pad([prompt_P], bucket(len(prompt_P)))
+  state = _prefill_jit(graphdef, params, prompts_BxP, lengths_B, max_new_tokens=max_new_tokens, pad_id=0)
+  key, eos = jax.random.key(seed), jnp.int32(-1 if eos_id is None else eos_id)
+  written = 0
+  while written < max_new_tokens:
+    state = _decode_jit(graphdef, params, state, key, eos, jnp.int32(min(written + chunk, max_new_tokens)),
+                        sampling, 0)
+    end = int(state.out.lengths_B[0])
+    yield np.asarray(state.out.tokens_BxM[0, written:end])
+    if end < min(written + chunk, max_new_tokens):  # the sequence ended (eos)
+      return
+    written = end
 
 
 def bucket(length: int, smallest: int = 16) -> int:

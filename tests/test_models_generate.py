@@ -171,6 +171,24 @@ def test_generated_first_tokens_follow_the_models_softmax():
   np.testing.assert_array_equal(np.asarray(again.tokens_BxM), np.asarray(out.tokens_BxM))
 
 
+@pytest.mark.parametrize("eos", [None, "the 5th token"])
+def test_streamed_chunks_are_the_completions_tokens(eos):
+  """``stream`` (train.sample's path, a few steps per call) writes ``complete``'s tokens
+  (one loop over all of them): the same sampled tokens (top-k, top-p), chunk by chunk,
+  whatever the chunk; with an eos, up to and with it, then nothing more."""
+  cfg = models.preset("tiny", num_layers=2, d_model=64, num_heads=4, seq_len=32)
+  graphdef, params = models.init(cfg, seed=4)
+  params, prompt = _layered(params), _prompts(cfg.vocab_size)[1]
+  sampling = generate.Sampling(0.9, 20, 0.95)
+  whole = np.asarray(generate.complete(graphdef, params, [prompt], 20, sampling, seed=5).tokens_BxM[0])
+  eos_id = None if eos is None else int(whole[4])
+  stop = 20 if eos is None else list(whole).index(eos_id) + 1
+  for chunk in (3, 20):
+    chunks = list(generate.stream(graphdef, params, prompt, 20, sampling, seed=5, eos_id=eos_id, chunk=chunk))
+    assert all(len(c) <= chunk for c in chunks)
+    np.testing.assert_array_equal(np.concatenate(chunks), whole[:stop])
+
+
 def test_sharded_rollout_writes_the_single_device_tokens():
   """Parameters initialized on fs=2,pp=2,tp=2 (8 devices), gathered once for the rollout
   (blocks in layer order, still split over tp): the same sampled tokens (top-k, top-p) as

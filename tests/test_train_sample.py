@@ -14,6 +14,7 @@ import pytest
 
 import data
 import models
+from data import hf_tokenizer
 from tests.test_models_gpt import PUBLISHED_NORM_EPS, PUBLISHED_ROPE_BASE
 from train import eval as eval_lib
 from train import gpt, sample
@@ -160,6 +161,17 @@ def test_each_repeated_prompt_is_continued(run_dir, restored, capsys):
   want = [data.decode(np.concatenate([p, sample.generate(restored, p, 6)]))
           for p in (data.encode("def "), data.encode("import"))]
   assert out == f"[prompt 1/2]\n{want[0]}\n[prompt 2/2]\n{want[1]}\n"
+
+
+def test_text_is_printed_as_it_comes_without_half_characters(capsys):
+  """"é" is two bytes (two tokens): printed once both have come, never as U+FFFD between."""
+  shown = sample._Shown(hf_tokenizer.ByteTokenizer(), data.encode("ab"))
+  for token in data.encode("é!"):
+    shown.add(np.asarray([token], np.int32))
+    printed = capsys.readouterr().out
+    assert "\ufffd" not in printed
+  shown.end()
+  assert shown.printed == "abé!" and capsys.readouterr().out == "\n"
 
 
 def test_step_flag_restores_that_checkpoint(run_dir, restored):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -56,19 +56,23 @@ def logits(graphdef: Any, params: Any, tokens_BxT: jax.Array) -> jax.Array:
   return model.logits(x_BxTxD, par)
 
 
-def generate(model: restore_lib.Restored, prompt_P: np.ndarray, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int | None = None, seed: int = 0, eod: int = data.EOD, top_p: float = 1.0,
-             eos_id: int | None = None) -> np.ndarray:
-  """The ``max_new_tokens`` tokens that follow ``prompt_P`` (int [P]; its last ``seq_len``
-  tokens), int32 [max_new_tokens], written by ``models.generate`` with its key/value cache;
-  an empty prompt starts from the end-of-document token ``eod``. With ``eos_id`` the
-  tokens after the first ``eos_id`` are 0."""
+def continuation(model: restore_lib.Restored, prompt_P: np.ndarray, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int | None = None, seed: int = 0, eod: int = data.EOD, top_p: float = 1.0,
+                 eos_id: int | None = None) -> Iterator[np.ndarray]:
+  """The tokens that follow ``prompt_P`` (int [P]; its last ``seq_len`` tokens), written by
+  ``models.generate.stream`` with its key/value cache, int32 chunks as they come:
+  ``max_new_tokens`` in all, or up to and with the first ``eos_id``. An empty prompt
+  starts from the end-of-document token ``eod``."""
   prompt_P = np.asarray(prompt_P, np.int32)[-model.cfg.seq_len:]
   if not len(prompt_P):
     prompt_P = np.asarray([eod], np.int32)
   sampling = model_generate.Sampling(float(temperature), top_k, float(top_p))
-  out = model_generate.complete(model.graphdef, model.params, [prompt_P], max_new_tokens, sampling, seed, eos_id)
-  return np.asarray(out.tokens_BxM[0])
+  return model_generate.stream(model.graphdef, model.params, prompt_P, max_new_tokens, sampling, seed, eos_id)
+
+
+def generate(model: restore_lib.Restored, prompt_P: np.ndarray, max_new_tokens: int, **kwargs) -> np.ndarray:
+  """:func:`continuation`'s tokens, all of them: int32 [<= max_new_tokens]."""
+  return np.concatenate([np.zeros(0, np.int32), *continuation(model, prompt_P, max_new_tokens, **kwargs)])
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -163,14 +167,35 @@ def _write(args: argparse.Namespace, model: restore_lib.Restored, tokenizer, pro
 
 
 def _continue(args: argparse.Namespace, model: restore_lib.Restored, tokenizer, prompt_P: np.ndarray) -> None:
-  """Prints what the model writes after the prompt's tokens (only the reply with ``--chat``)."""
-  new = generate(model, prompt_P, args.max_new_tokens, args.temperature, args.top_k, args.seed,
-                 tokenizer.eod, args.top_p, eos_id=tokenizer.eod if args.chat else None)
-  if args.chat:
-    ends = np.flatnonzero(new == tokenizer.eod)
-    print(tokenizer.decode(new[:ends[0] if len(ends) else len(new)]))
-  else:
-    print(tokenizer.decode(np.concatenate([prompt_P.astype(np.int32), new])))
+  """Prints what the model writes after the prompt's tokens as it writes them (with
+  ``--chat`` only the reply, up to its end-of-sequence token)."""
+  shown = _Shown(tokenizer, np.zeros(0, np.int32) if args.chat else prompt_P.astype(np.int32))
+  for chunk in continuation(model, prompt_P, args.max_new_tokens, args.temperature, args.top_k, args.seed,
+                            tokenizer.eod, args.top_p, eos_id=tokenizer.eod if args.chat else None):
+    shown.add(chunk[chunk != tokenizer.eod] if args.chat else chunk)
+  shown.end()
+
+
+class _Shown:
+  """Text printed as its tokens come: each time, what the decoded whole adds to what is
+  printed, less a trailing incomplete character (a byte of a UTF-8 sequence, decoded as
+  U+FFFD until the rest comes). So the text printed is the whole's decoding."""
+
+  def __init__(self, tokenizer, tokens: np.ndarray):
+    self.tokenizer, self.tokens, self.printed = tokenizer, np.zeros(0, np.int32), ""
+    self.add(tokens)
+
+  def add(self, tokens: np.ndarray, last: bool = False) -> None:
+    self.tokens = np.concatenate([self.tokens, tokens])
+    text = self.tokenizer.decode(self.tokens)
+    ready = text if last else text.rstrip("\ufffd")
+    if ready.startswith(self.printed):  # a tokenizer whose decoding of more rewrites the end waits
+      print(ready[len(self.printed):], end="", flush=True)
+      self.printed = ready
+
+  def end(self) -> None:
+    self.add(np.zeros(0, np.int32), last=True)
+    print(flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
