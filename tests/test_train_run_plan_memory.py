@@ -121,3 +121,18 @@ def test_chunked_update_lowers_the_compiled_step():
   assert got_chunked.temporaries < got.temporaries
   assert plan_chunked["device"]["update"] < plan["device"]["update"]
   assert plan["device_total"] - plan_chunked["device_total"] >= got.device - got_chunked.device
+
+
+def test_chunked_update_plans_its_largest_chunk():
+  """tiny on fs=2,tp=4, Dion at rank 1/4 (r = 32), counted by hand per device: a query, key,
+  value or out kernel (4 layers of 128 x 128) holds 4·128·128/8 float32 of gradient and as
+  much momentum, 32,768 bytes each, and a Q of 4 x 64 (columns over fs) x 32 = 32,768 bytes;
+  up and down (128 x 512) 131,072 twice and the same Q. Every megabatch at once: the four
+  attention kernels' copies and both MLP kernels', 983,040 bytes; in chunks of one parameter
+  (--megabatch-mib 0.1), the largest, an MLP kernel's 294,912."""
+  plan = plan_compiled.planned([*COMMON, *SPLIT_Q])
+  chunked = plan_compiled.planned([*COMMON, *SPLIT_Q, "--megabatch-mib", "0.1"])
+  attention, mlp = 3 * 32_768, 2 * 131_072 + 32_768
+  assert plan["device"]["update"] == 4 * attention + 2 * mlp == 983_040
+  assert chunked["device"]["update"] == mlp
+  assert chunked["device"]["optimizer_state"] == plan["device"]["optimizer_state"]

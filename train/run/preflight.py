@@ -183,7 +183,7 @@ class Fit(NamedTuple):
 def what_fits(cfg: Config, model_cfg: models.GPTConfig, sizes: dict[str, int], need: int, limit: int,
               grpo: plan_grpo.GRPO | None = None) -> Fit | None:
   """The planner's fastest recompute policy, optimizer offload, (Dion on tp > 1) split of
-  Q over tp and (the matrix optimizers) update chunks (``--megabatch-mib``, the run's or
+  Q over tp and (Dion) update chunks (``--megabatch-mib``, the run's or
   ``planner.MEGABATCH_MIB``) whose step fits ``limit`` bytes per device on this mesh, as flags (None: none
   fits); with ``grpo`` the step is GRPO's
   update (the planner's, beside the reference policy where beta > 0). The compiled step
@@ -197,7 +197,7 @@ def what_fits(cfg: Config, model_cfg: models.GPTConfig, sizes: dict[str, int], n
   scale = need / planned(model_cfg.remat, cfg.offload_optimizer, cfg.dion_split_q,
                          cfg.megabatch_mib)["memory"]["device_total"]
   splits = {cfg.dion_split_q, cfg.optimizer == "dion" and sizes["tp"] > 1}
-  chunks = {cfg.megabatch_mib, 0 if cfg.optimizer in ("adamw", "lion") else cfg.megabatch_mib or planner.MEGABATCH_MIB}
+  chunks = {cfg.megabatch_mib, cfg.megabatch_mib or planner.MEGABATCH_MIB if cfg.optimizer == "dion" else 0}
   fitting = []
   for remat, offload, split_q, mib in itertools.product(planner.remat_policies(), (False, True), sorted(splits),
                                                         sorted(chunks)):

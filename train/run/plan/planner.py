@@ -288,15 +288,16 @@ def sweep(model: str, devices: int, top: int = 10, policies: Sequence[str] | Non
           megabatches: Sequence[int | None] | None = None, **kwargs) -> list[dict]:
   """For each mesh of ``devices``, the fastest (non-overlapped step) recompute policy,
   optimizer offload, for Dion on tp > 1 Q's split over tp (``splits``; default both) and
-  for the matrix optimizers the update's chunks (``megabatches``: ``megabatch_bytes``
-  values; default None and :data:`MEGABATCH_MIB`) that fit; the meshes that have one,
-  fastest first."""
+  the update's chunks (``megabatches``: ``megabatch_bytes`` values; for Dion None and
+  :data:`MEGABATCH_MIB`, for the others None: a Muon chunk smaller than its device group is
+  padded to it, which the plan does not count) that fit; the meshes that have one, fastest
+  first."""
   cfg = plan_model.load_config(model, kwargs.get("seq_len"), kwargs.get("dtype", "bfloat16"))
   optimizer = kwargs.get("optimizer", TRAINER.optimizer)
   if splits is None:
     splits = (False, True) if optimizer == "dion" else (False,)
   if megabatches is None:
-    megabatches = (None,) if optimizer == "adamw" else (None, MEGABATCH_MIB * 2**20)
+    megabatches = (None, MEGABATCH_MIB * 2**20) if optimizer == "dion" else (None,)
   ok = []
   for sizes in meshes(devices, cfg, cfg.num_experts > 0):
     best = None
