@@ -24,9 +24,11 @@ P over its column and replica group, ``dion_jax.optimizers.dion``). The state st
 parameter: only the step stacks.
 
 Bounded megabatches (``megabatch_bytes``). Stacking copies a group's gradients and state
-(b matrices' worth), and XLA, free to schedule the groups in any order, runs them side by
-side: the update's peak holds every group's copy at once (on a mesh, with Dion's
-``split_q``, every group's gathered Q too). With ``megabatch_bytes`` = N, each group is cut
+(b matrices' worth), and XLA, free to schedule the groups in any order, may run them side
+by side (a GPU's scheduler overlaps independent work; measured on a CPU, XLA already ran
+tiny's groups one at a time): the update's peak may hold every group's copy at once (on a
+mesh, with Dion's ``split_q``, every group's gathered Q too), and always the largest
+group's whole. With ``megabatch_bytes`` = N, each group is cut
 along its stacking axis into chunks of c = max(1, floor(N / s)) parameters (s: one
 parameter's gradient and state, bytes per device; the last chunk holds the rest), and the
 chunks, all groups' in flatten order, run one after another: ``jax.lax.optimization_barrier``
