@@ -73,7 +73,7 @@ from dion_jax.parallel.mesh import REPLICA_AXIS, axis_names
 STATIC_ARGS = (
     "rank_fraction", "rank_multiple_of", "oversample", "power_iters", "cqr_warmup_steps",
     "seed", "lm_head_lr_scale", "labels", "scale_rule", "dimension_numbers",
-    "momentum_dtype", "q_dtype", "mixed_precision", "cautious_wd", "split_q",
+    "momentum_dtype", "q_dtype", "mixed_precision", "cautious_wd", "split_q", "megabatch_bytes",
 )  # fmt: skip
 
 
@@ -175,6 +175,7 @@ def scale_by_dion(
     replicate_sync: bool = True,
     backend: str = "auto",
     split_q: bool = False,
+    megabatch_bytes: int | None = None,
 ) -> optax.GradientTransformation:
   """Dion's orthonormalized low-rank update direction for matrix parameters.
 
@@ -239,7 +240,12 @@ def scale_by_dion(
       unsplit layout. Off by default: the all-gather is one more collective on the
       step's path, and the update holds every megabatch's whole Q at once (measured on
       a compiled step), so the split saves memory between steps (the state, what sits
-      beside it, a host copy), not at the update's peak.
+      beside it, a host copy), not at the update's peak unless ``megabatch_bytes`` bounds it.
+    megabatch_bytes: None (every megabatch at once, the default), or bytes per device of
+      one megabatch's stacked gradients and state: the megabatches are cut into chunks of
+      at most that (at least one parameter) and stepped one after another, so the update
+      holds one chunk's copy (and, with ``split_q``, one chunk's gathered Q) instead of
+      every group's at once; the same numbers (``dion_jax.optimizers.skeleton``).
   """
   validation.check_static("STATIC_ARGS", rank_fraction=rank_fraction, rank_multiple_of=rank_multiple_of,
                           oversample=oversample, power_iters=power_iters, momentum_dtype=momentum_dtype,
@@ -287,7 +293,7 @@ def scale_by_dion(
 
   rule = MatrixRule(ScaleByDionState, ("momentum", "q"), views, init_leaf, _placement(split_q), local_step, step_args,
                     megabatch=True)
-  return scale_by_matrix_rule(rule, scale_rule, mesh, replicate_sync)
+  return scale_by_matrix_rule(rule, scale_rule, mesh, replicate_sync, megabatch_bytes)
 
 
 def dion(
@@ -324,6 +330,7 @@ def dion(
     replicate_sync: bool = True,
     backend: str = "auto",
     split_q: bool = False,
+    megabatch_bytes: int | None = None,
 ) -> optax.GradientTransformation:
   """Dion (arXiv 2504.05295) for matrices, AdamW or Lion for everything else.
 
@@ -333,7 +340,7 @@ def dion(
     rank_fraction, rank_multiple_of, mu, epsilon, qr_method, cqr_warmup_steps,
       oversample, power_iters, scale_rule, momentum_dtype, q_dtype, mixed_precision,
       power_precision, qr_precision, seed, dimension_numbers, partition_specs, mesh, replicate_sync, backend,
-      split_q: see :func:`scale_by_dion`.
+      split_q, megabatch_bytes: see :func:`scale_by_dion`.
     weight_decay: decoupled weight decay, multiplied by the base learning rate, for
       Dion and (unless ``scalar_weight_decay`` is given) the scalar optimizer.
     scalar_weight_decay: the scalar optimizer's weight decay, for embeddings, LM head
@@ -361,6 +368,7 @@ def dion(
       power_precision=power_precision, qr_precision=qr_precision, seed=seed,
       dimension_numbers=dimension_numbers, partition_specs=partition_specs,
       mesh=mesh, replicate_sync=replicate_sync, backend=backend, split_q=split_q,
+      megabatch_bytes=megabatch_bytes,
   )  # fmt: skip
   return matrix_optimizer(
       matrix, learning_rate, weight_decay=weight_decay, scalar_weight_decay=scalar_weight_decay,

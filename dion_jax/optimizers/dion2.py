@@ -46,6 +46,7 @@ def dion2(
     mesh: jax.sharding.Mesh | None = None,
     replicate_sync: bool = True,
     backend: str = "auto",
+    megabatch_bytes: int | None = None,
 ) -> optax.GradientTransformation:
   """Dion2 (arXiv 2512.16928) for matrices, AdamW or Lion for everything else.
 
@@ -99,6 +100,7 @@ def nordion2(
     mesh: jax.sharding.Mesh | None = None,
     replicate_sync: bool = True,
     backend: str = "auto",
+    megabatch_bytes: int | None = None,
 ) -> optax.GradientTransformation:
   """NorDion2 (microsoft/dion's ``NorDion2``, exported as ``Dion3``) for matrices,
   AdamW or Lion for everything else.

@@ -51,6 +51,7 @@ def muon(
     mesh: jax.sharding.Mesh | None = None,
     replicate_sync: bool = True,
     backend: str = "auto",
+    megabatch_bytes: int | None = None,
 ) -> optax.GradientTransformation:
   """Muon (Keller Jordan) for matrices, AdamW or Lion for everything else.
 
@@ -94,6 +95,7 @@ def normuon(
     mesh: jax.sharding.Mesh | None = None,
     replicate_sync: bool = True,
     backend: str = "auto",
+    megabatch_bytes: int | None = None,
 ) -> optax.GradientTransformation:
   """NorMuon (arXiv 2510.05491) for matrices, AdamW or Lion for everything else.
 

@@ -40,13 +40,13 @@ from dion_jax.parallel.mesh import axis_names
 # Structural arguments shared by muon, normuon, dion2 and nordion2, for optax.inject_hyperparams
 # (as dion_jax.STATIC_ARGS: needed to pass numbers or callables among them); each adds its own.
 STATIC_ARGS = ("labels", "scale_rule", "dimension_numbers", "momentum_dtype", "ortho_dtype", "ortho_method",
-               "gram_newton_schulz", "lm_head_lr_scale", "cautious_wd")  # fmt: skip
+               "gram_newton_schulz", "lm_head_lr_scale", "cautious_wd", "megabatch_bytes")  # fmt: skip
 # The arguments the four share, for their docstrings.
 COMMON_DOC = """
     weight_decay, scalar_weight_decay, cautious_wd, scalar_optimizer, scalar_learning_rate, b1, b2,
       scalar_epsilon, lm_head_lr_scale, labels: as for :func:`dion_jax.dion`.
     epsilon, ortho_method, ortho_dtype, gram_newton_schulz, scale_rule, momentum_dtype,
-      dimension_numbers, partition_specs, mesh, replicate_sync, backend: see
+      dimension_numbers, partition_specs, mesh, replicate_sync, backend, megabatch_bytes: see
       :func:`dion_jax.scale_by_orthogonal`.
 """
 
@@ -116,6 +116,7 @@ def scale_by_orthogonal(
     mesh: jax.sharding.Mesh | None = None,
     replicate_sync: bool = True,
     backend: str = "auto",
+    megabatch_bytes: int | None = None,
 ) -> optax.GradientTransformation:
   """The update direction ``scale·U`` of Muon, NorMuon, Dion2 or NorDion2 for matrix
   parameters.
@@ -141,8 +142,8 @@ def scale_by_orthogonal(
     momentum_dtype: dtype of M (default: the parameter's).
     num_heads: Muon/NorMuon/NorDion2: split each fan_out axis into this many heads; an int,
       a pytree of ints/None matching the parameters, or a callable ``params -> tree``.
-    dimension_numbers, partition_specs, mesh, replicate_sync, backend: as for
-      :func:`dion_jax.scale_by_dion`; ``backend`` picks the polar iterations' kernels.
+    dimension_numbers, partition_specs, mesh, replicate_sync, backend, megabatch_bytes: as
+      for :func:`dion_jax.scale_by_dion`; ``backend`` picks the polar iterations' kernels.
   """
   validation.check_choice("algorithm", algorithm, math_lib.ALGORITHMS)
   validation.check_static(f"{algorithm.upper()}_STATIC_ARGS", fraction=fraction, num_heads=num_heads,
@@ -202,7 +203,7 @@ def scale_by_orthogonal(
 
   fields = ("momentum", "variance") if normuon else ("momentum",)
   rule = MatrixRule(ScaleByOrthogonalState, fields, views, init_leaf, _placement(normuon), local_step, megabatch=True)
-  return scale_by_matrix_rule(rule, scale_rule, mesh, replicate_sync)
+  return scale_by_matrix_rule(rule, scale_rule, mesh, replicate_sync, megabatch_bytes)
 
 
 _DIRECTION_ARGS = frozenset(inspect.signature(scale_by_orthogonal).parameters) - {"algorithm"}

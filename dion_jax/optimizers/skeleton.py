@@ -22,6 +22,22 @@ other way), its up and gate kernels another, its down kernels a third; on a mesh
 batch is split over the devices of each group (``dion_jax.parallel.megabatch``; Dion's
 P over its column and replica group, ``dion_jax.optimizers.dion``). The state stays per
 parameter: only the step stacks.
+
+Bounded megabatches (``megabatch_bytes``). Stacking copies a group's gradients and state
+(b matrices' worth), and XLA, free to schedule the groups in any order, may run them side
+by side (a GPU's scheduler overlaps independent work; measured on a CPU, XLA already ran
+tiny's groups one at a time): the update's peak may hold every group's copy at once (on a
+mesh, with Dion's ``split_q``, every group's gathered Q too), and always the largest
+group's whole. With ``megabatch_bytes`` = N, each group is cut
+along its stacking axis into chunks of c = max(1, floor(N / s)) parameters (s: one
+parameter's gradient and state, bytes per device; the last chunk holds the rest), and the
+chunks, all groups' in flatten order, run one after another: ``jax.lax.optimization_barrier``
+ties chunk k+1's inputs to chunk k's outputs, a data dependence XLA's scheduler keeps,
+so the peak holds one chunk's copy. Each matrix's step is its own (its momentum, its Q, the
+step's shared seed), so the numbers are the unchunked ones; on a mesh a chunk's batch may no
+longer divide a group that the whole batch did (Dion's spread P, Muon's padding to the
+group), which changes only which collectives carry the same sums. The price is overlap:
+one chunk's collectives no longer run beside another's computation.
 """
 from __future__ import annotations
 
@@ -33,6 +49,7 @@ import optax
 
 from dion_jax.optimizers.frame import MatrixView, scale_rule_fn
 from dion_jax.parallel.layout import Layout, Placement
+from dion_jax.parallel.mesh import axis_names
 
 # local(g, *state, *step_args) -> (update, *state), on one device or one block.
 LocalStep = Callable[..., tuple]
@@ -92,13 +109,19 @@ def scale_by_matrix_rule(
     scale_rule: str | Callable[[int, int], float] | None,
     mesh: jax.sharding.Mesh | None = None,
     replicate_sync: bool = True,
+    megabatch_bytes: int | None = None,
 ) -> optax.GradientTransformation:
   """The optax transformation of ``rule`` (module docstring).
 
   With ``mesh``, every parameter's step runs inside ``shard_map`` over its own
   PartitionSpec (``dion_jax.parallel.layout``); gradients arrive per replica when
-  ``replicate_sync`` and the mesh has rp > 1.
+  ``replicate_sync`` and the mesh has rp > 1. ``megabatch_bytes``: None, every group at
+  once; else chunks of at most this many bytes per device of stacked gradients and state
+  (at least one parameter), stepped one after another (module docstring).
   """
+  if megabatch_bytes is not None and (isinstance(megabatch_bytes, bool) or not isinstance(megabatch_bytes, int)
+                                      or megabatch_bytes < 0):
+    raise ValueError(f"megabatch_bytes must be None or an int >= 0 (bytes per device); got {megabatch_bytes!r}")
   scale_of = scale_rule_fn(scale_rule)
   layout = None if mesh is None else Layout(mesh, replicate_sync)
   counted = "count" in rule.state_type._fields
@@ -130,26 +153,48 @@ def scale_by_matrix_rule(
       placement = rule.placement(view, layout)
       return layout.run(rule.local_step(view, scale, layout, placement), placement, g, leaf_state, args)
 
-    per_leaf = [None] * len(leaves)
-    for group in _groups(rule, views, leaves, old):
-      if len(group) == 1:
-        i = group[0]
-        per_leaf[i] = step(views[i], leaves[i], [field[i] for field in old])
-        continue
+    def local_bytes(i):
+      """One parameter's gradient and state, bytes per device."""
+      xs = [leaves[i]] + [field[i] for field in old]
+      if layout is None:
+        return sum(x.nbytes for x in xs)
+      placement = rule.placement(views[i], layout)
+      specs = (layout.grad_spec(placement.param), *layout.state_specs(placement))
+      return sum(x.nbytes // layout.size(axis_names(*spec)) for x, spec in zip(xs, specs))
+
+    def step_chunk(chunk, g_leaves, state_leaves):
+      """``chunk``'s parameters as one: (update, *state) per parameter."""
+      if len(chunk) == 1:
+        return [step(views[chunk[0]], g_leaves[0], [field[0] for field in state_leaves])]
       # A replica axis of the gradient or state, where there is one, stays in front of the
       # stacking axis; the update has none.
       g_axis = int(layout is not None and layout.per_replica)
       state_axes = [0] * len(old)
       if layout is not None:
-        state_axes = [int(r) for r in rule.placement(views[group[0]], layout).state_per_replica]
-      view = views[group[0]].stacked(len(group), ", ".join(views[i].frame.name for i in group))
-      g = jnp.stack([leaves[i] for i in group], g_axis)
-      stacked = [jnp.stack([field[i] for i in group], a) for field, a in zip(old, state_axes)]
-      update, *stacked_new = step(view, g, stacked)
-      for k, i in enumerate(group):
-        # Static slices, not jnp.take's gathers: XLA fuses a slice into its consumer.
-        per_leaf[i] = (update[k], *(jax.lax.index_in_dim(x, k, a, keepdims=False)
-                                    for x, a in zip(stacked_new, state_axes)))
+        state_axes = [int(r) for r in rule.placement(views[chunk[0]], layout).state_per_replica]
+      view = views[chunk[0]].stacked(len(chunk), ", ".join(views[i].frame.name for i in chunk))
+      update, *stacked_new = step(view, jnp.stack(g_leaves, g_axis),
+                                  [jnp.stack(field, a) for field, a in zip(state_leaves, state_axes)])
+      # Static slices, not jnp.take's gathers: XLA fuses a slice into its consumer.
+      return [(update[k], *(jax.lax.index_in_dim(x, k, a, keepdims=False) for x, a in zip(stacked_new, state_axes)))
+              for k in range(len(chunk))]
+
+    chunks = []
+    for group in _groups(rule, views, leaves, old):
+      size = len(group) if megabatch_bytes is None else max(1, megabatch_bytes // local_bytes(group[0]))
+      chunks += [group[k:k + size] for k in range(0, len(group), size)]
+    per_leaf, previous = [None] * len(leaves), None
+    for chunk in chunks:
+      inputs = ([leaves[i] for i in chunk], [[field[i] for i in chunk] for field in old])
+      if megabatch_bytes is not None and previous is not None:
+        # Chunk k+1 reads its inputs only after chunk k's outputs exist: one chunk's copy at a time.
+        previous, inputs = jax.lax.optimization_barrier((previous, inputs))
+        for i, result in previous.items():
+          per_leaf[i] = result
+      results = step_chunk(chunk, *inputs)
+      previous = dict(zip(chunk, results))
+      for i, result in previous.items():
+        per_leaf[i] = result
     out, new = [], [[] for _ in rule.state_fields]
     for g, (update, *leaf_new), *leaf_state in zip(leaves, per_leaf, *old):
       out.append(update.astype(g.dtype))

@@ -37,12 +37,12 @@ SHARED = ("optimizer", "lr", "min_lr", "lr_warmup_steps", "lr_decay_style", "lr_
           "weight_decay", "scalar_weight_decay", "clip_grad", "grad_norm", "grad_norm_sketch_size", "skip_spikes", "max_skipped", "qk_clip_threshold",
           "initial_loss_scale", "loss_scale_window", "min_loss_scale", "dion_rank_fraction", "dion_momentum",
           "dion_qr_method", "dion_scale_rule", "dion_scalar_optimizer", "dion_replicate_sync",
-          "dion_mixed_precision", "dion_split_q", "ortho_dtype", "offload_optimizer", "dtype", "attention", "remat", "fp8", "loss_chunk",
+          "dion_mixed_precision", "dion_split_q", "megabatch_mib", "ortho_dtype", "offload_optimizer", "dtype", "attention", "remat", "fp8", "loss_chunk",
           "sequence_parallel", "micro_batch_size", "mesh", "save_every", "keep", "step", "tensorboard", "wandb",
           *MULTI_HOST)
 # Flags a resumed run may give anew with another value.
 MAY_CHANGE = ("resume", "run_dir", "step", "steps", "save_every", "keep", "mesh", "micro_batch_size", "max_skipped",
-              "remat", "offload_optimizer", "dion_split_q", "tensorboard", "wandb", *MULTI_HOST)
+              "remat", "offload_optimizer", "dion_split_q", "megabatch_mib", "tensorboard", "wandb", *MULTI_HOST)
 
 
 @dataclasses.dataclass(frozen=True)

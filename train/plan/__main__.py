@@ -15,6 +15,7 @@ from train.run.plan import optimizer as plan_optimizer
 from train.run.plan.grpo import GRPO
 from train.run.plan import planner
 from train.run.plan.planner import GPUS, LINKS, TRAINER, Link, format_plan, format_sweep, plan, sweep
+from train.run.config import megabatch_bytes
 from train.run.optim import RANK_BY_WIDTH
 
 
@@ -54,6 +55,8 @@ def _check(args: argparse.Namespace) -> None:
       raise cli.UsageError(f"--{name.replace('_', '-')} must be in (0, 1], got {value:g}")
   if args.beta < 0:
     raise cli.UsageError(f"--beta must be 0 or positive, got {args.beta:g}")
+  if not args.megabatch_mib >= 0 or args.megabatch_mib == float("inf"):
+    raise cli.UsageError(f"--megabatch-mib must be 0 (off) or a positive number of MiB, got {args.megabatch_mib:g}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--rank-fraction", type=float, default=None,
                       help="Dion's rank fraction (default: python -m train.gpt's for the model's width,"
                            + ", ".join(f" {f:g} from {w}" for w, f in RANK_BY_WIDTH) + ")")
+  parser.add_argument("--megabatch-mib", type=float, default=0.0,
+                      help="the matrix optimizers' update stepped in chunks of at most this many MiB of"
+                           " gradients and state per device, one after another (python -m train.gpt"
+                           " --megabatch-mib; default 0, off; with --sweep: always, where without it the"
+                           " sweep tries off and 1)")
   parser.add_argument("--dion-split-q", action="store_true",
                       help="Dion's Q split over the row axes (tp) too, an all-gather of it per step"
                            " (python -m train.gpt --dion-split-q; with --sweep: always, where without"
@@ -110,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
   except ValueError as e:  # cli.UsageError too
     print(f"error: {e}", file=sys.stderr)
     return cli.EXIT_USAGE
+  chunk = megabatch_bytes(args.megabatch_mib)
   kwargs = dict(optimizer=args.optimizer, rank_fraction=args.rank_fraction, fraction=args.fraction,
                 global_batch=args.global_batch_size or 0, micro=args.micro_batch_size, seq_len=args.seq_len,
                 gpu=args.gpu, per_node=args.gpus_per_node, mfu=args.mfu, dtype=args.dtype, loss_chunk=args.loss_chunk)
@@ -125,10 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("--sweep needs --global-batch-size (it fixes the work every mesh splits)")
       if args.remat is not None or args.offload_optimizer:
         kwargs |= {"policies": [args.remat or "none"], "offloads": [args.offload_optimizer]}
-      result: Any = sweep(args.model, args.devices, splits=[True] if args.dion_split_q else None, **kwargs)
+      result: Any = sweep(args.model, args.devices, splits=[True] if args.dion_split_q else None,
+                          megabatches=[chunk] if chunk else None, **kwargs)
     else:
       result = plan(args.model, args.mesh, remat=args.remat or "none", offload_optimizer=args.offload_optimizer,
-                    split_q=args.dion_split_q, **kwargs)
+                    split_q=args.dion_split_q, megabatch_bytes=chunk, **kwargs)
   except (ValueError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)
     return cli.EXIT_USAGE

@@ -23,14 +23,19 @@ from train.run.flags import ALIASES, BARE_VALUES, CHOICES, DEFAULT_LR, FORMER_VA
 from train.store import hub, rundir, tracking
 
 # The optimizer flags each --optimizer reads (train/run/optim.py); the others do nothing there.
-_ORTHOGONAL_FLAGS = ("dion_scale_rule", "dion_scalar_optimizer", "ortho_dtype")
+_ORTHOGONAL_FLAGS = ("dion_scale_rule", "dion_scalar_optimizer", "ortho_dtype", "megabatch_mib")
 OPTIMIZER_FLAGS = {
     "dion": ("dion_rank_fraction", "dion_momentum", "dion_qr_method", "dion_power_precision", "dion_qr_precision",
              "dion_scale_rule", "dion_scalar_optimizer", "dion_replicate_sync", "dion_split_q",
-             "grad_norm", "grad_norm_sketch_size"),
+             "megabatch_mib", "grad_norm", "grad_norm_sketch_size"),
     **dict.fromkeys(("dion2", "nordion2", "normuon", "muon"), _ORTHOGONAL_FLAGS),
     "adamw": (), "lion": (),
 }
+
+
+def megabatch_bytes(mib: float) -> int | None:
+  """``--megabatch-mib`` as the matrix optimizers' ``megabatch_bytes`` (0: None, off)."""
+  return max(1, int(mib * 2**20)) if mib else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +101,7 @@ class Config:
   dion_replicate_sync: bool = True
   dion_mixed_precision: bool = False
   dion_split_q: bool = False
+  megabatch_mib: float = 0.0
   ortho_dtype: str = "bfloat16"
   offload_optimizer: bool = False
   # batch and steps
@@ -139,6 +145,10 @@ class Config:
   @property
   def warmup_steps(self) -> int:
     return self.decay_steps // 20 if self.lr_warmup_steps is None else self.lr_warmup_steps
+
+  @property
+  def megabatch_bytes(self) -> int | None:
+    return megabatch_bytes(self.megabatch_mib)
 
   @property
   def run_path(self) -> str:
@@ -211,7 +221,7 @@ class Config:
         raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
     for name in ("eval_every", "eval_tokens", "save_every", "lr_warmup_steps", "clip_grad", "skip_spikes",
                  "weight_decay", "scalar_weight_decay", "min_lr", "lr_decay_steps", "lr_wsd_decay_steps",
-                 "num_experts", "moe_aux_loss_coeff", "moe_z_loss_coeff", "loss_chunk"):
+                 "num_experts", "moe_aux_loss_coeff", "moe_z_loss_coeff", "loss_chunk", "megabatch_mib"):
       if (getattr(self, name) or 0) < 0:
         raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
     if self.fp8 not in FP8_RECIPES:

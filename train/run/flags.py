@@ -188,8 +188,13 @@ HELP = {
                             " mixed_precision: true; default off: the parameter's dtype)",
     "dion_split_q": "split Dion's Q (columns x r) over the mesh axes that split each matrix's rows"
                     " (tp) as well as its columns, ZeRO-style: the state's Q per device divided by tp,"
-                    " for one all-gather of Q over tp per step; the update still holds it whole, so"
-                    " the step's peak does not drop (default off: Q replicated over tp)",
+                    " for one all-gather of Q over tp per step; the update holds it whole, so the"
+                    " step's peak drops only with --megabatch-mib (default off: Q replicated over tp)",
+    "megabatch_mib": "step the matrix optimizer's megabatches (Dion's, Muon's, ...: each geometry's"
+                     " parameters stacked) one after another, each cut into chunks of at most this many"
+                     " MiB per device of gradients and state (at least one parameter): the update holds"
+                     " one chunk's copy instead of every group's, the same numbers, fewer collectives in"
+                     " flight at once (default 0: every megabatch at once)",
     "dion_replicate_sync": "with rp > 1 keep per-replica momentum and average only Dion's"
                            " low-rank factors over rp (default on)",
     "offload_optimizer": "keep the optimizer state (Dion's, Muon's, AdamW's, ...) in pinned host memory"

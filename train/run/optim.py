@@ -94,7 +94,8 @@ def optimizer(cfg: Config, params: Any, mesh: jax.sharding.Mesh, specs: Any) -> 
                   "normuon": (dion_jax.normuon, {}), "muon": (dion_jax.muon, {})}[cfg.optimizer]
     return family(lr, **decay, scale_rule=cfg.dion_scale_rule,
                   scalar_optimizer=cfg.dion_scalar_optimizer, mesh=mesh, partition_specs=specs,
-                  ortho_dtype=jnp.dtype(cfg.ortho_dtype), replicate_sync=False, **kw)
+                  ortho_dtype=jnp.dtype(cfg.ortho_dtype), replicate_sync=False,
+                  megabatch_bytes=cfg.megabatch_bytes, **kw)
   return dion_jax.dion(
       lr,
       rank_fraction=rank_fraction(cfg, params),
@@ -111,4 +112,5 @@ def optimizer(cfg: Config, params: Any, mesh: jax.sharding.Mesh, specs: Any) -> 
       replicate_sync=cfg.dion_replicate_sync,
       mixed_precision=cfg.dion_mixed_precision,
       split_q=cfg.dion_split_q,
+      megabatch_bytes=cfg.megabatch_bytes,
   )

@@ -22,7 +22,7 @@ from train.cli import UsageError
 from train.run.plan import grpo as plan_grpo
 from train.run.plan import planner
 from train.run import optim
-from train.run.config import Config
+from train.run.config import Config, megabatch_bytes
 from train.store import rundir
 
 # Model fields a checkpoint's arrays depend on.
@@ -182,27 +182,33 @@ class Fit(NamedTuple):
 
 def what_fits(cfg: Config, model_cfg: models.GPTConfig, sizes: dict[str, int], need: int, limit: int,
               grpo: plan_grpo.GRPO | None = None) -> Fit | None:
-  """The planner's fastest recompute policy, optimizer offload and (Dion on tp > 1) split of
-  Q over tp whose step fits ``limit`` bytes per device on this mesh, as flags (None: none
+  """The planner's fastest recompute policy, optimizer offload, (Dion on tp > 1) split of
+  Q over tp and (Dion) update chunks (``--megabatch-mib``, the run's or
+  ``planner.MEGABATCH_MIB``) whose step fits ``limit`` bytes per device on this mesh, as flags (None: none
   fits); with ``grpo`` the step is GRPO's
   update (the planner's, beside the reference policy where beta > 0). The compiled step
   needs ``need`` bytes: each choice's planned memory is scaled by ``need`` over the plan of
   the run's own choice, so the planner's margin over the compiler
   (tests/test_train_run_plan_memory.py) does not hide a fit."""
-  def planned(remat: str, offload: bool, split_q: bool) -> dict:
-    return planner.plan_run(cfg, model_cfg, sizes, grpo, remat=remat, offload_optimizer=offload, split_q=split_q)
+  def planned(remat: str, offload: bool, split_q: bool, mib: float) -> dict:
+    return planner.plan_run(cfg, model_cfg, sizes, grpo, remat=remat, offload_optimizer=offload, split_q=split_q,
+                            megabatch_bytes=megabatch_bytes(mib))
 
-  scale = need / planned(model_cfg.remat, cfg.offload_optimizer, cfg.dion_split_q)["memory"]["device_total"]
+  scale = need / planned(model_cfg.remat, cfg.offload_optimizer, cfg.dion_split_q,
+                         cfg.megabatch_mib)["memory"]["device_total"]
   splits = {cfg.dion_split_q, cfg.optimizer == "dion" and sizes["tp"] > 1}
+  chunks = {cfg.megabatch_mib, cfg.megabatch_mib or planner.MEGABATCH_MIB if cfg.optimizer == "dion" else 0}
   fitting = []
-  for remat, offload, split_q in itertools.product(planner.remat_policies(), (False, True), sorted(splits)):
-    p = planned(remat, offload, split_q)
+  for remat, offload, split_q, mib in itertools.product(planner.remat_policies(), (False, True), sorted(splits),
+                                                        sorted(chunks)):
+    p = planned(remat, offload, split_q, mib)
     if p["memory"]["device_total"] * scale <= limit:
-      fitting.append((p["time"]["step"], remat, offload, split_q, p["memory"]["device_total"] * scale))
+      fitting.append((p["time"]["step"], remat, offload, split_q, mib, p["memory"]["device_total"] * scale))
   if not fitting:
     return None
-  _, remat, offload, split_q, estimate = min(fitting)
-  return Fit(" ".join([f"--remat {remat}"] + ["--offload-optimizer"] * offload + ["--dion-split-q"] * split_q), estimate)
+  _, remat, offload, split_q, mib, estimate = min(fitting)
+  return Fit(" ".join([f"--remat {remat}"] + ["--offload-optimizer"] * offload + ["--dion-split-q"] * split_q
+                      + [f"--megabatch-mib {mib:g}"] * bool(mib)), estimate)
 
 
 def _kept_schedule(cfg: Config, saved_train: dict) -> bool:

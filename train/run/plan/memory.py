@@ -108,11 +108,11 @@ def _layer_kernels(params: Sequence[Leaf], sizes: dict[str, int]) -> int:
 
 def memory(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, params: Sequence[Leaf], state_bytes: int,
            policy: str = "none", offload_optimizer: bool = False, loss_chunk: int = 0, optimizer: str = "adamw",
-           rank_fraction: float = 0.25, split_q: bool = False) -> dict:
+           rank_fraction: float = 0.25, split_q: bool = False, megabatch_bytes: int | None = None) -> dict:
   """The step's memory per device (module docstring): ``{"device": {part: bytes},
   "host": {part: bytes}, "device_total", "host_total", "residuals": {name: bytes per
   layer}}``; ``loss_chunk`` tokens per chunk of the loss (0: unchunked); ``rank_fraction``
-  and ``split_q`` Dion's."""
+  and ``split_q`` Dion's; ``megabatch_bytes`` the update's chunks (``--megabatch-mib``)."""
   kept = placements(policy, math.prod(sizes.values()))
   per_layer = layer_tensors(cfg, sizes, step.micro)
   layers = cfg.num_layers // sizes["pp"]
@@ -148,7 +148,6 @@ def memory(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, params: Seq
   # The backward pass of a layer recomputes what the policy dropped of ``none``'s products.
   backward += sum(b for n, b in per_layer.items() if n in placements("none", math.prod(sizes.values()))
                   and n not in kept)
-  matrices = sum(local_bytes(leaf, sizes) for leaf in params if leaf.label == "dion")
   # Chunked, the loss's scan holds the gathered head and both tables' gradients throughout,
   # and each chunk's gradient of the head beside their sum (measured: tiny, fs=8, chunks of
   # 32 tokens, under none, full and minimal_offloaded; with three tables 0.963-0.987).
@@ -165,10 +164,7 @@ def memory(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, params: Seq
       # output (measured: rp=2,fs=2,tp=2 and fs=8 hold both; rp=8 adds in place).
       "gradients": p_bytes * (2 if step.accum > 1 and sizes["pp"] == 1 and sizes["fs"] > 1 else 1),
       "residuals": residuals["device"] + int(copied),
-      "update": _update(optimizer, matrices, state_bytes - 2 * (p_bytes - matrices))
-                + (plan_optimizer.whole_p_bytes(params, sizes, rank_fraction, per_replica=True)
-                   + plan_optimizer.gathered_q_bytes(params, sizes, rank_fraction, split_q)
-                   if optimizer == "dion" else 0),
+      "update": plan_optimizer.update_memory(params, sizes, optimizer, rank_fraction, split_q, megabatch_bytes),
       # A pipeline's loop state: every micro-batch's embedded input and stage output, and
       # their cotangents, float32 [b, T/cp, d] each.
       "pipeline": 4 * step.accum * per_layer["layer_input"] if sizes["pp"] > 1 else 0,
@@ -180,17 +176,6 @@ def memory(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, params: Seq
   return {"device": device, "host": host, "device_total": sum(device.values()), "host_total": sum(host.values()),
           "transients": transients, "policy": policy, "offload_optimizer": offload_optimizer,
           "loss_chunk": loss_chunk, "residuals_per_layer": {n: b for n, b in per_layer.items() if n in kept and b}}
-
-
-def _update(optimizer: str, matrices: int, matrix_state: int) -> int:
-  """The update's temporaries beside the state: Dion stacks each geometry's gradients and
-  state into megabatches (a float32 copy of both; a megabatch that does not split over
-  P's group also holds every matrix's P, ``optimizer.whole_p_bytes``, and a split Q is
-  held whole, gathered and new, ``optimizer.gathered_q_bytes``); Muon and Dion2
-  move their blocks in bfloat16 (half the gradients); AdamW works in place."""
-  if optimizer == "adamw":
-    return 0
-  return matrices + matrix_state if optimizer == "dion" else matrices // 2
 
 
 def recompute_flops(cfg: models.GPTConfig, policy: str) -> float:

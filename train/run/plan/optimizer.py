@@ -180,18 +180,19 @@ def _state(leaf: Leaf, sizes: dict[str, int], optimizer: str, stacked: int) -> i
 
 def update(params: Sequence[Leaf], sizes: dict[str, int], optimizer: str, rank_fraction: float = 0.25,
            fraction: float = 0.25, per_replica: bool = True, selection_scope: str = "global",
-           split_q: bool = False) -> tuple[list[Collective], int]:
+           split_q: bool = False, megabatch_bytes: int | None = None) -> tuple[list[Collective], int]:
   """``(collectives, optimizer-state bytes)`` of one update, per device.
 
   ``rank_fraction`` and ``split_q`` are Dion's; ``fraction`` and ``selection_scope`` Dion2's
   and NorDion2's (the trainer's: "global"); ``per_replica``: Dion's compressed sync over rp
-  (``replicate_sync``, the default of ``dion_jax.dion``).
+  (``replicate_sync``, the default of ``dion_jax.dion``); ``megabatch_bytes`` the chunks'
+  bound (:func:`chunks`: each chunk its own collectives, the same bytes in all).
   """
   if optimizer not in OPTIMIZERS:
     raise ValueError(f"--optimizer {optimizer}: choose one of {', '.join(OPTIMIZERS)}")
   collectives = []
   state = sum(2 * local_bytes(leaf, sizes) for leaf in params if optimizer == "adamw" or leaf.label != "dion")
-  for same in _megabatches(params, optimizer):
+  for same in chunks(params, sizes, optimizer, rank_fraction, split_q, megabatch_bytes):
     if optimizer == "dion":
       c, s = _dion(same[0], sizes, rank_fraction, per_replica, len(same), split_q)
     elif optimizer in ("dion2", "nordion2"):
@@ -238,38 +239,76 @@ def _megabatches(params: Sequence[Leaf], optimizer: str) -> list[list[Leaf]]:
   return list(same.values())
 
 
-def whole_p_bytes(params: Sequence[Leaf], sizes: dict[str, int], rank_fraction: float, per_replica: bool) -> int:
-  """Dion's P of every megabatch whose matrices do not split over P's group (the columns'
+def _leaf_bytes(leaf: Leaf, sizes: dict[str, int], optimizer: str, rank_fraction: float, split_q: bool) -> int:
+  """One parameter's gradient and optimizer state per device: what a megabatch stacks of it."""
+  if optimizer == "dion":
+    q = _q_bytes(leaf, sizes, rank_fraction, 1) // _q_split(leaf, sizes, rank_fraction, split_q)
+    return 2 * local_bytes(leaf, sizes) + q
+  return local_bytes(leaf, sizes) + _state(leaf, sizes, optimizer, 1)
+
+
+def chunks(params: Sequence[Leaf], sizes: dict[str, int], optimizer: str, rank_fraction: float = 0.25,
+           split_q: bool = False, megabatch_bytes: int | None = None) -> list[list[Leaf]]:
+  """The matrices the update steps as one: the megabatches, or with ``megabatch_bytes``
+  (``--megabatch-mib``) each cut into chunks of max(1, megabatch_bytes // s) parameters, s
+  one parameter's gradient and state per device (``dion_jax.optimizers.skeleton``)."""
+  out = []
+  for same in _megabatches(params, optimizer):
+    size = len(same) if megabatch_bytes is None else max(
+        1, megabatch_bytes // _leaf_bytes(same[0], sizes, optimizer, rank_fraction, split_q))
+    out += [same[k:k + size] for k in range(0, len(same), size)]
+  return out
+
+
+def update_memory(params: Sequence[Leaf], sizes: dict[str, int], optimizer: str, rank_fraction: float = 0.25,
+                  split_q: bool = False, megabatch_bytes: int | None = None, per_replica: bool = True) -> int:
+  """The update's temporaries beside the state, per device: each chunk (:func:`chunks`)
+  stacks a float32 copy of its gradients and state; Dion's chunk whose matrices do not split
+  over P's group also holds every matrix's P (:func:`_whole_p`) and a split Q is held whole,
+  gathered and new (:func:`_gathered_q`); Muon and Dion2 move their blocks in bfloat16 (half
+  the gradients); AdamW works in place. XLA runs the megabatches side by side, so without
+  ``megabatch_bytes`` the update holds all of them; with it, the chunks run one after
+  another and the update holds the largest."""
+  if optimizer == "adamw":
+    return 0
+  copies = []
+  for same in chunks(params, sizes, optimizer, rank_fraction, split_q, megabatch_bytes):
+    leaf, n = same[0], len(same)
+    if optimizer == "dion":
+      copies.append(n * _leaf_bytes(leaf, sizes, optimizer, rank_fraction, split_q)
+                    + _whole_p(leaf, n, sizes, rank_fraction, per_replica)
+                    + _gathered_q(leaf, n, sizes, rank_fraction, split_q))
+    else:
+      copies.append(n * local_bytes(leaf, sizes) // 2)
+  return sum(copies) if megabatch_bytes is None else max(copies, default=0)
+
+
+def _whole_p(leaf: Leaf, stacked: int, sizes: dict[str, int], rank_fraction: float, per_replica: bool) -> int:
+  """Dion's P of a megabatch whose matrices do not split over P's group (the columns'
   axes and, compressed, the replicas): each device holds all b matrices' P, its rows of
   m x r float32 (the sum :func:`_dion` all-reduces whole where a split one is scattered)
   (measured: tiny fs=8, where 12 and 4 matrices do not split over 8 devices, holds 2.0 MiB
   above the rest of the plan at rank 1, 0.24 at 1/2; on fs=4,tp=2 and rp=2,fs=2,tp=2, where
   they split, nothing)."""
-  total = 0
-  for same in _megabatches(params, "dion"):
-    leaf = same[0]
-    fr = matrix_frame(leaf.shape, DionDimensionNumbers(), rank_fraction, 1, leaf.spec, leaf.name)
-    compressed = per_replica and sizes["rp"] > 1 and fr.compressible
-    p_group = live(sizes, live(sizes, [leaf.spec[fr.col_axis]]) + (("rp",) if compressed else ()))
-    shape = local_shape(leaf, sizes)
-    b = len(same) * math.prod(shape[a] for a in fr.batch_axes)
-    if not (p_group and b % group(sizes, p_group) == 0):
-      total += b * shape[fr.row_axis] * fr.rank * 4  # the P that :func:`_dion`'s all-reduce sums
-  return total
+  fr = matrix_frame(leaf.shape, DionDimensionNumbers(), rank_fraction, 1, leaf.spec, leaf.name)
+  compressed = per_replica and sizes["rp"] > 1 and fr.compressible
+  p_group = live(sizes, live(sizes, [leaf.spec[fr.col_axis]]) + (("rp",) if compressed else ()))
+  shape = local_shape(leaf, sizes)
+  b = stacked * math.prod(shape[a] for a in fr.batch_axes)
+  if p_group and b % group(sizes, p_group) == 0:
+    return 0
+  return b * shape[fr.row_axis] * fr.rank * 4
 
 
-
-def gathered_q_bytes(params: Sequence[Leaf], sizes: dict[str, int], rank_fraction: float, split_q: bool) -> int:
-  """With ``split_q``, what the update holds of every split Q beyond the r/R columns its
-  copy of the state counts: the whole Q gathered, and the new one whole before its slice.
-  The update then holds one whole Q more than the unsplit layout's, so the split saves
+def _gathered_q(leaf: Leaf, stacked: int, sizes: dict[str, int], rank_fraction: float, split_q: bool) -> int:
+  """With ``split_q``, what the update holds of a megabatch's split Q beyond the r/R columns
+  its copy of the state counts: the whole Q gathered, and the new one whole before its slice.
+  The update then holds one whole Q more than the unsplit layout's, so the split alone saves
   memory between steps, not at the update's peak (measured, the trainer's compiled step,
   tiny at rank 1 and 1/2 on fs=4,tp=2 and fs=2,tp=4: the temporaries grow by 5/6 of Q,
   the arguments drop by (R - 1)/R of it)."""
-  total = 0
-  for same in _megabatches(params, "dion"):
-    split = _q_split(same[0], sizes, rank_fraction, split_q)
-    if split > 1:
-      q = _q_bytes(same[0], sizes, rank_fraction, len(same))
-      total += 2 * q - q // split
-  return total
+  split = _q_split(leaf, sizes, rank_fraction, split_q)
+  if split == 1:
+    return 0
+  q = _q_bytes(leaf, sizes, rank_fraction, stacked)
+  return 2 * q - q // split

@@ -119,10 +119,12 @@ def plan(model: str | models.GPTConfig = "small", mesh: str | dict = "", optimiz
          micro: int | None = None, seq_len: int | None = None, gpu: str = "h100", per_node: int = 8,
          links: dict[str, str] | None = None, mfu: float = 0.5, dtype: str = "bfloat16", compare: bool = True,
          network: dict[str, Link] = LINKS, remat: str = "none", offload_optimizer: bool = False,
-         loss_chunk: int | None = None, grpo: plan_grpo.GRPO | None = None, split_q: bool = False) -> dict[str, Any]:
+         loss_chunk: int | None = None, grpo: plan_grpo.GRPO | None = None, split_q: bool = False,
+         megabatch_bytes: int | None = None) -> dict[str, Any]:
   """The plan of one step as a JSON-ready dict (see the module docstring); ``links``
   overrides the link kind of some axes, ``network`` the kinds' bandwidth and latency;
-  ``split_q`` Dion's Q split over the row axes (``--dion-split-q``).
+  ``split_q`` Dion's Q split over the row axes (``--dion-split-q``); ``megabatch_bytes``
+  the matrix optimizers' chunks stepped one after another (``--megabatch-mib``).
   Defaults are ``python -m train.gpt``'s (Dion at its default rank for the model's width,
   ``train.run.optim.default_rank_fraction``; Dion2's fraction 1/4) on a GPU (bfloat16
   activations). With ``grpo`` the step is GRPO's: its rollout (``train.run.plan.grpo``) and
@@ -145,7 +147,7 @@ def plan(model: str | models.GPTConfig = "small", mesh: str | dict = "", optimiz
   per_replica = optimizer == "dion"
   collectives = plan_model.model_collectives(cfg, sizes, step, params, per_replica)
   update, state = plan_optimizer.update(params, sizes, optimizer, rank_fraction, fraction, per_replica,
-                                        split_q=split_q)
+                                        split_q=split_q, megabatch_bytes=megabatch_bytes)
   collectives = merged(collectives + update)
   link_of = axis_links(sizes, per_node, links or {})
   hw = GPUS[gpu]
@@ -160,13 +162,13 @@ def plan(model: str | models.GPTConfig = "small", mesh: str | dict = "", optimiz
   if loss_chunk is None:
     loss_chunk = getattr(cfg, "loss_chunk", 0)
   memory = plan_memory.memory(cfg, sizes, step, params, state, remat, offload_optimizer, loss_chunk, optimizer,
-                              rank_fraction, split_q)
+                              rank_fraction, split_q, megabatch_bytes)
   # What crosses to the host and back each step: the offloaded residuals, the optimizer state.
   offload = 2 * memory["host_total"] / hw.host_bandwidth
   out = {
       "model": model if isinstance(model, str) else "GPTConfig", "mesh": format_mesh_spec(sizes), "devices": devices, "optimizer": optimizer,
       "rank_fraction": rank_fraction if optimizer == "dion" else None, "split_q": split_q and optimizer == "dion",
-      "gpu": gpu,
+      "megabatch_bytes": None if optimizer == "adamw" else megabatch_bytes, "gpu": gpu,
       "global_batch": global_batch, "micro_batch": step.micro, "micro_batches": step.accum, "seq_len": cfg.seq_len,
       "parameters_total": cfg.num_params(), "links": link_of, "collectives": rows,
       "bytes_by_axes": _by(rows, lambda r: ",".join(r["axes"])),
@@ -187,7 +189,7 @@ def plan(model: str | models.GPTConfig = "small", mesh: str | dict = "", optimiz
     out["versus"] = {o: _summary(plan(model, sizes, o, rank_fraction, fraction, global_batch, micro, seq_len, gpu,
                                       per_node, links, mfu, dtype, compare=False, network=network, remat=remat,
                                       offload_optimizer=offload_optimizer, loss_chunk=loss_chunk, grpo=grpo,
-                                      split_q=split_q))
+                                      split_q=split_q, megabatch_bytes=megabatch_bytes))
                      for o in ("adamw", "muon") if o != optimizer}
   return out
 
@@ -196,11 +198,12 @@ def plan_run(cfg: Config, model_cfg: models.GPTConfig, mesh: str | dict, grpo: p
              **choices: Any) -> dict[str, Any]:
   """The plan of the trainer's run ``cfg`` of ``model_cfg`` (its dtype, recompute policy and
   loss chunk) on ``mesh``, as compiled (``compare=False``); with ``grpo``, GRPO's update of
-  that shape. ``choices`` (``remat``, ``offload_optimizer``, ``split_q``) stand in for the run's own."""
+  that shape. ``choices`` (``remat``, ``offload_optimizer``, ``split_q``, ``megabatch_bytes``) stand in
+  for the run's own."""
   return plan(model_cfg, mesh, cfg.optimizer, cfg.dion_rank_fraction, global_batch=cfg.global_batch_size,
               micro=cfg.micro_batch_size, dtype=model_cfg.dtype, compare=False, loss_chunk=model_cfg.loss_chunk,
               grpo=grpo, **{"remat": model_cfg.remat, "offload_optimizer": cfg.offload_optimizer,
-                            "split_q": cfg.dion_split_q, **choices})
+                            "split_q": cfg.dion_split_q, "megabatch_bytes": cfg.megabatch_bytes, **choices})
 
 
 def _add_update_fields(memory: dict, cfg: models.GPTConfig, sizes: dict[str, int], step: plan_model.Step) -> None:
@@ -275,23 +278,37 @@ def remat_policies() -> tuple[str, ...]:
   return tuple(remat.POLICIES)
 
 
+# The chunks --sweep and the preflight's advice try (``--megabatch-mib 1``): one parameter at a time
+# for a model whose matrices pass 1 MiB a device, the update's least memory.
+MEGABATCH_MIB = 1
+
+
 def sweep(model: str, devices: int, top: int = 10, policies: Sequence[str] | None = None,
-          offloads: Sequence[bool] = (False, True), splits: Sequence[bool] | None = None, **kwargs) -> list[dict]:
+          offloads: Sequence[bool] = (False, True), splits: Sequence[bool] | None = None,
+          megabatches: Sequence[int | None] | None = None, **kwargs) -> list[dict]:
   """For each mesh of ``devices``, the fastest (non-overlapped step) recompute policy,
-  optimizer offload and, for Dion on tp > 1, Q's split over tp (``splits``; default both)
-  that fit; the meshes that have one, fastest first."""
+  optimizer offload, for Dion on tp > 1 Q's split over tp (``splits``; default both) and
+  the update's chunks (``megabatches``: ``megabatch_bytes`` values; for Dion None and
+  :data:`MEGABATCH_MIB`, for the others None: a Muon chunk smaller than its device group is
+  padded to it, which the plan does not count) that fit; the meshes that have one, fastest
+  first."""
   cfg = plan_model.load_config(model, kwargs.get("seq_len"), kwargs.get("dtype", "bfloat16"))
+  optimizer = kwargs.get("optimizer", TRAINER.optimizer)
   if splits is None:
-    splits = (False, True) if kwargs.get("optimizer", TRAINER.optimizer) == "dion" else (False,)
+    splits = (False, True) if optimizer == "dion" else (False,)
+  if megabatches is None:
+    megabatches = (None, MEGABATCH_MIB * 2**20) if optimizer == "dion" else (None,)
   ok = []
   for sizes in meshes(devices, cfg, cfg.num_experts > 0):
     best = None
     # Q splits over tp only (the GPT's row axis): on tp=1 a split plan is the unsplit one.
-    choices = [(policy, offload, split) for policy, offload, split in
-               itertools.product(policies or remat_policies(), offloads, splits) if sizes["tp"] > 1 or not split]
-    for policy, offload, split in choices:
+    choices = [(policy, offload, split, chunk) for policy, offload, split, chunk in
+               itertools.product(policies or remat_policies(), offloads, splits, megabatches)
+               if sizes["tp"] > 1 or not split]
+    for policy, offload, split, chunk in choices:
       try:
-        p = plan(model, sizes, compare=False, remat=policy, offload_optimizer=offload, split_q=split, **kwargs)
+        p = plan(model, sizes, compare=False, remat=policy, offload_optimizer=offload, split_q=split,
+                 megabatch_bytes=chunk, **kwargs)
       except ValueError:
         break  # the batch or a dimension does not split on this mesh
       if p["fits"] and (best is None or p["time"]["step"] < best["time"]["step"]):
@@ -303,14 +320,16 @@ def sweep(model: str, devices: int, top: int = 10, policies: Sequence[str] | Non
 
 def format_sweep(found: list[dict]) -> str:
   """The sweep as a Markdown table, each mesh's caveats in its last column."""
-  lines = ["| mesh | --remat | --offload-optimizer | --dion-split-q | step ms | compute (recompute) | communication"
-           " | bubble | offload | device memory | host memory | communication/device/step | bound | caveats |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  lines = ["| mesh | --remat | --offload-optimizer | --dion-split-q | --megabatch-mib | step ms | compute (recompute)"
+           " | communication | bubble | offload | device memory | host memory | communication/device/step | bound"
+           " | caveats |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   yes = lambda flag: "yes" if flag else "no"  # noqa: E731
   for p in found:
     t, m = p["time"], p["memory"]
+    chunk = p["megabatch_bytes"]
     lines.append(f"| {p['mesh']} | {m['policy']} | {yes(m['offload_optimizer'])} | {yes(p['split_q'])}"
-                 f" | {t['step'] * 1e3:.1f}"
+                 f" | {'off' if chunk is None else f'{chunk / 2**20:g}'} | {t['step'] * 1e3:.1f}"
                  f" | {t['compute'] * 1e3:.1f} ({t['recompute'] * 1e3:.1f}) | {t['communication'] * 1e3:.1f}"
                  f" | {t['bubble'] * 1e3:.1f} | {t['offload'] * 1e3:.1f} | {size(m['device_total'])}"
                  f" | {size(m['host_total'])} | {size(p['bytes_total'])} | {p['bound']}"
@@ -353,7 +372,8 @@ def format_plan(p: dict) -> str:
   t, m = p["time"], p["memory"]
   lines = [f"{p['model']} ({p['parameters_total'] / 1e9:.2f}B) on {p['mesh']} ({p['devices']} x {p['gpu']}),"
            f" {p['optimizer']}" + (f" rank {p['rank_fraction']:g}" if p["rank_fraction"] else "")
-           + (", Q split over tp" if p["split_q"] else "") + f"; batch {p['global_batch']} x {p['seq_len']}, {p['micro_batches']} micro-batches of {p['micro_batch']}",
+           + (", Q split over tp" if p["split_q"] else "")
+           + (f", update chunks of {p['megabatch_bytes'] / 2**20:g} MiB" if p["megabatch_bytes"] else "") + f"; batch {p['global_batch']} x {p['seq_len']}, {p['micro_batches']} micro-batches of {p['micro_batch']}",
            "", "| purpose | op | axes | link | MiB/device/step | ms |", "| --- | --- | --- | --- | --- | --- |"]
   for r in sorted(p["collectives"], key=lambda r: -r["bytes"]):
     link = "/".join(sorted({p["links"][a] for a in r["axes"]}))
