@@ -98,18 +98,20 @@ def forward(graphdef: Any, params: Any, tokens_BxT: jax.Array, pad_B: jax.Array,
   block_graphdef = nnx.graphdef(model.blocks)
   grouped = cache[0].ndim == 6
 
-  def unit(carry, i):
-    x_BxTxD, k_all, v_all = carry
+  # Each unit's cache is scanned over, not carried: a carried cache, read and updated in
+  # one iteration, was copied whole (every layer's) several times per layer and token.
+  def unit(x_BxTxD, layer):
+    i, k_unit, v_unit = layer
     block = nnx.merge(block_graphdef, jax.tree.map(lambda stack: stack[i], params["blocks"]))
-    x_BxTxD, aux = block(x_BxTxD, rope, par, cache=KVCache(k_all[i], v_all[i], start, visible_BxTxS))
-    where = (i, *((0,) if grouped else ()), 0, start, 0, 0)
+    x_BxTxD, aux = block(x_BxTxD, rope, par, cache=KVCache(k_unit, v_unit, start, visible_BxTxS))
+    where = (*((0,) if grouped else ()), 0, start, 0, 0)
     k_new, v_new = aux["kv"]
-    k_all = jax.lax.dynamic_update_slice(k_all, k_new[None].astype(k_all.dtype), where)
-    v_all = jax.lax.dynamic_update_slice(v_all, v_new[None].astype(v_all.dtype), where)
-    return (x_BxTxD, k_all, v_all), None
+    k_unit = jax.lax.dynamic_update_slice(k_unit, k_new.astype(k_unit.dtype), where)
+    v_unit = jax.lax.dynamic_update_slice(v_unit, v_new.astype(v_unit.dtype), where)
+    return x_BxTxD, (k_unit, v_unit)
 
   x_BxTxD = model.embed_tokens(tokens_BxT, par)
-  (x_BxTxD, k_all, v_all), _ = jax.lax.scan(unit, (x_BxTxD, *cache), jnp.arange(cache[0].shape[0]))
+  x_BxTxD, (k_all, v_all) = jax.lax.scan(unit, x_BxTxD, (jnp.arange(cache[0].shape[0]), *cache))
   return model.logits(x_BxTxD[:, -1:], par)[:, 0], (k_all, v_all)
 
 
