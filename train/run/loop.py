@@ -154,9 +154,10 @@ def _steps(run: Run, progress: Progress, interrupt: Interrupt) -> None:
                  f" ({log.processes(jax.process_count())}),"
                  f" steps {run.start_step + 1}..{cfg.steps}, run directory {cfg.run_path}")
   logger.legend(cfg.clip_grad)
-  if cfg.ignored_flags():
-    logger.message(f"warning: --optimizer {cfg.optimizer} does not read {', '.join(cfg.ignored_flags())};"
-                   " they are recorded in config.json but change nothing")
+  if ignored := cfg.ignored_flags():
+    logger.message(f"warning: --optimizer {cfg.optimizer} does not read {', '.join(ignored)};"
+                   f" {'they are' if len(ignored) > 1 else 'it is'} recorded in config.json but change"
+                   f"{'' if len(ignored) > 1 else 's'} nothing")
   pending = None  # the previous step's metrics, read while the next step runs
   scaled = run.model_cfg.dtype == "float16"
 
