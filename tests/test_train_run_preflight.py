@@ -10,6 +10,7 @@ import dion_jax
 import models
 from train.cli import UsageError
 from train.run.plan import grpo as plan_grpo
+from train.run.plan import model as plan_model
 from train.run.plan import planner
 from train.run import config as config_lib
 from train.run import preflight
@@ -63,3 +64,21 @@ def test_a_refused_step_names_the_fastest_policy_and_offload_that_fit_its_mesh(g
   remat, offload = min(fits, key=lambda choice: fits[choice]["time"]["step"])
   assert ("none", False) not in fits and said.flags == f"--remat {remat}{' --offload-optimizer' * offload}"
   assert preflight.what_fits(cfg, models.preset("tiny"), sizes, need, 3 * least - 1, grpo) is None
+
+
+def test_dion_on_the_flagship_mesh_is_told_to_chunk_its_update():
+  """docs/planning.md's flagship (GRPO on Llama-3.1-70B, tp=8 x pp=2, 2 prompts x 4 of 256 +
+  512 tokens, one H100's 74.5 GiB): Dion at its default rank fits only with its update in
+  chunks, so the refusal names --megabatch-mib (beside full recompute and offload), where
+  no policy, offload or split of Q fits without it."""
+  cfg = config_lib.parse(["--optimizer", "dion", "--mesh", "tp=8,pp=2", "--micro-batch-size", "1"])
+  model_cfg = plan_model.load_config("70b", None, "bfloat16")
+  sizes, limit = dion_jax.parse_mesh_spec("tp=8,pp=2"), int(74.5 * 2**30)
+  grpo = plan_grpo.GRPO(prompts=2, group=4, prompt=256, completion=512)
+  need = planner.plan_run(cfg, model_cfg, sizes, grpo)["memory"]["device_total"]  # the compiled step, as planned
+  unchunked = [planner.plan_run(cfg, model_cfg, sizes, grpo, remat=remat, offload_optimizer=offload, split_q=split)
+               for remat in planner.remat_policies() for offload in (False, True) for split in (False, True)]
+  assert min(p["memory"]["device_total"] for p in unchunked) > limit
+  said = preflight.what_fits(cfg, model_cfg, sizes, need, limit, grpo)
+  assert said is not None and said.flags.endswith(f"--megabatch-mib {planner.MEGABATCH_MIB}"), said
+  assert said.estimate <= limit
