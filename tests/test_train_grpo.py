@@ -21,6 +21,7 @@ import yaml
 import dion_jax
 import models
 from tests.test_train_gpt import compile_cache, free_port, subprocess_env  # noqa: F401  a fixture
+from tests import saved_runs
 from tests.test_train_run_peers import wait_for_step
 from train import sample
 from train.grpo import __main__ as grpo
@@ -65,20 +66,10 @@ def lock_watcher(prompts, completions, **_):
 def base_run(tmp_path_factory):
   """A byte-level GPT saved as a train.gpt run (config.json and an Orbax checkpoint of its
   parameters), without training it."""
-  run_dir = str(tmp_path_factory.mktemp("grpo") / "base")
   cfg = models.preset("tiny", num_layers=2, d_model=32, num_heads=2, seq_len=SEQ_LEN)
-  _, params = models.init(cfg, seed=0)
-  params = dict(params, blocks=models.to_layers(params["blocks"], 1))
-  train_cfg = config_lib.Config(num_layers=2, hidden_size=32, num_attention_heads=2, seq_len=SEQ_LEN,
-                                optimizer="adamw", run_dir=run_dir)
-  record = {"train": train_cfg.to_json(), "model": dataclasses.asdict(cfg)}
-  os.makedirs(run_dir)
-  with open(os.path.join(run_dir, "config.json"), "w") as f:
-    json.dump(record, f)
-  checkpoints = ckpt_lib.Checkpoints(train_cfg.ckpt_path, keep=1, create=True)
-  checkpoints.save(1, {"params": params}, {"step": 1}, record)
-  checkpoints.close()
-  return run_dir
+  return saved_runs.save(str(tmp_path_factory.mktemp("grpo") / "base"), cfg, models.init(cfg, seed=0)[1],
+                         config_lib.Config(num_layers=2, hidden_size=32, num_attention_heads=2, seq_len=SEQ_LEN,
+                                           optimizer="adamw"))
 
 
 @pytest.fixture
