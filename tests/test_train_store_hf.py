@@ -299,9 +299,9 @@ def test_sample_chat_prints_the_reply_up_to_its_eos(trained, capsys, monkeypatch
   def reply(model, prompt_P, max_new_tokens, *args, eos_id=None):
     prompts.append(list(prompt_P))
     eos_ids.append(eos_id)
-    return np.asarray([4, 5, 1, 6], np.int32)  # w2 w3 </s> w4
+    return iter([np.asarray([4], np.int32), np.asarray([5, 1, 6], np.int32)])  # w2, w3 </s> w4
 
-  monkeypatch.setattr(sample, "generate", reply)
+  monkeypatch.setattr(sample, "continuation", reply)
   assert sample.main([str(run), "--prompt", "w1 w2", "--chat"]) == 0
   assert capsys.readouterr().out.split() == ["w2", "w3"]
   assert prompts == [[0, 3, 4, 1, 0]]  # "user w1 w2 </s> assistant ", roles unknown to the words

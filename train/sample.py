@@ -172,7 +172,10 @@ def _continue(args: argparse.Namespace, model: restore_lib.Restored, tokenizer, 
   shown = _Shown(tokenizer, np.zeros(0, np.int32) if args.chat else prompt_P.astype(np.int32))
   for chunk in continuation(model, prompt_P, args.max_new_tokens, args.temperature, args.top_k, args.seed,
                             tokenizer.eod, args.top_p, eos_id=tokenizer.eod if args.chat else None):
-    shown.add(chunk[chunk != tokenizer.eod] if args.chat else chunk)
+    ends = np.flatnonzero(chunk == tokenizer.eod) if args.chat else ()
+    shown.add(chunk[:ends[0]] if len(ends) else chunk)
+    if len(ends):
+      break
   shown.end()
 
 
