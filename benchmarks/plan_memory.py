@@ -29,6 +29,7 @@ CASES = [
     f"{TINY} --mesh fs=8 --optimizer adamw --remat full",
     f"{TINY} --mesh fs=4,tp=2 --optimizer adamw",
     f"{TINY} --mesh fs=8 --optimizer dion",
+    f"{TINY} --mesh fs=2,tp=4 --optimizer dion",
     f"{TINY} --mesh fs=4,tp=2 {DION} --remat selective",
     f"{TINY} --mesh rp=2,fs=2,tp=2 {DION}",
     f"{TINY} --mesh rp=8 {DION} --remat save_out_proj --global-batch-size 16 --micro-batch-size 1",

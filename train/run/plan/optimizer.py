@@ -263,41 +263,51 @@ def chunks(params: Sequence[Leaf], sizes: dict[str, int], optimizer: str, rank_f
 def update_memory(params: Sequence[Leaf], sizes: dict[str, int], optimizer: str, rank_fraction: float = 0.25,
                   split_q: bool = False, megabatch_bytes: int | None = None, per_replica: bool = True) -> int:
   """The update's temporaries beside the state, per device: each chunk (:func:`chunks`)
-  stacks a float32 copy of its gradients and state; Dion's chunk whose matrices do not split
-  over P's group also holds every matrix's P (:func:`_whole_p`) and a split Q is held whole,
-  gathered and new (:func:`_gathered_q`); Muon and Dion2 move their blocks in bfloat16 (half
-  the gradients); AdamW works in place. XLA runs the megabatches side by side, so without
-  ``megabatch_bytes`` the update holds all of them; with it, the chunks run one after
-  another and the update holds the largest."""
+  stacks a float32 copy of its gradients and state; Muon and Dion2 move their blocks in
+  bfloat16 (half the gradients); AdamW works in place. XLA runs the megabatches side by
+  side, so without ``megabatch_bytes`` the update holds all of them; with it, the chunks run
+  one after another and the update holds the largest. Beside them, what XLA:CPU allocates
+  at the step's start for every chunk, whatever their order: Dion's split Q held whole
+  (:func:`_gathered_q`) and its factorizations' outputs (:func:`_factor_outputs`).
+
+  Dion's P (b x rows/R x r, whole where the matrices do not split over its group) is not
+  counted: it lives only inside the update, below the step's peak in every case measured
+  (``docs/planning.md``), where the outputs above are live at the peak."""
   if optimizer == "adamw":
     return 0
-  copies = []
+  copies, hoisted = [], 0
   for same in chunks(params, sizes, optimizer, rank_fraction, split_q, megabatch_bytes):
     leaf, n = same[0], len(same)
     if optimizer == "dion":
-      copies.append(n * _leaf_bytes(leaf, sizes, optimizer, rank_fraction, split_q)
-                    + _whole_p(leaf, n, sizes, rank_fraction, per_replica)
-                    + _gathered_q(leaf, n, sizes, rank_fraction, split_q))
+      copies.append(n * _leaf_bytes(leaf, sizes, optimizer, rank_fraction, split_q))
+      hoisted += (_gathered_q(leaf, n, sizes, rank_fraction, split_q)
+                  + _factor_outputs(leaf, n, sizes, rank_fraction, per_replica))
     else:
       copies.append(n * local_bytes(leaf, sizes) // 2)
-  return sum(copies) if megabatch_bytes is None else max(copies, default=0)
+  return hoisted + (sum(copies) if megabatch_bytes is None else max(copies, default=0))
 
 
-def _whole_p(leaf: Leaf, stacked: int, sizes: dict[str, int], rank_fraction: float, per_replica: bool) -> int:
-  """Dion's P of a megabatch whose matrices do not split over P's group (the columns'
-  axes and, compressed, the replicas): each device holds all b matrices' P, its rows of
-  m x r float32 (the sum :func:`_dion` all-reduces whole where a split one is scattered)
-  (measured: tiny fs=8, where 12 and 4 matrices do not split over 8 devices, holds 2.0 MiB
-  above the rest of the plan at rank 1, 0.24 at 1/2; on fs=4,tp=2 and rp=2,fs=2,tp=2, where
-  they split, nothing)."""
+def _factor_outputs(leaf: Leaf, stacked: int, sizes: dict[str, int], rank_fraction: float, per_replica: bool) -> int:
+  """The outputs of Dion's small factorizations for a chunk of ``stacked`` parameters, float32
+  per matrix this device orthonormalizes (b, or b over P's group where they split it): with
+  RCQR four r x r (the sketch's R, its inverse, the Gram's Cholesky factor, its inverse),
+  with Householder (rows <= r: P gathered over the rows' axes) Q, rows x r
+  (``dion_jax.linalg.qr``). On a CPU each is a loop's stacked output (``lax.map``,
+  ``dion_jax.kernels.lapack``) whose zero-filled buffer XLA fills at the step's start, every
+  chunk's (a constant, which the chunks' barriers do not order), and holds through the
+  forward and backward passes. They grow as r², beyond P's rows/R x r where tp splits the
+  rows: the term whose absence put the plan below the compiled step at full rank on tp
+  (tiny fs=2,tp=4 at rank 1: one [6, 128, 128] and nine [2, 128, 128] float32 buffers,
+  1.5 MiB, live at the forward's end; the plan 0.986 of the step without them, 1.099 with).
+  On fs=8 they are the buffers a whole P per megabatch stood for before (3.0 MiB there)."""
   fr = matrix_frame(leaf.shape, DionDimensionNumbers(), rank_fraction, 1, leaf.spec, leaf.name)
   compressed = per_replica and sizes["rp"] > 1 and fr.compressible
   p_group = live(sizes, live(sizes, [leaf.spec[fr.col_axis]]) + (("rp",) if compressed else ()))
   shape = local_shape(leaf, sizes)
   b = stacked * math.prod(shape[a] for a in fr.batch_axes)
-  if p_group and b % group(sizes, p_group) == 0:
-    return 0
-  return b * shape[fr.row_axis] * fr.rank * 4
+  matrices = b // group(sizes, p_group) if p_group and b % group(sizes, p_group) == 0 else b
+  per_matrix = fr.rows * fr.rank if fr.rows <= fr.rank else 4 * fr.rank * fr.rank
+  return matrices * per_matrix * 4
 
 
 def _gathered_q(leaf: Leaf, stacked: int, sizes: dict[str, int], rank_fraction: float, split_q: bool) -> int:
@@ -306,7 +316,10 @@ def _gathered_q(leaf: Leaf, stacked: int, sizes: dict[str, int], rank_fraction: 
   The update then holds one whole Q more than the unsplit layout's, so the split alone saves
   memory between steps, not at the update's peak (measured, the trainer's compiled step,
   tiny at rank 1 and 1/2 on fs=4,tp=2 and fs=2,tp=4: the temporaries grow by 5/6 of Q,
-  the arguments drop by (R - 1)/R of it)."""
+  the arguments drop by (R - 1)/R of it). In chunks (``megabatch_bytes``) XLA:CPU gathers
+  every chunk's Q at the step's start all the same (tiny fs=2,tp=4 at rank 1, chunks of one
+  parameter: six of the eight gathered Qs, 131,072 bytes each, live from the forward pass to
+  the update; the plan 0.988 of the compiled step when it counted one chunk's)."""
   split = _q_split(leaf, sizes, rank_fraction, split_q)
   if split == 1:
     return 0
