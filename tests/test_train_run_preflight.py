@@ -68,10 +68,12 @@ def test_a_refused_step_names_the_fastest_policy_and_offload_that_fit_its_mesh(g
 
 def test_dion_on_the_flagship_mesh_is_told_to_chunk_its_update():
   """docs/planning.md's flagship (GRPO on Llama-3.1-70B, tp=8 x pp=2, 2 prompts x 4 of 256 +
-  512 tokens, one H100's 74.5 GiB): Dion at its default rank fits only with its update in
-  chunks, so the refusal names --megabatch-mib (beside full recompute and offload), where
-  no policy, offload or split of Q fits without it."""
-  cfg = config_lib.parse(["--optimizer", "dion", "--mesh", "tp=8,pp=2", "--micro-batch-size", "1"])
+  512 tokens, one H100's 74.5 GiB): Dion at rank 1/16 fits only with its update in chunks,
+  so the refusal names --megabatch-mib (beside full recompute and offload), where no
+  policy, offload or split of Q fits without it (at the default rank 1/2 nothing fits: its
+  r x r factors, 50.3 GiB a device, stay whatever the chunks)."""
+  cfg = config_lib.parse(["--optimizer", "dion", "--dion-rank-fraction", "0.0625", "--mesh", "tp=8,pp=2",
+                          "--micro-batch-size", "1"])
   model_cfg = plan_model.load_config("70b", None, "bfloat16")
   sizes, limit = dion_jax.parse_mesh_spec("tp=8,pp=2"), int(74.5 * 2**30)
   grpo = plan_grpo.GRPO(prompts=2, group=4, prompt=256, completion=512)
