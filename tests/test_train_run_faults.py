@@ -142,6 +142,8 @@ def test_a_signal_finishes_the_step_saves_and_exits(compile_cache, tmp_path, cap
   assert logged == list(range(1, int(saved[0]) + 1))
   assert err.startswith(f"error: stopped by {signal.Signals(signum).name} after step {saved[0]};"
                         f" the checkpoint of step {saved[0]} is saved in")
+  # the whole command: a bare --resume would continue the default run directory, not this one
+  assert err.endswith(f"; continue with: python -m train.gpt --run-dir {run_dir} --resume\n"), err
   assert not (run_dir / rundir.LOCK_NAME).exists()
   assert found is not None and signal.getsignal(signum) == found
 

@@ -166,7 +166,8 @@ def train(run: Run) -> int:
   """The GRPO steps in ``loop.run_loop`` (its exit codes); a reward's bad output later in
   the run prints ``error: ...``, exit 2."""
   try:
-    return loop.run_loop(run, lambda progress, interrupt: _steps(run, progress, interrupt), run.data.first.seconds)
+    return loop.run_loop(run, lambda progress, interrupt: _steps(run, progress, interrupt), run.data.first.seconds,
+                          "train.grpo")
   except UsageError as e:
     print(f"error: {e}", file=sys.stderr)
     return cli.EXIT_USAGE
