@@ -133,7 +133,7 @@ def _exit_code(run: Run, progress: Progress, interrupt: Interrupt, seconds: floa
           " start a new --run-dir", file=sys.stderr)
     return EXIT_DIVERGED
   if jax.process_index() == 0:
-    print(f"done: {cfg.steps - run.start_step} steps in {seconds:.1f} s", flush=True)
+    print(f"done: {log.counted(cfg.steps - run.start_step, 'step')} in {seconds:.1f} s", flush=True)
   return 0
 
 
