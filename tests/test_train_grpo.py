@@ -144,6 +144,7 @@ def test_run_writes_metrics_and_a_checkpoint_train_sample_reads(base_run, prompt
     (["--init-from", "{empty}.run", "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"],
      "empty.jsonl.run does not exist; name the directory of a python -m train.gpt run"),
     (["--max-new-tokens", "30"], "the prompt has 4 tokens; it must have 1 to 2"),
+    (["--max-new-tokens", "32"], "leaves no room for a prompt in the model's seq_len 32 (--init-from"),
     (["--temperature", "0"], "--temperature must be a finite number > 0"),
     (["--reward", "tests.test_train_grpo:raising_reward"], "raised RuntimeError: no score today"),
     (["--reward", "tests.test_train_grpo:nan_reward"], "must return one finite number per completion"),

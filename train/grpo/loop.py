@@ -151,8 +151,9 @@ def _prompts(grpo: GRPOConfig, model_cfg: models.GPTConfig, graphdef: Any, start
   rewards = grpo_rewards.reward_functions(list(grpo.reward), grpo.answer_column)
   limit = model_cfg.seq_len - grpo.max_new_tokens
   if limit < 1:
-    raise UsageError(f"--max-new-tokens {grpo.max_new_tokens} leaves no room for a prompt in seq_len"
-                     f" {model_cfg.seq_len}")
+    raise UsageError(f"--max-new-tokens {grpo.max_new_tokens} leaves no room for a prompt in the model's"
+                     f" seq_len {model_cfg.seq_len} (--init-from {grpo.init_from}'s); pass a --max-new-tokens"
+                     f" below {model_cfg.seq_len}")
   rows, texts, tokens = read_prompts(grpo, tokenizer, limit)
   objective = grpo_objective.Objective(
       **{f.name: getattr(grpo, f.name) for f in dataclasses.fields(grpo_config.ObjectiveConfig)},
