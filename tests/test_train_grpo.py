@@ -199,6 +199,9 @@ def test_resume_continues_as_if_never_stopped(base_run, prompts_file, tmp_path, 
   straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
   WATCHED_RUN.append(straight)
   assert grpo.main([*args, "--run-dir", straight, "--steps", "2"]) == 0
+  out = capsys.readouterr().out.splitlines()
+  lines = [i for i, line in enumerate(out) if re.match(r"step +\d+/2 \|", line)]
+  assert len(lines) == 2 and out.index(grpo_loop.LEGEND) < lines[0], out  # the fields said once, first
   # Step 1's rollout is scored in set-up, before the run takes the directory (as train.gpt
   # compiles its step first): a bad reward is refused with nothing written.
   assert LOCKS_SEEN[-2:] == [None, {"host": socket.gethostname(), "pid": os.getpid()}]
