@@ -350,7 +350,9 @@ def test_a_damaged_checkpoints_cause_is_one_short_clause(tmp_path):
   line = str(preflight.damaged("--step", str(tmp_path), 2, long))
   cause = line[line.index("(") + 1:line.rindex(")")]
   assert "\n" not in line and len(cause) == 120 and cause.startswith("Exception: DATA_LOSS: Error reading xxx")
-  assert cause.endswith("…") and line.endswith("no older checkpoint exists: start a new --run-dir")
+  assert cause.endswith("…") and line.endswith("no older checkpoint exists: train a new run with python -m train.gpt")
+  # train.gpt's own fix names its flag, which train.eval, train.sample and train.export do not have
+  assert str(preflight.damaged("--resume --step", str(tmp_path), 2, long)).endswith("start a new --run-dir")
 
 
 def test_an_imported_model_is_checked_on_the_data_ids_and_its_positions(tmp_path, capsys):
