@@ -187,8 +187,18 @@ def _count(n: int, noun: str) -> str:
   return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
+class _Parser(argparse.ArgumentParser):
+  """Bad flags end with one ``error: ...`` line and exit code 2, as the ``train.*`` commands'
+  (``train/cli.py``), where argparse printed its usage too; the commands' parsers are of this
+  class as well."""
+
+  def error(self, message):
+    print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+    sys.exit(2)
+
+
 def _parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(
+  parser = _Parser(
       prog="python -m data.convert", description=__doc__,
       formatter_class=argparse.RawDescriptionHelpFormatter)
   common = argparse.ArgumentParser(add_help=False)

@@ -142,6 +142,18 @@ def test_bad_inputs_give_one_line_errors(tmp_path, capsys, case):
   assert not os.path.exists(tmp_path / "out") or _files(tmp_path / "out") == []
 
 
+@pytest.mark.parametrize("argv, expected", [
+    ([], "error: the following arguments are required: command (see python -m data.convert --help)"),
+    (["tokenize", "a.txt", "--output-prefix", "x", "--shard-tokens", "many"],
+     "error: argument --shard-tokens: invalid int value: 'many' (see python -m data.convert tokenize --help)"),
+])
+def test_bad_flags_give_one_line_errors(capsys, argv, expected):
+  """Was argparse's usage line above the error."""
+  with pytest.raises(SystemExit) as stop:
+    convert.main(argv)
+  assert stop.value.code == 2 and capsys.readouterr().err == expected + "\n"
+
+
 def test_a_ctrl_c_is_one_line_exit_130_nothing_written(tmp_path, capsys, monkeypatch):
   (tmp_path / "a.txt").write_text("abc")
   (tmp_path / "out").mkdir()

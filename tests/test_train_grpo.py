@@ -144,6 +144,7 @@ def test_run_writes_metrics_and_a_checkpoint_train_sample_reads(base_run, prompt
     (["--init-from", "{empty}.run", "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"],
      "empty.jsonl.run does not exist; name the directory of a python -m train.gpt run"),
     (["--max-new-tokens", "30"], "the prompt has 4 tokens; it must have 1 to 2"),
+    (["--max-new-tokens", "32"], "leaves no room for a prompt in the model's seq_len 32 (--init-from"),
     (["--temperature", "0"], "--temperature must be a finite number > 0"),
     (["--reward", "tests.test_train_grpo:raising_reward"], "raised RuntimeError: no score today"),
     (["--reward", "tests.test_train_grpo:nan_reward"], "must return one finite number per completion"),
@@ -198,6 +199,9 @@ def test_resume_continues_as_if_never_stopped(base_run, prompts_file, tmp_path, 
   straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
   WATCHED_RUN.append(straight)
   assert grpo.main([*args, "--run-dir", straight, "--steps", "2"]) == 0
+  out = capsys.readouterr().out.splitlines()
+  lines = [i for i, line in enumerate(out) if re.match(r"step +\d+/2 \|", line)]
+  assert len(lines) == 2 and out.index(grpo_loop.LEGEND) < lines[0], out  # the fields said once, first
   # Step 1's rollout is scored in set-up, before the run takes the directory (as train.gpt
   # compiles its step first): a bad reward is refused with nothing written.
   assert LOCKS_SEEN[-2:] == [None, {"host": socket.gethostname(), "pid": os.getpid()}]

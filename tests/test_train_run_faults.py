@@ -142,6 +142,8 @@ def test_a_signal_finishes_the_step_saves_and_exits(compile_cache, tmp_path, cap
   assert logged == list(range(1, int(saved[0]) + 1))
   assert err.startswith(f"error: stopped by {signal.Signals(signum).name} after step {saved[0]};"
                         f" the checkpoint of step {saved[0]} is saved in")
+  # the whole command: a bare --resume would continue the default run directory, not this one
+  assert err.endswith(f"; continue with: python -m train.gpt --run-dir {run_dir} --resume\n"), err
   assert not (run_dir / rundir.LOCK_NAME).exists()
   assert found is not None and signal.getsignal(signum) == found
 
@@ -348,7 +350,9 @@ def test_a_damaged_checkpoints_cause_is_one_short_clause(tmp_path):
   line = str(preflight.damaged("--step", str(tmp_path), 2, long))
   cause = line[line.index("(") + 1:line.rindex(")")]
   assert "\n" not in line and len(cause) == 120 and cause.startswith("Exception: DATA_LOSS: Error reading xxx")
-  assert cause.endswith("…") and line.endswith("no older checkpoint exists: start a new --run-dir")
+  assert cause.endswith("…") and line.endswith("no older checkpoint exists: train a new run with python -m train.gpt")
+  # train.gpt's own fix names its flag, which train.eval, train.sample and train.export do not have
+  assert str(preflight.damaged("--resume --step", str(tmp_path), 2, long)).endswith("start a new --run-dir")
 
 
 def test_an_imported_model_is_checked_on_the_data_ids_and_its_positions(tmp_path, capsys):

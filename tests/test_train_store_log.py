@@ -58,3 +58,9 @@ def test_the_line_names_the_gradient_norm(tmp_path, capsys):
   logger.flush(1)
   logger.close()
   assert "| grad norm (sketch estimate): 0.500 |" in capsys.readouterr().out
+
+
+def test_counts_read_as_english():
+  """``done: 1 steps``, ``(1 process(es))`` were the lines' plurals."""
+  assert [log.counted(n, "step") for n in (1, 2)] == ["1 step", "2 steps"]
+  assert [log.processes(n) for n in (1, 2)] == ["1 process", "2 processes"]

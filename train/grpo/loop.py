@@ -151,8 +151,9 @@ def _prompts(grpo: GRPOConfig, model_cfg: models.GPTConfig, graphdef: Any, start
   rewards = grpo_rewards.reward_functions(list(grpo.reward), grpo.answer_column)
   limit = model_cfg.seq_len - grpo.max_new_tokens
   if limit < 1:
-    raise UsageError(f"--max-new-tokens {grpo.max_new_tokens} leaves no room for a prompt in seq_len"
-                     f" {model_cfg.seq_len}")
+    raise UsageError(f"--max-new-tokens {grpo.max_new_tokens} leaves no room for a prompt in the model's"
+                     f" seq_len {model_cfg.seq_len} (--init-from {grpo.init_from}'s); pass a --max-new-tokens"
+                     f" below {model_cfg.seq_len}")
   rows, texts, tokens = read_prompts(grpo, tokenizer, limit)
   objective = grpo_objective.Objective(
       **{f.name: getattr(grpo, f.name) for f in dataclasses.fields(grpo_config.ObjectiveConfig)},
@@ -166,7 +167,8 @@ def train(run: Run) -> int:
   """The GRPO steps in ``loop.run_loop`` (its exit codes); a reward's bad output later in
   the run prints ``error: ...``, exit 2."""
   try:
-    return loop.run_loop(run, lambda progress, interrupt: _steps(run, progress, interrupt), run.data.first.seconds)
+    return loop.run_loop(run, lambda progress, interrupt: _steps(run, progress, interrupt), run.data.first.seconds,
+                          "train.grpo")
   except UsageError as e:
     print(f"error: {e}", file=sys.stderr)
     return cli.EXIT_USAGE
@@ -180,12 +182,19 @@ def _steps(run: Run, progress: loop.Progress, interrupt: Interrupt) -> None:
     print(f"GRPO on {grpo.init_from} ({run.model_cfg.num_params() / 1e6:.2f}M parameters, {run.model_cfg.dtype})"
           f" with {cfg.optimizer} on mesh {format_mesh_spec(dict(run.mesh.shape))} ({log.processes(jax.process_count())}), steps"
           f" {run.start_step + 1}..{grpo.steps}, run directory {cfg.run_path}", flush=True)
+    print(LEGEND, flush=True)
   agreement = Agreement(run.mesh)
   made, control = run.data.first, run.data.entropy_control
+  compiled_for = {made.batch["inputs"].shape}  # the step compiles again for each new shape of packed rows
   try:
     for step in range(run.start_step + 1, grpo.steps + 1):
       progress.step = step
       made = made if made is not None else rollout_lib.rollout(run, progress.state.params, step)
+      rows, length = shape = made.batch["inputs"].shape
+      if primary and shape not in compiled_for:
+        print(f"step {step}: compiling the training step for {rows} rows of {length} tokens (the rollout's"
+              " rows take a shape not seen before)", flush=True)
+      compiled_for.add(shape)
       t0 = time.perf_counter()
       updates, control = _updates(run, progress, made, control)
       train_s = time.perf_counter() - t0
@@ -274,6 +283,13 @@ def _record(run: Run, step: int, made: rollout_lib.Rollout, updates: list[step_l
     record["vespo/phi_seq_mean"] = mean([s.phi for s in stats])
     del record["clip_low"], record["clip_high"]
   return record
+
+
+LEGEND = ("each line: reward = the mean ± std over the step's completions of the rewards' weighted sum;"
+          " loss, kl (k3, to the starting policy; 0 without --beta) and clip (the share of completion tokens"
+          " whose ratio was clipped) = means over the step's updates; length = the completions' mean tokens;"
+          " rollout = sampling, scoring and log-probabilities, update = the optimizer steps, each with its"
+          " completion tokens/s; skipped = updates not applied")
 
 
 def _line(record: dict, steps: int) -> str:

@@ -99,8 +99,10 @@ def ended(code: int) -> int:
 
 def resume_command(cfg: Config, command: str) -> str:
   """The ``python -m command`` line that continues ``cfg``'s run on this process (the saved
-  flags need not be repeated)."""
+  flags need not be repeated; a run of several processes names this one's)."""
   words = ["python", "-m", command, "--run-dir", cfg.run_path, "--resume"]
+  if cfg.coordinator is None and not cfg.distributed:
+    return shlex.join(words)
   if cfg.coordinator is None:
     words.append("--distributed")
   else:

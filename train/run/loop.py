@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from dion_jax.parallel import format_mesh_spec
-from train.run import evaluation, peers
+from train.run import agent, evaluation, peers
 from train.run import grad_norm as grad_norm_lib
 from train.run import step as step_lib
 from train.run.interrupt import Agreement, Interrupt
@@ -70,10 +70,12 @@ class Progress:
       self.diverged = self.skipped_in_a_row
 
 
-def run_loop(run: Run, steps: Callable[[Progress, Interrupt], None], done_before: float = 0.0) -> int:
+def run_loop(run: Run, steps: Callable[[Progress, Interrupt], None], done_before: float = 0.0,
+             command: str = "train.gpt") -> int:
   """Runs ``steps(progress, interrupt)``, the loop, holding the run's directory until it
   returns, and its end as an exit code (``done_before``: seconds of the first step spent in
-  set-up, GRPO's first rollout, which the last line counts): 0 done, 1 a checkpoint failed to save, the
+  set-up, GRPO's first rollout, which the last line counts; ``command``, ``python -m
+  COMMAND``, the one a signal's line says to resume with): 0 done, 1 a checkpoint failed to save, the
   device ran out of memory or another process was lost (``train/run/peers.py``), 3 diverged (``--max-skipped`` updates in a row skipped, or a
   state that ends non-finite), 130 / 143 stopped by SIGINT / SIGTERM (``train/run/interrupt.py``),
   each but 0 with one ``error: ...`` line."""
@@ -95,7 +97,7 @@ def run_loop(run: Run, steps: Callable[[Progress, Interrupt], None], done_before
           return peers.fail(f"out of device memory by step {progress.step} ({str(e).splitlines()[0][:160]});"
                             f" {_kept(run)}; lower --micro-batch-size or --seq-len, add --remat, or shard over"
                             " more devices (--mesh)", EXIT_FAILED)
-        return _exit_code(run, progress, interrupt, time.perf_counter() - start)
+        return _exit_code(run, progress, interrupt, time.perf_counter() - start, command)
     finally:
       run.directory.close()
 
@@ -105,13 +107,13 @@ def _kept(run: Run) -> str:
   return f"the checkpoint of step {saved} is in {run.cfg.ckpt_path}" if saved else "no checkpoint was written"
 
 
-def _exit_code(run: Run, progress: Progress, interrupt: Interrupt, seconds: float) -> int:
+def _exit_code(run: Run, progress: Progress, interrupt: Interrupt, seconds: float, command: str) -> int:
   cfg, step = run.cfg, progress.step
   if progress.signum:
     where = "" if interrupt.signum == progress.signum else " sent to another process"
     print(f"error: stopped by {signal.Signals(progress.signum).name}{where} after step {step}; the checkpoint"
-          f" of step {run.checkpoints.saving or run.start_step} is saved in {cfg.ckpt_path}; continue with"
-          " --resume", file=sys.stderr)
+          f" of step {run.checkpoints.saving or run.start_step} is saved in {cfg.ckpt_path}; continue with:"
+          f" {agent.resume_command(cfg, command)}", file=sys.stderr)
     return 128 + progress.signum
   if progress.diverged:
     saved = run.checkpoints.saving or run.start_step
@@ -131,7 +133,7 @@ def _exit_code(run: Run, progress: Progress, interrupt: Interrupt, seconds: floa
           " start a new --run-dir", file=sys.stderr)
     return EXIT_DIVERGED
   if jax.process_index() == 0:
-    print(f"done: {cfg.steps - run.start_step} steps in {seconds:.1f} s", flush=True)
+    print(f"done: {log.counted(cfg.steps - run.start_step, 'step')} in {seconds:.1f} s", flush=True)
   return 0
 
 

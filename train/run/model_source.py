@@ -128,6 +128,9 @@ class ModelSource:
       if jax.process_index() == 0:
         print(f"reading the Hugging Face checkpoint {self.hf_dir}", flush=True)
       return hf_io.load(self.hf_dir, model_cfg, par)
+    if jax.process_index() == 0:  # its compile takes seconds, before the step's: not a silent wait
+      print(f"initializing the model ({model_cfg.num_params() / 1e6:.2f}M parameters" +
+            (")" if resuming else f", --seed {seed})"), flush=True)
     return models.init(model_cfg, par, seed)
 
   def load(self, step: int | None, par: models.Parallelism | None, seq_len: int | None = None

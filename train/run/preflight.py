@@ -108,8 +108,9 @@ def damaged(command: str, ckpt_path: str, step: int | None, error: BaseException
   cause = f"{type(error).__name__}: {error}".split(" See full")[0].splitlines()[0]
   cause = cause if len(cause) <= 120 else cause[:119] + "…"
   older = [s for s in existing if s < step]
-  fix = (f"use an older one with {command} {max(older)}" if older
-         else "no older checkpoint exists: start a new --run-dir")
+  # train.eval, train.sample and train.export have no --run-dir: the way on is a new training run
+  start_again = "start a new --run-dir" if command.startswith("--resume") else "train a new run with python -m train.gpt"
+  fix = f"use an older one with {command} {max(older)}" if older else f"no older checkpoint exists: {start_again}"
   return UsageError(f"the checkpoint of step {step} in {ckpt_path} is damaged ({cause}); {fix}")
 
 

@@ -188,9 +188,14 @@ class Logger:
       self.metrics.close()
 
 
+def counted(count: int, one: str, many: str | None = None) -> str:
+  """``1 step``, ``2 steps``; ``many`` names an irregular plural."""
+  return f"{count} {one if count == 1 else many or one + 's'}"
+
+
 def processes(count: int) -> str:
   """``1 process``, ``2 processes``."""
-  return f"{count} process{'es' if count > 1 else ''}"
+  return counted(count, "process", "processes")
 
 
 def validation_fields(loss: float, targets: int) -> str:
