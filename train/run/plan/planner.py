@@ -352,7 +352,7 @@ def format_memory(m: dict, hbm: float) -> list[str]:
 
   flags = f"--remat {m['policy']}" + (" --offload-optimizer" if m["offload_optimizer"] else "")
   flags += f" --loss-chunk {m['loss_chunk']}" if m["loss_chunk"] else ""
-  host = f"; host {size(m['host_total'])} ({parts('host')})" if m["host_total"] else "; host 0"
+  host = f"; host {size(m['host_total'])} ({parts('host')})" if m["host_total"] else "; nothing on the host"
   return [f"memory ({flags}): device {size(m['device_total'])} of {size(hbm)} ({parts('device')}){host}",
           f"residuals kept per layer: {', '.join(m['residuals_per_layer'])}"]
 
