@@ -123,11 +123,12 @@ class History(nnx.Variable):
   state, not a parameter: the trainer keeps it apart from what the optimizer sees."""
 
 
-def _scale(history_H: jax.Array, amax_now: jax.Array, dtype) -> jax.Array:
-  """The delayed scale of a tensor: its history's largest amax over the ``dtype``'s
-  largest value; the tensor's own amax while the history holds none (all zeros)."""
+def _scale(history_H: jax.Array, x: jax.Array, dtype) -> jax.Array:
+  """The delayed scale of tensor ``x``: its history's largest amax over the ``dtype``'s
+  largest value; x's own amax while the history holds none (all zeros). A ``cond``, not a
+  select: the cast waits for x's amax reduction in that first step only."""
   largest = jnp.max(history_H)
-  m = jnp.where(largest > 0, largest, amax_now)
+  m = jax.lax.cond(largest > 0, lambda x: largest, lambda x: _typed_like(amax(x), largest), x)
   return fp8_ops.compute_scale(m, jnp.ones_like(m), fp8_ops.get_fp8_max(dtype, jnp.float32))
 
 
@@ -149,7 +150,7 @@ def delayed_matmul(x: jax.Array, w_KxN: jax.Array, history_3xH: jax.Array) -> ja
 
 def _delayed_forward(x, w_KxN, history):
   m_x, m_w = amax(x), amax(w_KxN)
-  s_x, s_w = _scale(history[0], m_x, FORWARD), _scale(history[1], m_w, FORWARD)
+  s_x, s_w = _scale(history[0], x, FORWARD), _scale(history[1], w_KxN, FORWARD)
   q_x = fp8_ops.quantize(x, FORWARD, s_x, jnp.float32)
   q_w = fp8_ops.quantize(w_KxN, FORWARD, s_w, jnp.float32)
   y = _product(q_x, q_w, ((x.ndim - 1,), (0,)), s_x * s_w).astype(x.dtype)
@@ -159,7 +160,7 @@ def _delayed_forward(x, w_KxN, history):
 def _delayed_backward(residuals, g):
   q_x, s_x, q_w, s_w, m_x, m_w, history, x_dtype, w_dtype = residuals
   m_g = amax(g)
-  s_g = _scale(history[2], m_g, BACKWARD)
+  s_g = _scale(history[2], g, BACKWARD)
   q_g = fp8_ops.quantize(g, BACKWARD, s_g, jnp.float32)
   leading = tuple(range(g.ndim - 1))
   dx = _product(q_g, q_w, ((g.ndim - 1,), (1,)), s_g * s_w).astype(x_dtype.dtype)
