@@ -1,5 +1,5 @@
 """A Flax NNX GPT with tensor, sequence, fully-sharded, pipeline, context and expert parallelism."""
-from models import moe, qk_clip
+from models import fp8, moe, qk_clip
 from models.config import PRESETS, GPTConfig, preset
 from models.gpt import GPT, abstract, init
 from models.lm_loss import LossAux, loss, token_logps

@@ -1,8 +1,10 @@
-"""FP8 matrix products with current per-tensor scaling (Transformer Engine's
-``Float8CurrentScaling``), from ``flax.linen.fp8_ops``' pieces.
+"""FP8 matrix products with per-tensor scaling, current (Transformer Engine's
+``Float8CurrentScaling``) or delayed (its ``DelayedScaling``), from ``flax.linen.fp8_ops``'
+pieces.
 
     y = fp8.matmul(x_BxTxK, w_KxN)         # x in the compute dtype, w float32: y in x's dtype
     y = fp8.grouped_matmul(x_RxK, w_GxKxN, group_sizes_G)   # the experts' (ragged_dot)
+    y = fp8.delayed_matmul(x_BxTxK, w_KxN, history_3xH)     # scales from an amax history
 
 Forward, the input and the weight are each scaled by their own absolute maximum and cast
 to e4m3 (``s = amax / 448``, ``q = round_e4m3(clip(v / s, ±448))``); the product of the two
@@ -29,16 +31,32 @@ The experts' kernels [G, K, N] take one scale per expert (the amax of each kerne
 over the manual axes that split a kernel, tp, but not over ``ep``, whose ranks hold other
 experts): the experts drift apart in magnitude as they train, and one scale for all would
 flush a small expert's weights below e4m3's subnormals. The rows keep one scale.
+
+Delayed scaling (:func:`delayed_matmul`): each of the three cast tensors (input, weight,
+output gradient) takes its scale from the largest amax of its history of the last
+``HISTORY`` steps (``amax_compute_algo="max"``), not from itself, so the cast needs no
+reduction of the tensor first; its own amax (the whole logical tensor's, as above) comes
+out of the backward pass as the history's cotangent, ``[3, H]`` with the three amaxes in
+column 0 and zeros elsewhere: the trainer takes it as a new value (maxed over its
+micro-batches and replicas, never summed, never given to the optimizer) and rolls it into
+the history (:func:`updated_history`). A history with no amax yet (all zeros: the first
+step) scales by the tensor's own amax, as current scaling does. A tensor above its
+history's amax saturates at the FP8 type's largest value, as in Transformer Engine; a
+non-finite one is not seen by the product but by the trainer's guard, through its amax.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from flax.linen import fp8_ops
 
-RECIPES = ("none", "current")
+RECIPES = ("none", "current", "delayed")
+HISTORY = 16  # steps of amax a delayed scale looks back over (Transformer Engine's amax_history_len)
+HISTORY_NAME = "fp8_history"  # the pure-dict key of a product's history, beside its kernel
 FORWARD, BACKWARD = jnp.float8_e4m3fn, jnp.float8_e5m2
 # Manual mesh axes over which a tensor's shards are different tensors, not parts of one;
 # with a scale per expert also ep (models.moe.EXPERT_AXIS), whose shards hold other experts.
@@ -97,6 +115,115 @@ def _backward(residuals, g):
 
 
 matmul.defvjp(_forward, _backward)
+
+
+class History(nnx.Variable):
+  """A delayed product's amax histories, float32 [3, HISTORY]: rows input, weight, output
+  gradient; column 0 the newest step's (flax's ``compute_amax_history`` order). Model
+  state, not a parameter: the trainer keeps it apart from what the optimizer sees."""
+
+
+def _scale(history_H: jax.Array, x: jax.Array, dtype) -> jax.Array:
+  """The delayed scale of tensor ``x``: its history's largest amax over the ``dtype``'s
+  largest value; x's own amax while the history holds none (all zeros). A ``cond``, not a
+  select: the cast waits for x's amax reduction in that first step only."""
+  largest = jnp.max(history_H)
+  m = jax.lax.cond(largest > 0, lambda x: largest, lambda x: _typed_like(amax(x), largest), x)
+  return fp8_ops.compute_scale(m, jnp.ones_like(m), fp8_ops.get_fp8_max(dtype, jnp.float32))
+
+
+def _typed_like(x: jax.Array, like: jax.Array) -> jax.Array:
+  """``x`` marked as varying over the manual axes ``like`` varies over (the cotangent of a
+  history must have its primal's type; ``x``'s value is the same on those ranks)."""
+  missing = tuple(a for a in jax.typeof(like).manual_axis_type.varying
+                  if a not in jax.typeof(x).manual_axis_type.varying)
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+@jax.custom_vjp
+def delayed_matmul(x: jax.Array, w_KxN: jax.Array, history_3xH: jax.Array) -> jax.Array:
+  """``x @ w_KxN`` (x [..., K]) through FP8 with delayed scaling (module docstring), in x's
+  dtype: each of x, w and the output's gradient cast with the scale of its row of
+  ``history_3xH``; the history's cotangent is the three tensors' amaxes in column 0."""
+  return _delayed_forward(x, w_KxN, history_3xH)[0]
+
+
+def _delayed_forward(x, w_KxN, history):
+  m_x, m_w = amax(x), amax(w_KxN)
+  s_x, s_w = _scale(history[0], x, FORWARD), _scale(history[1], w_KxN, FORWARD)
+  q_x = fp8_ops.quantize(x, FORWARD, s_x, jnp.float32)
+  q_w = fp8_ops.quantize(w_KxN, FORWARD, s_w, jnp.float32)
+  y = _product(q_x, q_w, ((x.ndim - 1,), (0,)), s_x * s_w).astype(x.dtype)
+  return y, (q_x, s_x, q_w, s_w, m_x, m_w, history, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w_KxN.dtype))
+
+
+def _delayed_backward(residuals, g):
+  q_x, s_x, q_w, s_w, m_x, m_w, history, x_dtype, w_dtype = residuals
+  m_g = amax(g)
+  s_g = _scale(history[2], g, BACKWARD)
+  q_g = fp8_ops.quantize(g, BACKWARD, s_g, jnp.float32)
+  leading = tuple(range(g.ndim - 1))
+  dx = _product(q_g, q_w, ((g.ndim - 1,), (1,)), s_g * s_w).astype(x_dtype.dtype)
+  dw = _product(q_x, q_g, (leading, leading), s_x * s_g).astype(w_dtype.dtype)
+  amaxes = jnp.zeros_like(history).at[:, 0].set(jnp.stack([m_x, m_w, m_g]))
+  return dx, dw, _typed_like(amaxes, history)
+
+
+delayed_matmul.defvjp(_delayed_forward, _delayed_backward)
+
+
+def updated_history(history_3xH: jax.Array, amaxes_3: jax.Array) -> jax.Array:
+  """The histories [..., 3, H] rolled one step with the new amaxes [..., 3] in column 0
+  (flax's ``compute_amax_history``: the oldest entry drops out)."""
+  return jnp.roll(history_3xH, -1, axis=-1).at[..., 0].set(amaxes_3)
+
+
+def gradient_rows_scaled(histories, factor: jax.Array):
+  """``histories`` (leaves [..., 3, H]) with their gradient rows times ``factor``: the trainer
+  keeps the gradient's amaxes in one device's unscaled units, and a replica whose loss is
+  its share's mean (``factor`` rp) or a float16 run's scaled loss (its loss scale) sees a
+  gradient ``factor`` times larger; dividing by it takes the amaxes back."""
+  return jax.tree.map(lambda h: h.at[..., 2, :].multiply(factor.astype(h.dtype)), histories)
+
+
+def split_state(tree: dict) -> tuple[dict, dict | None]:
+  """``(params, histories)`` of a model's pure dict: the histories (the :data:`HISTORY_NAME`
+  leaves, their paths kept) apart; None when it holds none."""
+  params, histories = {}, {}
+  for k, v in tree.items():
+    if k == HISTORY_NAME:
+      histories[k] = v
+    elif isinstance(v, dict):
+      params[k], sub = split_state(v)
+      if sub is not None:
+        histories[k] = sub
+    else:
+      params[k] = v
+  return params, histories or None
+
+
+def joined(params: dict, histories: dict | None) -> dict:
+  """The model's pure dict of ``params`` and ``histories`` (inverse of :func:`split_state`)."""
+  if histories is None:
+    return params
+  return {k: joined(v, histories.get(k)) if isinstance(v, dict) else v for k, v in params.items()} | {
+      k: v for k, v in histories.items() if k not in params}
+
+
+def for_inference(cfg):
+  """The model config ``cfg`` (a ``models.GPTConfig``) without amax histories: a delayed
+  recipe's products in current scaling (evaluation, sampling and export take the
+  parameters, not the training state)."""
+  return dataclasses.replace(cfg, fp8="current") if cfg.fp8 == "delayed" else cfg
+
+
+def inference_graphdef(graphdef, cfg):
+  """``graphdef`` (the GPT of ``cfg``), or with a delayed recipe that of :func:`for_inference`'s
+  config, whose modules hold no histories."""
+  if cfg.fp8 != "delayed":
+    return graphdef
+  from models.gpt import GPT  # models.gpt imports this module
+  return nnx.graphdef(nnx.eval_shape(lambda: GPT(for_inference(cfg), rngs=nnx.Rngs(0))))
 
 
 # The grouped products' dimensions: rows [R, K] in groups, experts' kernels [G, K, N].

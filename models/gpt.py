@@ -64,7 +64,7 @@ class Attention(nnx.Module):
   attention; query and key/value heads split over tp."""
 
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
-    d, h, fp8 = cfg.d_model, cfg.head_dim, cfg.fp8 != "none"
+    d, h, fp8 = cfg.d_model, cfg.head_dim, cfg.fp8
     self.query = Dense(d, cfg.num_heads * h, "column", fp8=fp8, rngs=rngs)
     self.key = Dense(d, cfg.kv_heads * h, "column", fp8=fp8, rngs=rngs)
     self.value = Dense(d, cfg.kv_heads * h, "column", fp8=fp8, rngs=rngs)

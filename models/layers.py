@@ -29,20 +29,25 @@ def rms_norm(x: jax.Array, eps: float) -> jax.Array:
 
 class Dense(nnx.Module):
   """A bias-free kernel (fan_in, fan_out), column- or row-parallel, its product in FP8
-  with ``fp8`` (``models/fp8.py``: the float32 kernel quantized as it is, not through the
-  compute dtype).
+  with ``fp8`` a recipe of ``models.fp8.RECIPES`` other than "none" (``models/fp8.py``: the
+  float32 kernel quantized as it is, not through the compute dtype); "delayed" adds its
+  amax histories (``models.fp8.History``, ``fp8_history`` beside ``kernel``).
 
   Initialized N(0, σ²), σ = :func:`init_std`.
   """
 
-  def __init__(self, fan_in: int, fan_out: int, layout: str, *, fp8: bool = False, rngs: nnx.Rngs):
+  def __init__(self, fan_in: int, fan_out: int, layout: str, *, fp8: str = "none", rngs: nnx.Rngs):
     self.kernel = nnx.Param(init_std(fan_in, fan_out) * jax.random.normal(rngs.params(), (fan_in, fan_out), jnp.float32))
     self.layout = layout
     self.fp8 = fp8
+    if fp8 == "delayed":
+      self.fp8_history = fp8_lib.History(jnp.zeros((3, fp8_lib.HISTORY), jnp.float32))
 
   def __call__(self, x: jax.Array, par: Parallelism) -> jax.Array:
     kernel = par.weight(self.kernel[...], self.layout)
-    return fp8_lib.matmul(x, kernel) if self.fp8 else x @ kernel.astype(x.dtype)
+    if self.fp8 == "delayed":
+      return fp8_lib.delayed_matmul(x, kernel, self.fp8_history[...])
+    return fp8_lib.matmul(x, kernel) if self.fp8 == "current" else x @ kernel.astype(x.dtype)
 
 
 class MLP(nnx.Module):
@@ -51,7 +56,7 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: GPTConfig, width: int | None = None, *, rngs: nnx.Rngs):
     F = cfg.d_mlp if width is None else width
-    fp8 = cfg.fp8 != "none"
+    fp8 = cfg.fp8
     if cfg.mlp == "swiglu":
       self.gate = Dense(cfg.d_model, F, "column", fp8=fp8, rngs=rngs)
     self.up = Dense(cfg.d_model, F, "column", fp8=fp8, rngs=rngs)

@@ -275,7 +275,9 @@ def param_specs(params: Any) -> Any:
       return P("tp", (*DENSE_SHARDS, "pp"))
     if names[0] == "lm_head":
       return P((*DENSE_SHARDS, "pp"), "tp")
-    if names[-1] == "scale":
+    if names[-1] == "fp8_history":  # models.fp8.History: a few floats, on every rank
+      base = P(None, None)
+    elif names[-1] == "scale":
       base = parallel.vector()
     elif "experts" in names:
       base = EXPERT_LAYOUTS[layout_of(names)]

@@ -128,6 +128,38 @@ def test_grouped_products_lower_for_cuda_on_fp8_operands():
       " (tensor<64x32xf8E4M3FN>, tensor<64x16xf8E5M2>, tensor<4xi32>) -> tensor<4x32x16xf32>"])
 
 
+def test_delayed_product_scales_by_its_history_and_returns_the_amaxes():
+  """fp8.delayed_matmul with a given history: x, w and g each cast with the scale of its
+  history's largest amax (x's history 3x its amax, w's 0.5x: w saturates at 448, g's the
+  newest column 0 zero, its max in a middle column), against the float64 product of
+  ml_dtypes' roundings with those scales, up to float32 accumulation (2^-20 of the product
+  of magnitudes; current scaling's own scales leave it by a few percent). The history's
+  cotangent is the three tensors' own amaxes in column 0, zeros elsewhere."""
+  x, w, g = _inputs()
+  amaxes = [np.max(np.abs(v)) for v in (x, w, g)]
+  history = np.zeros((3, fp8.HISTORY), np.float32)
+  history[0, [0, 5]] = amaxes[0] * np.array([1.0, 3.0])
+  history[1, 0] = amaxes[1] * 0.5
+  history[2, [7, 9]] = amaxes[2] * np.array([1.25, 2.0])
+  scales = history.max(axis=1).astype(np.float64) / np.array([448.0, 448.0, 57344.0])
+  y, vjp = jax.vjp(fp8.delayed_matmul, jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32), jnp.asarray(history))
+  dx, dw, dh = vjp(jnp.asarray(g, jnp.float32))
+  qx, qw, qg = (np.clip(v / s, -m, m).astype(d).astype(np.float64) * s
+                for v, s, m, d in ((x, scales[0], 448.0, ml_dtypes.float8_e4m3fn), (w, scales[1], 448.0, ml_dtypes.float8_e4m3fn),
+                                   (g, scales[2], 57344.0, ml_dtypes.float8_e5m2)))
+  assert np.any(np.abs(w) > 0.5 * amaxes[1]) and np.max(np.abs(qw)) == pytest.approx(0.5 * amaxes[1], rel=1e-6)  # saturated
+  for name, got, a, b, contract in (("y", y, qx, qw, ((2,), (0,))), ("dx", dx, qg, qw, ((2,), (1,))),
+                                    ("dw", dw, qx, qg, ((0, 1), (0, 1)))):
+    rounded = np.tensordot(a, b, contract)
+    accumulation = 2.0**-20 * np.tensordot(np.abs(a), np.abs(b), contract)
+    assert np.all(np.abs(np.asarray(got, np.float64) - rounded) <= accumulation), name
+  expected = np.zeros_like(history)
+  expected[:, 0] = amaxes
+  np.testing.assert_allclose(dh, expected, rtol=1e-7)  # float32's rounding of the float64 amaxes
+  np.testing.assert_array_equal(fp8.updated_history(history, np.asarray(dh)[:, 0])[:, [0, 4, 6, 8]],
+                                np.stack([np.float32(amaxes), history[:, 5], history[:, 7], history[:, 9]], 1))
+
+
 def test_an_overflow_stays_non_finite():
   """An inf in the input or the output's gradient (a float16 overflow) makes the product
   or the gradients non-finite, as without FP8, not clipped to FP8's largest value: the
@@ -143,7 +175,7 @@ def test_flags_name_the_model_recipes():
   assert flags.FP8_RECIPES == fp8.RECIPES
   assert models.GPTConfig(fp8=True).fp8 == "current" and models.GPTConfig(fp8=False).fp8 == "none"
   with pytest.raises(ValueError, match="GPTConfig.fp8 must be one of"):
-    models.GPTConfig(fp8="delayed")
+    models.GPTConfig(fp8="bogus")
 
 
 def test_the_scale_is_the_whole_tensors_amax_in_every_shard_map():

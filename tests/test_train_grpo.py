@@ -152,6 +152,7 @@ def test_run_writes_metrics_and_a_checkpoint_train_sample_reads(base_run, prompt
     (["--mesh", "fs=3"], "the 8 completions of a step (--prompts-per-step x --group-size) split over 3"),
     (["--top-entropy-quantile", "1.5"], "--top-entropy-quantile must be in [0, 1]"),
     (["--delta", "0.9"], "--delta must be > 1"),
+    (["--fp8", "delayed"], "--fp8 delayed is not built for train.grpo yet; use --fp8 current"),
     (["--off-policy-mask-threshold", "0"], "--off-policy-mask-threshold must be positive"),
     (["--loss-type", "vespo", "--vespo-k-neg", "-1"], "--vespo-k-neg must be >= 0, got -1.0"),
     (["--use-adaptive-entropy", "--entropy-coef-max", "0.01", "--entropy-coef-min", "0.1"],

@@ -116,13 +116,14 @@ def test_dion_polar_step_asks_for_no_factorization(tmp_path, as_on_a_gpu):
   assert not {"cholesky", "triangular_solve", "geqrf", "pallas_call", "while"} & (set(per_run) | set(in_while))
 
 
-def test_fp8_step_multiplies_the_blocks_in_fp8(tmp_path, as_on_a_gpu):
-  """--fp8: the layer's 6 products (query, key, value, out, MLP up and down) and the 12 of
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_fp8_step_multiplies_the_blocks_in_fp8(tmp_path, as_on_a_gpu, recipe):
+  """--fp8 (and --fp8 delayed, its scales from the amax histories): the layer's 6 products (query, key, value, out, MLP up and down) and the 12 of
   their backward pass are FP8 dot_generals (e4m3 x e4m3 forward, e5m2 gradients against
   e4m3 tensors backward) accumulating in float32, each result multiplied by its scale
   (XLA:GPU's pattern for a cuBLASLt FP8 GEMM); only the LM head's 3 stay bfloat16 (the
   layers' scan body holds one layer; attention is cuDNN's)."""
-  text = _lowered_step(tmp_path, "adamw", fp8="current").as_text()
+  text = _lowered_step(tmp_path, "adamw", fp8=recipe).as_text()
   dots = re.findall(r"(%\w+) = stablehlo.dot_general .*: \(tensor<[\dx]+x(\w+)>, tensor<[\dx]+x(\w+)>\) -> tensor<[\dx]+x(\w+)>", text)
   kinds = {}
   for _, *types in dots:

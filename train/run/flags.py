@@ -36,7 +36,7 @@ BARE_VALUES = {"tensorboard": "", "remat": "full", "fp8": "current"}
 # What runs saved before a flag took words wrote for it, and the word it reads as now.
 FORMER_VALUES = {"remat": {True: "full", False: "none"}, "fp8": {True: "current", False: "none"}}
 # --fp8's recipes (models.fp8.RECIPES).
-FP8_RECIPES = ("none", "current")
+FP8_RECIPES = ("none", "current", "delayed")
 # --remat's policies (models.remat.POLICIES: what each keeps), one line of --help each.
 REMAT_POLICIES = {
     "none": "keep every matrix product, the attention's scores too (the default)",
@@ -81,8 +81,10 @@ HELP = {
              % "; ".join(f"{k}: {v}" for k, v in REMAT_POLICIES.items()),
     "fp8": "the transformer blocks' matrix products (query, key, value, out projection, MLP, experts) in FP8:"
            " e4m3 inputs and weights, e5m2 gradients, float32 accumulation, each tensor scaled by"
-           " its own absolute maximum of this step (recipe current, --fp8 alone; none: off, the"
-           " default); the embedding, LM head, norms, softmax, loss and the router stay in --dtype,"
+           " its own absolute maximum of this step (recipe current, --fp8 alone), or by the largest"
+           " of its last 16 steps' (delayed: Transformer Engine's DelayedScaling, the histories"
+           " checkpointed beside the parameters; not with pp, cp, experts or train.grpo); none: off,"
+           " the default; the embedding, LM head, norms, softmax, loss and the router stay in --dtype,"
            " the parameters float32 (docs/fp8.md)",
     "loss_chunk": "tokens of each device that go through the LM head and the loss at a time: the"
                   " peak holds that many tokens' logits (and softmax and gradient), not the whole"

@@ -74,7 +74,9 @@ def open_checkpoint(run_dir: str, step: int | None = None
     with preflight.reading("--step", where, step):
       record = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
       # XLA's attention runs on any device; the run may have trained with cuDNN's on a GPU.
+      # A delayed FP8 run's histories are training state: its model computes with current scaling.
       cfg = models.GPTConfig(**{**record["model"], "attention": "xla"})
+      cfg = models.fp8.for_inference(cfg)
     yield manager, step, cfg
   finally:
     manager.close()

@@ -85,7 +85,8 @@ def setup(cfg: Config) -> Run:
   with jax.set_mesh(mesh):
     graphdef, params = origin.init(model_cfg, par, cfg.seed, resuming=cfg.resume)
     state, train_step = trainer.make_trainer(cfg, model_cfg, graphdef, params, par, accum)
-    eval_step = step_lib.make_eval_step(graphdef, par, 1 if par.pp > 1 else accum)
+    eval_step = step_lib.make_eval_step(models.fp8.inference_graphdef(graphdef, model_cfg), par,
+                                        1 if par.pp > 1 else accum)
   batches = _batches(cfg, model_cfg, mesh, source, valid_source, eod, eval_step)
   state, meta, saved = trainer.resume_state(checkpoints, start_step, state, cfg, model_cfg, par)
   if saved is not None:  # after the checkpoint's model and optimizer are checked, before the compile

@@ -52,6 +52,13 @@ replica (``grad_norm="sketch"``, within about 2% of it), or the replicas' root m
 square (``"rms"``, an upper bound), or the mean's norm itself (``"exact"``, an
 all-reduce as large as AdamW's gradient sync). Scaling every replica's gradient by the
 same factor scales their mean (docs/design.md §3).
+
+With ``--fp8 delayed`` the state's amax histories (``models/fp8.py``) enter the loss beside
+the parameters, and their cotangents are the step's amaxes of each cast tensor: maxed over
+the micro-batches and the replicas (never summed), kept out of the gradient that clipping
+and the optimizer see, and rolled into the histories when the step applies. A non-finite
+amax makes the step non-finite: skipped as the guard skips a NaN loss, so a skipped step
+leaves the histories as they were.
 """
 from __future__ import annotations
 
@@ -85,6 +92,7 @@ class TrainState(NamedTuple):
   updates: jax.Array  # optimizer updates applied so far (skipped steps excluded): the schedule's count
   loss_scale: LossScale
   spikes: spikes.SpikeWindow | None = None  # the recent losses and gradient norms (None: not kept)
+  fp8: Any = None  # --fp8 delayed's amax histories (models.fp8.split_state's; None without): model state, not the optimizer's
 
 
 class StepMetrics(NamedTuple):
@@ -156,11 +164,13 @@ def keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
 def make_gradient(graphdef: Any, par: models.Parallelism, per_replica: Any | None, accum: int,
                   logit_max: bool = False, objective: Callable | None = None, temperature: float = 1.0
                   ) -> Callable[..., tuple[tuple[jax.Array, models.LossAux], Any]]:
-  """``gradient(params, batch, scale) -> ((loss, aux), grads)``: the mean loss of a
+  """``gradient(params, batch, scale, fp8) -> ((loss, aux), grads)``: the mean loss of a
   global batch over ``accum`` micro-batches and its gradients (with ``per_replica``,
   those leaves one per rp replica), ``scale`` the loss's factor (None: 1). With a
   per-token ``objective`` (``models.loss``'s, at ``temperature``) the loss is its terms'
-  sum over the global batch.
+  sum over the global batch. With ``fp8`` (delayed FP8's amax histories) grads is
+  ``(params' gradients, amaxes)``, the amaxes shaped as the histories (column 0; the
+  cotangents ``models.fp8.delayed_matmul`` gives them), maxed over micro-batches and replicas.
 
   With rp > 1 every replica sums its micro-batches' gradients unreduced over rp, in a
   ``shard_map`` manual over rp (``dion_jax.parallel.synced_over_replicas``), and the gradients
@@ -170,12 +180,19 @@ def make_gradient(graphdef: Any, par: models.Parallelism, per_replica: Any | Non
   """
   rp = par.size("rp")
 
-  def summed_over_micro(scale, denominator, sequences):
-    """``((loss, models.LossAux), grads)`` of one batch: summed over ``accum`` micro-batches."""
+  def summed_over_micro(scale, denominator, sequences, delayed):
+    """``((loss, models.LossAux), grads)`` of one batch: summed over ``accum`` micro-batches
+    (``delayed``: params and grads are pairs, their second halves the histories and amaxes, maxed)."""
 
     def loss_fn(params, batch):
-      return models.loss(graphdef, params, batch, par, scale, denominator, sequences, aux=True,
-                         logit_max=logit_max, objective=objective, temperature=temperature)
+      return models.loss(graphdef, models.fp8.joined(*params) if delayed else params, batch, par, scale,
+                         denominator, sequences, aux=True, logit_max=logit_max, objective=objective,
+                         temperature=temperature)
+
+    def accumulated(grads, grads_i):
+      if not delayed:
+        return jax.tree.map(jnp.add, grads, grads_i)
+      return jax.tree.map(jnp.add, grads[0], grads_i[0]), jax.tree.map(jnp.maximum, grads[1], grads_i[1])
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if accum == 1:
@@ -184,7 +201,7 @@ def make_gradient(graphdef: Any, par: models.Parallelism, per_replica: Any | Non
     def summed(params, batch):
       def add(total, batch_i):
         ((loss, aux), grads), ((loss_i, aux_i), grads_i) = total, grad_fn(params, batch_i)
-        return ((loss + loss_i, _merge(aux, aux_i)), jax.tree.map(jnp.add, grads, grads_i)), None
+        return ((loss + loss_i, _merge(aux, aux_i)), accumulated(grads, grads_i)), None
 
       micro = split_micro(batch, accum)
       first = jax.tree.map(lambda x: x[0], micro)
@@ -198,15 +215,25 @@ def make_gradient(graphdef: Any, par: models.Parallelism, per_replica: Any | Non
 
     return summed
 
-  def gradient(params, batch, scale=None):
+  def gradient(params, batch, scale=None, fp8=None):
     # With replicas, each divides by its share: the replicas' losses are averaged.
     denominator = jnp.float32(1) if objective is not None else counted(batch)
-    grad_fn = summed_over_micro(scale, denominator / rp, batch["inputs"].shape[0] / rp)
+    delayed = fp8 is not None
+    grad_fn = summed_over_micro(scale, denominator / rp, batch["inputs"].shape[0] / rp, delayed)
+    # A replica's gradient is rp times one device's (its loss is its share's mean), a float16
+    # one the loss scale's times: its histories are read, and its amaxes kept, in one device's units.
+    factor = jnp.float32(rp) * (1 if scale is None else scale)
+    inputs = (params, models.fp8.gradient_rows_scaled(fp8, factor)) if delayed else params
     if rp == 1:
-      return grad_fn(params, batch)
+      (loss, aux), grads = grad_fn(inputs, batch)
+      return (loss, aux), (grads[0], models.fp8.gradient_rows_scaled(grads[1], 1 / factor)) if delayed else grads
     keep = jax.tree.map(lambda _: False, params) if per_replica is None else per_replica
+    # Each replica's amaxes come back one per replica (not averaged) and are maxed here.
+    keep = (keep, jax.tree.map(lambda _: True, fp8)) if delayed else keep
     synced = dion_jax.parallel.synced_over_replicas(grad_fn, par.mesh, keep, has_aux=True)
-    (loss, aux), grads = synced(params, batch)
+    (loss, aux), grads = synced(inputs, batch)
+    if delayed:
+      grads = grads[0], models.fp8.gradient_rows_scaled(jax.tree.map(lambda a: jnp.max(a, axis=0), grads[1]), 1 / factor)
     return (loss, _merge(*(jax.tree.map(lambda a, i=i: a[i], aux) for i in range(rp)), replicas=rp)), grads
 
   return gradient
@@ -235,7 +262,10 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
 
   def step(state: TrainState, batch: dict) -> tuple[TrainState, StepMetrics]:
     scale = state.loss_scale.scale if scaling else None
-    (loss, aux), grads = mean_grads(state.params, batch, scale)
+    (loss, aux), grads = mean_grads(state.params, batch, scale, state.fp8)
+    amaxes = None
+    if state.fp8 is not None:  # delayed FP8: this step's amaxes, apart from the gradient
+      grads, amaxes = grads[0], jax.tree.map(lambda a: a[..., 0], grads[1])
     if scaling:
       loss, grads = jax.tree.map(lambda x: x / scale, (loss, grads))
     norm = grad_norm_lib.global_norm(grads, per_replica, grad_norm, sketch_size, state.updates, par.mesh,
@@ -251,6 +281,8 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
       params, clipped = models.qk_clip.qk_clip(params, aux.logit_max, *qk_clip)
       max_logit = jnp.max(aux.logit_max)
     finite = jnp.isfinite(loss) & jnp.isfinite(norm)
+    if amaxes is not None:  # an overflow the FP8 casts saturated, unseen by the loss
+      finite &= all_finite(amaxes)
     spike = spikes.is_spike(state.spikes, loss, norm, skip_spikes) if skip_spikes else jnp.zeros((), bool)
     applied = finite & ~spike if skip_spikes else finite
     params, opt_state = keep_if(applied, (params, opt_state), (state.params, old_opt_state))
@@ -260,9 +292,11 @@ def make_train_step(graphdef: Any, par: models.Parallelism, tx: optax.GradientTr
     finite &= all_finite(params, opt_state)
     applied = finite & ~spike if skip_spikes else finite
     params, opt_state = keep_if(applied, (params, opt_state), (state.params, old_opt_state))
+    fp8 = state.fp8 if amaxes is None else keep_if(
+        applied, jax.tree.map(models.fp8.updated_history, state.fp8, amaxes), state.fp8)
     new = TrainState(params, on_host(opt_state) if offload_optimizer else opt_state, state.updates + applied.astype(state.updates.dtype),
                      next_loss_scale(state.loss_scale, finite, scaling) if scaling else state.loss_scale,
-                     None if state.spikes is None else spikes.record(state.spikes, loss, norm))
+                     None if state.spikes is None else spikes.record(state.spikes, loss, norm), fp8)
     routing = (jnp.zeros(()), jnp.zeros(())) if aux.router is None else _routing(aux.router)
     return new, StepMetrics(loss, norm, lr_schedule(state.updates), ~applied, state.loss_scale.scale, max_logit,
                             jnp.where(applied, clipped, 0), aux.router_loss, *routing, spike, aux.stats)

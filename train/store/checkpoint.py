@@ -25,7 +25,9 @@ one copy restores on any number of processes.
 
 Checkpoints written before the loss scale or the window of ``--skip-spikes`` joined the
 state lack ``loss_scale`` or ``spikes``: those subtrees alone (:data:`ADDED_LATER`) restore
-as the live state's fresh ones (a fresh window checks no spike before it holds 64 steps).
+as the live state's fresh ones (a fresh window checks no spike before it holds 64 steps);
+so do ``--fp8 delayed``'s amax histories (``fp8``) in a checkpoint saved without them (by
+``--fp8 current`` or none): they start empty, as a new run's.
 Any other missing array is an error, as a checkpoint of another model or optimizer.
 """
 from __future__ import annotations
@@ -49,7 +51,7 @@ from train.cli import UsageError
 from train.store.rundir import existing_steps
 
 # Top-level state fields that older checkpoints lack, restored fresh when absent.
-ADDED_LATER = ("loss_scale", "spikes")
+ADDED_LATER = ("loss_scale", "spikes", "fp8")
 
 
 def _names(path) -> list[str]:
