@@ -50,12 +50,13 @@ def documented_commands() -> list[tuple[str, str, list[str]]]:
 def documented_benchmarks() -> list[tuple[str, str, list[str]]]:
   """``(page, benchmark, flags)`` of every ``python -m benchmarks.NAME`` the pages show, its
   flags up to the end of its code span or line; flags inside a quoted value (a benchmark's
-  ``--common '--seq-len 128'``) are the trainer's and left out."""
+  ``--common '--seq-len 128'``, also one the line breaks) are the trainer's and left out."""
   found = []
   for page in PAGES:
     text = re.sub(r"\\\n\s*", " ", page.read_text())
     for name, rest in re.findall(r"python -m benchmarks\.(\w+)([^`\n]*)", text):
-      rest = re.sub(r"'[^']*'|\"[^\"]*\"", "", rest.split(" #")[0])
+      # A quoted value ends at its quote or, broken over lines in the page's text, the line's end.
+      rest = re.sub(r"'[^']*(?:'|$)|\"[^\"]*(?:\"|$)", "", rest.split(" #")[0])
       found.append((page.name, name, re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", rest)))
   return found
 

@@ -77,8 +77,9 @@ def test_fp8_takes_a_recipe_and_alone_means_current(tmp_path):
   config_file = tmp_path / "fp8.yaml"
   config_file.write_text("fp8: true\n")  # a config file's switch
   assert config_lib.parse(["--config", str(config_file)]).fp8 == "current"
-  with pytest.raises(config_lib.UsageError, match="^--fp8 delayed: unknown recipe; choose one of none, current"):
-    config_lib.parse(["--fp8", "delayed"]).check()
+  assert config_lib.parse(["--fp8", "delayed"]).fp8 == "delayed"
+  with pytest.raises(config_lib.UsageError, match="^--fp8 bogus: unknown recipe; choose one of none, current, delayed"):
+    config_lib.parse(["--fp8", "bogus"]).check()
 
 
 def test_resume_without_config_json_reads_the_checkpoint(tmp_path):
