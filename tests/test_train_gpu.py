@@ -66,10 +66,12 @@ def test_moe_stage_runs_and_checks_the_grouped_product():
 
 def test_train_stage_reports_the_optimizers_share_of_the_step(tmp_path):
   # tiny on CPU, so that the stage's code runs before a GPU's minutes are spent on it;
-  # with --fp8, as its FP8 rows run (tests/test_train_run_cuda_lowering.py lowers it for CUDA).
+  # with --fp8 and --fp8 delayed, as its FP8 rows run (tests/test_train_run_cuda_lowering.py
+  # lowers both for CUDA).
   args = argparse.Namespace(stage_seconds=float("inf"), train_steps=2)
-  out = gpu.stage_train(args, runs=(("tiny", 8, ("adamw fp8",)),), attention="xla")
-  assert out["complete"] and [r["optimizer"] for r in out["rows"]] == ["adamw fp8"]
+  out = gpu.stage_train(args, runs=(("tiny", 8, ("adamw fp8", "adamw fp8 delayed")),), attention="xla")
+  assert out["complete"] and [(r["optimizer"], r["fp8"]) for r in out["rows"]] == [
+      ("adamw fp8", "current"), ("adamw fp8 delayed", "delayed")]
   for row in out["rows"]:
     assert row["preset"] == "tiny" and row["ms_per_step"] > 0 and row["optimizer_ms"] > 0
     assert row["optimizer_share"] == row["optimizer_ms"] / row["ms_per_step"]

@@ -32,7 +32,8 @@ Stages (``--stages``); each reports, and the next runs even when one fails:
 - ``train``: the trainer (``python -m train.gpt``) in bfloat16 with cuDNN attention,
   ``small`` with AdamW, Dion2, Muon and Dion, ``350m`` and ``1b`` with AdamW and Dion, each
   AdamW and Dion also with ``--fp8`` ("adamw fp8", "dion fp8": the blocks' products in FP8,
-  ``models/fp8.py``), and on small and 350m each Dion also with
+  ``models/fp8.py``), with ``--fp8 delayed`` ("adamw fp8 delayed" on small and 350m, "dion
+  fp8 delayed" on small: the scales from amax histories), and on small and 350m each Dion also with
   ``--dion-qr-precision tensorfloat32x3`` ("dion tf32x3"): tokens/s,
   model TFLOP/s, MFU against the device's dense bf16 peak and peak memory, from the last
   log interval; and the optimizer's share of the step: the trainer's own optimizer

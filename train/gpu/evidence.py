@@ -62,7 +62,7 @@ def train_run(preset: str, optimizer: str, steps: int, batch: int, attention: st
   record = intervals[max(intervals)]
   stats = jax.devices()[0].memory_stats() or {}
   row = {"preset": preset, "optimizer": optimizer, "attention": attention, "global_batch": batch,
-         "seq_len": run.model_cfg.seq_len, "params_M": run.model_cfg.num_params() / 1e6,
+         "fp8": cfg.fp8, "seq_len": run.model_cfg.seq_len, "params_M": run.model_cfg.num_params() / 1e6,
          "ms_per_step": record["ms_per_step"], "tokens_per_s": record["tokens_per_s"],
          "tflops": record["tflops_per_device"], "mfu": record.get("mfu"),
          # The allocator's peak since the process started: runs go from small to large.
@@ -72,13 +72,16 @@ def train_run(preset: str, optimizer: str, steps: int, batch: int, attention: st
   return row
 
 
-TRAIN_RUNS = (("small", 32, ("adamw", "adamw fp8", "dion2", "muon", "dion", "dion fp8", "dion tf32x3")),
-              ("350m", 16, ("adamw", "adamw fp8", "dion", "dion fp8", "dion tf32x3")),
+TRAIN_RUNS = (("small", 32, ("adamw", "adamw fp8", "adamw fp8 delayed", "dion2", "muon", "dion", "dion fp8",
+                             "dion fp8 delayed", "dion tf32x3")),
+              ("350m", 16, ("adamw", "adamw fp8", "adamw fp8 delayed", "dion", "dion fp8", "dion tf32x3")),
               ("1b", 4, ("adamw", "adamw fp8", "dion", "dion fp8")))
 # A run's name that is not an optimizer: its --optimizer and the flags that make it (as Config fields).
-# "fp8": --fp8 (models/fp8.py), its MFU still against the dense bf16 peak, so that FP8's gain shows.
+# "fp8": --fp8 (models/fp8.py), its MFU still against the dense bf16 peak, so that FP8's gain shows;
+# "fp8 delayed": --fp8 delayed, whose casts read their scales from the amax histories.
 VARIANTS = {"dion tf32x3": ("dion", {"dion_qr_precision": "tensorfloat32x3"}),
-            "adamw fp8": ("adamw", {"fp8": "current"}), "dion fp8": ("dion", {"fp8": "current"})}
+            "adamw fp8": ("adamw", {"fp8": "current"}), "dion fp8": ("dion", {"fp8": "current"}),
+            "adamw fp8 delayed": ("adamw", {"fp8": "delayed"}), "dion fp8 delayed": ("dion", {"fp8": "delayed"})}
 
 
 def train_line(row: dict) -> str:
