@@ -353,6 +353,10 @@ def test_a_damaged_checkpoints_cause_is_one_short_clause(tmp_path):
   assert cause.endswith("…") and line.endswith("no older checkpoint exists: train a new run with python -m train.gpt")
   # train.gpt's own fix names its flag, which train.eval, train.sample and train.export do not have
   assert str(preflight.damaged("--resume --step", str(tmp_path), 2, long)).endswith("start a new --run-dir")
+  # train.grpo's --init-from takes a run's latest checkpoint, and no flag picks another
+  (tmp_path / "1").mkdir()
+  assert str(preflight.damaged(None, str(tmp_path), 2, long)).endswith(
+      f"--init-from takes a run's latest checkpoint: move {tmp_path / '2'} out of {tmp_path} to start from step 1")
 
 
 def test_an_imported_model_is_checked_on_the_data_ids_and_its_positions(tmp_path, capsys):

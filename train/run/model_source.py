@@ -133,13 +133,13 @@ class ModelSource:
             (")" if resuming else f", --seed {seed})"), flush=True)
     return models.init(model_cfg, par, seed)
 
-  def load(self, step: int | None, par: models.Parallelism | None, seq_len: int | None = None
-           ) -> restore_lib.Restored:
+  def load(self, step: int | None, par: models.Parallelism | None, seq_len: int | None = None,
+           picks_step: str | None = "--step") -> restore_lib.Restored:
     """The trained model as it is, on ``par``'s mesh (one device when None): checkpoint
     ``step`` of a run of ours (the latest when None: ``train.run.restore.restore``), or a
     Hugging Face checkpoint at :meth:`positions` ``(seq_len)``. Call under ``jax.set_mesh(par.mesh)``."""
     if not self.imported:
-      return restore_lib.restore(self.run_dir, step, par)
+      return restore_lib.restore(self.run_dir, step, par, picks_step)
     if step is not None:
       raise UsageError("--step applies to run directories, not to hf:DIR")
     cfg = hf_io.model_config(self.hf_dir, self.hf_config, seq_len=self.positions(seq_len))

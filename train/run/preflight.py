@@ -98,10 +98,11 @@ def check_data(cfg: Config, model_cfg: models.GPTConfig, source, valid_source, e
                      " or --eval-tokens 0 for no validation") from None
 
 
-def damaged(command: str, ckpt_path: str, step: int | None, error: BaseException) -> UsageError:
+def damaged(command: str | None, ckpt_path: str, step: int | None, error: BaseException) -> UsageError:
   """The one-line error of a checkpoint that does not restore: its step, the cause, and
   the way back to an older one (``command`` is the flags that pick a step: ``--resume --step``
-  in train.gpt, ``--step`` in train.eval and train.export)."""
+  in train.gpt, ``--step`` in train.eval and train.export; None where no flag picks one:
+  train.grpo's ``--init-from`` takes a run's latest checkpoint)."""
   existing = rundir.existing_steps(ckpt_path)
   step = max(existing, default=0) if step is None else step
   # The library's first line, cut short: its full text (paths, codes) can run to many lines.
@@ -109,13 +110,20 @@ def damaged(command: str, ckpt_path: str, step: int | None, error: BaseException
   cause = cause if len(cause) <= 120 else cause[:119] + "…"
   older = [s for s in existing if s < step]
   # train.eval, train.sample and train.export have no --run-dir: the way on is a new training run
-  start_again = "start a new --run-dir" if command.startswith("--resume") else "train a new run with python -m train.gpt"
-  fix = f"use an older one with {command} {max(older)}" if older else f"no older checkpoint exists: {start_again}"
+  start_again = ("start a new --run-dir" if command and command.startswith("--resume")
+                 else "train a new run with python -m train.gpt")
+  if not older:
+    fix = f"no older checkpoint exists: {start_again}"
+  elif command is None:
+    fix = (f"--init-from takes a run's latest checkpoint: move {os.path.join(ckpt_path, str(step))} out of"
+           f" {ckpt_path} to start from step {max(older)}")
+  else:
+    fix = f"use an older one with {command} {max(older)}"
   return UsageError(f"the checkpoint of step {step} in {ckpt_path} is damaged ({cause}); {fix}")
 
 
 @contextlib.contextmanager
-def reading(command: str, ckpt_path: str, step: int | None) -> Iterator[None]:
+def reading(command: str | None, ckpt_path: str, step: int | None) -> Iterator[None]:
   """Reads of checkpoint ``step`` (Orbax's restores and metadata, the saved records): the
   errors damage gives them become :func:`damaged`'s one line; any other error (a bug)
   keeps its traceback. Damage is a missing item or file (KeyError, OSError), bytes or

@@ -43,7 +43,7 @@ def checkpoint_path(run_dir: str) -> str:
 
 
 @contextlib.contextmanager
-def open_checkpoint(run_dir: str, step: int | None = None
+def open_checkpoint(run_dir: str, step: int | None = None, picks_step: str | None = "--step"
                     ) -> Iterator[tuple[ocp.CheckpointManager, int, models.GPTConfig]]:
   """``(manager, step, cfg)`` of checkpoint ``step`` (the latest when None) of ``run_dir``,
   closed on exit. The manager reads the state through the PyTree handler, which restores
@@ -71,7 +71,7 @@ def open_checkpoint(run_dir: str, step: int | None = None
     elif step not in steps:
       raise UsageError(f"--step {step}: {where} has checkpoints at steps"
                        f" {', '.join(map(str, sorted(steps)))}; pass one of them")
-    with preflight.reading("--step", where, step):
+    with preflight.reading(picks_step, where, step):
       record = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
       # XLA's attention runs on any device; the run may have trained with cuDNN's on a GPU.
       # A delayed FP8 run's histories are training state: its model computes with current scaling.
@@ -82,12 +82,14 @@ def open_checkpoint(run_dir: str, step: int | None = None
     manager.close()
 
 
-def restore(run_dir: str, step: int | None = None, par: models.Parallelism | None = None) -> Restored:
+def restore(run_dir: str, step: int | None = None, par: models.Parallelism | None = None,
+            picks_step: str | None = "--step") -> Restored:
   """The GPT of checkpoint ``step`` (the latest when None) of ``run_dir``: on one device,
   or, given ``par``, sharded on its mesh like ``models.init(cfg, par)`` (call it under
-  ``jax.set_mesh(par.mesh)``; each process reads only its devices' slices)."""
-  with open_checkpoint(run_dir, step) as (manager, step, cfg):
-    with preflight.reading("--step", checkpoint_path(run_dir), step):
+  ``jax.set_mesh(par.mesh)``; each process reads only its devices' slices). ``picks_step``:
+  the command's flag that picks a step, named if the checkpoint is damaged (None: none does)."""
+  with open_checkpoint(run_dir, step, picks_step) as (manager, step, cfg):
+    with preflight.reading(picks_step, checkpoint_path(run_dir), step):
       shapes = manager.item_metadata(step)["state"]["params"]
     if par is None:
       graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.GPT(cfg, rngs=nnx.Rngs(0))))
@@ -101,7 +103,7 @@ def restore(run_dir: str, step: int | None = None, par: models.Parallelism | Non
       target = ckpt_lib.saved_structs(shapes, like)
       restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape,
                                                                  dtype=s.dtype), target)
-    with preflight.reading("--step", checkpoint_path(run_dir), step):
+    with preflight.reading(picks_step, checkpoint_path(run_dir), step):
       state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
           item={"params": target}, restore_args={"params": restore_args}, partial_restore=True)))["state"]
   if par is None:
