@@ -38,7 +38,8 @@ output gradient) takes its scale from the largest amax of its history of the las
 reduction of the tensor first; its own amax (the whole logical tensor's, as above) comes
 out of the backward pass as the history's cotangent, ``[3, H]`` with the three amaxes in
 column 0 and zeros elsewhere: the trainer takes it as a new value (maxed over its
-micro-batches and replicas, never summed, never given to the optimizer) and rolls it into
+micro-batches, the pipeline's (:func:`repeated`) and replicas, never summed, never given
+to the optimizer) and rolls it into
 the history (:func:`updated_history`). A history with no amax yet (all zeros: the first
 step) scales by the tensor's own amax, as current scaling does. A tensor above its
 history's amax saturates at the FP8 type's largest value, as in Transformer Engine; a
@@ -176,6 +177,31 @@ def updated_history(history_3xH: jax.Array, amaxes_3: jax.Array) -> jax.Array:
   """The histories [..., 3, H] rolled one step with the new amaxes [..., 3] in column 0
   (flax's ``compute_amax_history``: the oldest entry drops out)."""
   return jnp.roll(history_3xH, -1, axis=-1).at[..., 0].set(amaxes_3)
+
+
+@jax.custom_vjp
+def repeated(histories, active_I: jax.Array):
+  """``histories`` (leaves [...]) repeated for each of a loop's I iterations, leaves
+  [I, ...], whose cotangent is the max over the iterations where ``active_I`` (bool [I])
+  holds of each iteration's cotangent (its amaxes), not their sum as autodiff of a value
+  read in every iteration gives: the pipeline's micro-batches (``models/pipeline.py``).
+  Its idle iterations (the bubble: zeros, or a repeat of the last micro-batch) are left
+  out, so that what they compute never enters a history."""
+  return jax.tree.map(lambda h: jnp.broadcast_to(h, (active_I.shape[0], *h.shape)), histories)
+
+
+def _repeated_forward(histories, active_I):
+  return repeated(histories, active_I), active_I
+
+
+def _repeated_backward(active_I, amaxes):
+  def maxed(a_I):
+    return jnp.max(jnp.where(active_I.reshape(-1, *(1,) * (a_I.ndim - 1)), a_I, 0), axis=0)
+
+  return jax.tree.map(maxed, amaxes), None
+
+
+repeated.defvjp(_repeated_forward, _repeated_backward)
 
 
 def gradient_rows_scaled(histories, factor: jax.Array):
