@@ -106,7 +106,7 @@ class Experts(nnx.Module):
       self.gate = kernel(D, F)
     self.up = kernel(D, F)
     self.down = kernel(F, D)
-    if cfg.fp8 == "delayed":  # each expert's amax histories of its products, in KERNELS' order
+    if cfg.fp8 == "delayed":  # each expert's amax histories of its products, in kernels(cfg)'s order
       self.fp8_history = fp8.History(jnp.zeros((E, len(kernels(cfg)), 3, fp8.HISTORY), jnp.float32))
 
 
