@@ -64,7 +64,7 @@ class GPTConfig:
       output gradients, each scaled by its own amax, float32 accumulation
       (``models/fp8.py``), or ``"delayed"``: each scaled by its amax history of the last
       steps (each product's ``fp8_history``, model state the trainer keeps apart from the
-      parameters; no experts); the embedding, LM head, norms, attention's softmax, router and
+      parameters); the embedding, LM head, norms, attention's softmax, router and
       the loss stay in ``dtype``. True and False (a config file's) read as ``"current"`` and ``"none"``.
     loss_chunk: tokens of each device that go through the LM head and the loss at a time
       (``models/lm_head.py``): the peak holds one chunk's logits [loss_chunk, V/tp] and
@@ -136,9 +136,6 @@ class GPTConfig:
       object.__setattr__(self, "fp8", "current" if self.fp8 else "none")
     if self.fp8 not in fp8_lib.RECIPES:
       raise ValueError(f"GPTConfig.fp8 must be one of {fp8_lib.RECIPES}, got {self.fp8!r}")
-    if self.fp8 == "delayed" and self.num_experts:
-      raise ValueError("fp8 'delayed' does not cover a mixture of experts' products yet; use --fp8 current"
-                       " for a model with --num-experts")
     for name in ("vocab_size", "num_layers", "d_model", "num_heads", "seq_len", "mlp_ratio",
                  "num_kv_heads", "head_dim", "mlp_dim", "moe_mlp_dim"):
       value = getattr(self, name)

@@ -38,7 +38,8 @@ output gradient) takes its scale from the largest amax of its history of the las
 reduction of the tensor first; its own amax (the whole logical tensor's, as above) comes
 out of the backward pass as the history's cotangent, ``[3, H]`` with the three amaxes in
 column 0 and zeros elsewhere: the trainer takes it as a new value (maxed over its
-micro-batches and replicas, never summed, never given to the optimizer) and rolls it into
+micro-batches, the pipeline's (:func:`repeated`) and replicas, never summed, never given
+to the optimizer) and rolls it into
 the history (:func:`updated_history`). A history with no amax yet (all zeros: the first
 step) scales by the tensor's own amax, as current scaling does. A tensor above its
 history's amax saturates at the FP8 type's largest value, as in Transformer Engine; a
@@ -178,6 +179,31 @@ def updated_history(history_3xH: jax.Array, amaxes_3: jax.Array) -> jax.Array:
   return jnp.roll(history_3xH, -1, axis=-1).at[..., 0].set(amaxes_3)
 
 
+@jax.custom_vjp
+def repeated(histories, active_I: jax.Array):
+  """``histories`` (leaves [...]) repeated for each of a loop's I iterations, leaves
+  [I, ...], whose cotangent is the max over the iterations where ``active_I`` (bool [I])
+  holds of each iteration's cotangent (its amaxes), not their sum as autodiff of a value
+  read in every iteration gives: the pipeline's micro-batches (``models/pipeline.py``).
+  Its idle iterations (the bubble: zeros, or a repeat of the last micro-batch) are left
+  out, so that what they compute never enters a history."""
+  return jax.tree.map(lambda h: jnp.broadcast_to(h, (active_I.shape[0], *h.shape)), histories)
+
+
+def _repeated_forward(histories, active_I):
+  return repeated(histories, active_I), active_I
+
+
+def _repeated_backward(active_I, amaxes):
+  def maxed(a_I):
+    return jnp.max(jnp.where(active_I.reshape(-1, *(1,) * (a_I.ndim - 1)), a_I, 0), axis=0)
+
+  return jax.tree.map(maxed, amaxes), None
+
+
+repeated.defvjp(_repeated_forward, _repeated_backward)
+
+
 def gradient_rows_scaled(histories, factor: jax.Array):
   """``histories`` (leaves [..., 3, H]) with their gradient rows times ``factor``: the trainer
   keeps the gradient's amaxes in one device's unscaled units, and a replica whose loss is
@@ -283,3 +309,47 @@ def _grouped_backward(residuals, g):
 
 
 grouped_matmul.defvjp(_grouped_forward, _grouped_backward)
+
+
+@jax.custom_vjp
+def delayed_grouped_matmul(x_RxK: jax.Array, w_GxKxN: jax.Array, group_sizes_G: jax.Array,
+                           history_Gx3xH: jax.Array) -> jax.Array:
+  """:func:`grouped_matmul` with delayed scaling (:func:`delayed_matmul`): the rows, the
+  output's gradient and each expert's kernel cast with the scales of its histories, expert
+  g's ``history_Gx3xH[g]`` (rows input, weight, output gradient); the rows' and the
+  gradient's are those of all the experts' rows, the same in every g. The history's
+  cotangent is the amaxes in column 0: the rows' and the gradient's (of all the rows,
+  maxed over the ranks that hold other rows), each expert's kernel's."""
+  return _delayed_grouped_forward(x_RxK, w_GxKxN, group_sizes_G, history_Gx3xH)[0]
+
+
+def _expert_scales(history_GxH: jax.Array, m_G: jax.Array) -> jax.Array:
+  """Each expert's kernel's delayed scale: its history's largest amax over e4m3's largest
+  value; its own amax ``m_G`` while the history holds none."""
+  largest_G = jnp.max(history_GxH, axis=-1)
+  m = jnp.where(largest_G > 0, largest_G, m_G)
+  return fp8_ops.compute_scale(m, jnp.ones_like(m), fp8_ops.get_fp8_max(FORWARD, jnp.float32))
+
+
+def _delayed_grouped_forward(x, w, group_sizes, history):
+  m_x, m_w = amax(x), amax(w, per_expert=True)
+  s_x, s_w = _scale(history[:, 0], x, FORWARD), _expert_scales(history[:, 1], m_w)
+  q_x = fp8_ops.quantize(x, FORWARD, s_x, jnp.float32)
+  q_w = fp8_ops.quantize(w, FORWARD, s_w[:, None, None], jnp.float32)
+  y = _grouped(q_x, q_w, group_sizes, _ROWS_BY_KERNELS, s_x * _row_scales(s_w, group_sizes, x.shape[0])).astype(x.dtype)
+  return y, (q_x, s_x, q_w, s_w, m_x, m_w, group_sizes, history, x.reshape(-1)[:0], w.reshape(-1)[:0])
+
+
+def _delayed_grouped_backward(residuals, g):
+  q_x, s_x, q_w, s_w, m_x, m_w, group_sizes, history, x, w = residuals
+  m_g = amax(g)
+  s_g = _scale(history[:, 2], g, BACKWARD)
+  q_g = fp8_ops.quantize(g, BACKWARD, s_g, jnp.float32)
+  dx = _grouped(q_g, q_w, group_sizes, _GRADIENT_BY_KERNELS, s_g * _row_scales(s_w, group_sizes, g.shape[0]))
+  dw = _grouped(q_x, q_g, group_sizes, _ROWS_BY_GRADIENT, s_x * s_g)
+  m_Gx3 = jnp.stack(jnp.broadcast_arrays(m_x, m_w, m_g), axis=-1)
+  amaxes = jnp.zeros_like(history).at[..., 0].set(m_Gx3)
+  return _summed_like(dx, x), _summed_like(dw, w), None, _typed_like(amaxes, history)
+
+
+delayed_grouped_matmul.defvjp(_delayed_grouped_forward, _delayed_grouped_backward)

@@ -77,8 +77,8 @@ from jax.sharding import PartitionSpec as P
 from models import fp8
 from models.config import GPTConfig
 from models.layers import MLP, Dense, init_std
-from models.sharding import (BATCH_AXES, EXPERT_LAYOUTS, KERNEL_LAYOUTS, Parallelism, gathered_over_manual,
-                             layout_of)
+from models.sharding import (BATCH_AXES, EXPERT_LAYOUTS, HISTORY_LAYOUT, KERNEL_LAYOUTS, Parallelism,
+                             gathered_over_manual, layout_of)
 
 EXPERT_AXIS = "ep"
 CONTEXT_AXIS = "cp"
@@ -106,6 +106,13 @@ class Experts(nnx.Module):
       self.gate = kernel(D, F)
     self.up = kernel(D, F)
     self.down = kernel(F, D)
+    if cfg.fp8 == "delayed":  # each expert's amax histories of its products, in kernels(cfg)'s order
+      self.fp8_history = fp8.History(jnp.zeros((E, len(kernels(cfg)), 3, fp8.HISTORY), jnp.float32))
+
+
+def kernels(cfg: GPTConfig) -> tuple[str, ...]:
+  """The names of the experts' kernels, in order."""
+  return ("gate", "up", "down") if cfg.mlp == "swiglu" else ("up", "down")
 
 
 class MoE(nnx.Module):
@@ -120,8 +127,9 @@ class MoE(nnx.Module):
 
   def __call__(self, x_BxTxD: jax.Array, par: Parallelism) -> tuple[jax.Array, RouterStats]:
     weights = {"router": self.router.kernel[...]}
-    weights.update({name: getattr(self.experts, name)[...] for name in ("gate", "up", "down")
-                    if hasattr(self.experts, name)})
+    weights.update({name: getattr(self.experts, name)[...] for name in kernels(self.cfg)})
+    if self.cfg.fp8 == "delayed":
+      weights[fp8.HISTORY_NAME] = self.experts.fp8_history[...]
     y_BxTxD, stats = _dispatch(x_BxTxD, weights, self.cfg, par)
     if self.cfg.moe_shared_expert:
       y_BxTxD = y_BxTxD + self.shared(x_BxTxD, par)
@@ -207,9 +215,14 @@ def _expert_mlp(rows_RxD: jax.Array, weights: dict[str, jax.Array], group_sizes_
                 cfg: GPTConfig) -> jax.Array:
   """The experts' MLPs on rows grouped by expert (group g: the next ``group_sizes[g]`` rows;
   rows past the groups give zeros); their products in FP8 with ``cfg.fp8``
-  (``models.fp8.grouped_matmul``: the float32 kernels quantized as they are)."""
+  (``models.fp8.grouped_matmul``: the float32 kernels quantized as they are; with
+  "delayed", ``models.fp8.delayed_grouped_matmul`` with each kernel's histories, the
+  ``fp8_history`` weight [G, kernels, 3, H])."""
   def dot(x, name):
-    if cfg.fp8 != "none":
+    if cfg.fp8 == "delayed":
+      history_Gx3xH = weights[fp8.HISTORY_NAME][:, kernels(cfg).index(name)]
+      y = fp8.delayed_grouped_matmul(x, weights[name], group_sizes_G, history_Gx3xH)
+    elif cfg.fp8 != "none":
       y = fp8.grouped_matmul(x, weights[name], group_sizes_G)
     else:
       y = jax.lax.ragged_dot(x, weights[name].astype(x.dtype), group_sizes_G)
@@ -277,16 +290,18 @@ def _local(x_BxTxD: jax.Array, weights: dict[str, jax.Array], cfg: GPTConfig, ep
 
 
 def _stored_layout(name: str) -> P:
+  if name == fp8.HISTORY_NAME:
+    return HISTORY_LAYOUT
   return KERNEL_LAYOUTS["router"][0] if name == "router" else EXPERT_LAYOUTS[layout_of([name])]
 
 
-def _split_layout(name: str, axes: set[str]) -> tuple[P, int]:
+def _split_layout(name: str, axes: set[str]) -> tuple[P, int | None]:
   """A dispatch weight's stored layout (``models.sharding``) over ``axes``, those the dispatch
   is manual over (data-parallel and tp): its ``in_specs``; and the dimension sharded over fs,
   gathered inside (the router's D over fs·ep, the experts' over fs: ep keeps whole experts,
-  tp its slice of each)."""
+  tp its slice of each; None for the experts' amax histories, split over ep only)."""
   spec = P(*(tuple(a for a in parallel.axis_names(e) if a in axes) or None for e in _stored_layout(name)))
-  return spec, next(i for i, e in enumerate(spec) if "fs" in parallel.axis_names(e))
+  return spec, next((i for i, e in enumerate(spec) if "fs" in parallel.axis_names(e)), None)
 
 
 def _dispatch(x_BxTxD: jax.Array, weights: dict[str, jax.Array], cfg: GPTConfig, par: Parallelism
@@ -310,7 +325,7 @@ def _dispatch(x_BxTxD: jax.Array, weights: dict[str, jax.Array], cfg: GPTConfig,
     full = {}
     for name, w in weights.items():
       spec, dim = layouts[name]
-      full[name] = jax.lax.all_gather(w, spec[dim], axis=dim, tiled=True)
+      full[name] = w if dim is None else jax.lax.all_gather(w, spec[dim], axis=dim, tiled=True)
     y, stats = _local(x, full, cfg, ep)
     return y, jax.tree.map(lambda s: jax.lax.psum(s, region), stats)
 

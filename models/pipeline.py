@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import fp8
+
 AXIS = "pp"
 
 
@@ -58,6 +60,11 @@ def circular(stage_fn: Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, An
   """Runs the schedule; returns the last stage's outputs ``[num_micro, ...]`` and every
   iteration's ``aux`` on this device ``[iterations, ...]`` (see :func:`iteration_repeats`).
 
+  Delayed FP8's amax histories among a dict's ``stage_params`` (``models/fp8.py``) reach
+  stage_fn as the parameters do, but their cotangent is the max of those of the
+  iterations that ran a micro-batch (each its micro-batch's amaxes,
+  :func:`models.fp8.repeated`), where a parameter's gradient is their sum.
+
   Args:
     stage_fn: ``stage_fn(params_of_one_stage, x, i) -> (y, aux)``, y of x's shape, where i
       is the micro-batch x belongs to (for what travels beside it, e.g. its segment ids);
@@ -75,13 +82,17 @@ def circular(stage_fn: Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, An
   j = jax.lax.axis_index(AXIS)
   v = virtual_stages
   ring = [(a, (a + 1) % pp) for a in range(pp)]
+  stage_params, histories = fp8.split_state(stage_params) if isinstance(stage_params, dict) else (stage_params, None)
+  histories_I = None if histories is None else fp8.repeated(histories, iteration_repeats(num_micro, pp, v)[1])
 
   def iteration(state, t):
     u = t - j
     repeat = (u // pp) % v
     micro = jnp.clip((u // (pp * v)) * pp + u % pp, 0, num_micro - 1)
     x = jnp.where((j == 0) & (repeat == 0), inputs_fn(micro), state)
-    y, aux = stage_fn(jax.tree.map(lambda a: a[repeat], stage_params), x, micro)
+    stage = fp8.joined(jax.tree.map(lambda a: a[repeat], stage_params),
+                       None if histories is None else jax.tree.map(lambda a: a[t, repeat], histories_I))
+    y, aux = stage_fn(stage, x, micro)
     return jax.lax.ppermute(y, AXIS, ring), (y, aux)
 
   state = jnp.zeros_like(inputs_fn(0))

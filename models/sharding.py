@@ -84,6 +84,8 @@ KERNEL_LAYOUTS = {
 # An expert stack's [E, fan_in, fan_out]: experts over ep, then a column- or row-parallel
 # kernel over cp·fs and tp (cp's ranks are data-parallel to the experts too).
 EXPERT_LAYOUTS = {"column": P("ep", ("cp", "fs"), "tp"), "row": P("ep", "tp", ("cp", "fs"))}
+# The experts' amax histories [E, kernels, 3, H] (``--fp8 delayed``): each rank its experts'.
+HISTORY_LAYOUT = P("ep", None, None, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,8 +277,8 @@ def param_specs(params: Any) -> Any:
       return P("tp", (*DENSE_SHARDS, "pp"))
     if names[0] == "lm_head":
       return P((*DENSE_SHARDS, "pp"), "tp")
-    if names[-1] == "fp8_history":  # models.fp8.History: a few floats, on every rank
-      base = P(None, None)
+    if names[-1] == "fp8_history":  # models.fp8.History: a few floats, on every rank (but pp's, ep's)
+      base = HISTORY_LAYOUT if "experts" in names else P(None, None)
     elif names[-1] == "scale":
       base = parallel.vector()
     elif "experts" in names:

@@ -73,6 +73,30 @@ def test_product_and_its_gradients_err_as_fp8_rounding_allows():
   assert np.any(np.abs(unscaled_x @ unscaled_w - x @ w) > bound(x, ex, w, ew, ((2,), (0,))))
 
 
+def _experts_inputs():
+  """``(x [10, 64], g [10, 48], w [3, 64, 48], group sizes, each grouped row's expert)``:
+  experts 5·10^5 apart in magnitude, expert 1's group empty, two rows past the groups."""
+  x, _, g = _inputs()
+  w = np.random.default_rng(1).normal(size=(3, 64, 48)).astype(np.float32).astype(np.float64)
+  sizes = [3, 0, 5]
+  return (x.reshape(-1, 64)[:10], g.reshape(-1, 48)[:10], w * np.array([1e-3, 1.0, 500.0])[:, None, None], sizes,
+          np.repeat(np.arange(3), sizes))
+
+
+def _grouped_products(group):
+  """NumPy's grouped products for rows of experts ``group``: ``(grouped, kernels)``,
+  ``grouped(a, b_GxKxN)`` each row times its expert's kernel (rows past the groups give
+  zeros), ``kernels(a, b)`` each expert's rows' aᵀb."""
+  def grouped(a, b_GxKxN):
+    rows = [a[i] @ b_GxKxN[k] for i, k in enumerate(group)]
+    return np.stack(rows + [np.zeros_like(rows[0])] * (len(a) - len(group)))
+
+  def kernels(a, b):
+    return np.stack([a[: len(group)][group == k].T @ b[: len(group)][group == k] for k in range(3)])
+
+  return grouped, kernels
+
+
 def test_grouped_product_and_its_gradients_err_as_fp8_rounding_allows():
   """The experts' grouped product (rows of group g times kernel g; one group empty, two
   rows past the groups) and both gradients: equal up to float32 accumulation to the
@@ -80,23 +104,13 @@ def test_grouped_product_and_its_gradients_err_as_fp8_rounding_allows():
   expert's own kernel scale, and within FP8's error of the exact products, each expert's
   rows on their own: experts 5·10^5 apart in magnitude (one scale for all the kernels
   flushes the small expert's weights below e4m3's subnormals: its rows' error is 100%)."""
-  x, _, g = _inputs()
-  x, g = x.reshape(-1, 64)[:10], g.reshape(-1, 48)[:10]
-  w = np.random.default_rng(1).normal(size=(3, 64, 48)).astype(np.float32).astype(np.float64)
-  w *= np.array([1e-3, 1.0, 500.0])[:, None, None]
-  sizes = [3, 0, 5]
-  group = np.repeat(np.arange(3), sizes)
+  x, g, w, sizes, group = _experts_inputs()
   y, vjp = jax.vjp(lambda a, b: fp8.grouped_matmul(a, b, jnp.asarray(sizes, jnp.int32)),
                    jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
   dx, dw = (np.asarray(d, np.float64) for d in vjp(jnp.asarray(g, jnp.float32)))
   (qx, _), (qw, _), (qg, _) = np_quantized(x, E4M3), np_quantized(w, E4M3, per_expert=True), np_quantized(g, E5M2)
 
-  def grouped(a, b_GxKxN):  # rows past the groups give zeros
-    rows = [a[i] @ b_GxKxN[k] for i, k in enumerate(group)]
-    return np.stack(rows + [np.zeros_like(rows[0])] * (len(a) - len(group)))
-
-  def kernels(a, b):
-    return np.stack([a[: len(group)][group == k].T @ b[: len(group)][group == k] for k in range(3)])
+  grouped, kernels = _grouped_products(group)
 
   want = {"y": (grouped(qx, qw), grouped(np.abs(qx), np.abs(qw)), grouped(x, w)),
           "dx": (grouped(qg, qw.swapaxes(1, 2)), grouped(np.abs(qg), np.abs(qw).swapaxes(1, 2)),
@@ -160,6 +174,40 @@ def test_delayed_product_scales_by_its_history_and_returns_the_amaxes():
   np.testing.assert_allclose(rolled[:, 0], amaxes, rtol=1e-7)  # this step's amaxes, in front
   # The older entries move one column on, unchanged (a move, no arithmetic: exact).
   np.testing.assert_array_equal(rolled[:, [4, 6, 8]], history[:, [5, 7, 9]])
+
+
+def test_delayed_grouped_product_scales_by_its_histories_and_returns_the_amaxes():
+  """fp8.delayed_grouped_matmul with given histories (experts 5·10^5 apart in magnitude,
+  one group empty, two rows past the groups): the rows cast with the scale of their
+  history (2x their amax; the same in every expert's), the gradient with its (1.5x), each
+  expert's kernel with its own (expert 0's 1x its amax, expert 1's empty: its own amax,
+  expert 2's 0.5x: saturates), against the float64 products of ml_dtypes' roundings with
+  those scales, up to float32 accumulation; the histories' cotangent is each expert's
+  rows', kernel's and gradient's amaxes in column 0 (the rows' and gradient's whole)."""
+  x, g, w, sizes, group = _experts_inputs()
+  m_x, m_w, m_g = np.max(np.abs(x)), np.max(np.abs(w), axis=(1, 2)), np.max(np.abs(g))
+  history = np.zeros((3, 3, fp8.HISTORY), np.float32)
+  history[:, 0, 4], history[:, 2, 0] = 2 * m_x, 1.5 * m_g
+  history[0, 1, 0], history[2, 1, 3] = m_w[0], 0.5 * m_w[2]
+  s_x, s_g = 2 * m_x / 448.0, 1.5 * m_g / 57344.0
+  s_w = np.array([m_w[0], m_w[1], 0.5 * m_w[2]]) / 448.0
+  y, vjp = jax.vjp(lambda a, b, h: fp8.delayed_grouped_matmul(a, b, jnp.asarray(sizes, jnp.int32), h),
+                   jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32), jnp.asarray(history))
+  dx, dw, dh = (np.asarray(d, np.float64) for d in vjp(jnp.asarray(g, jnp.float32)))
+  qx, qg = (np.clip(v / s, -m, m).astype(d).astype(np.float64) * s
+            for v, s, m, d in ((x, s_x, 448.0, ml_dtypes.float8_e4m3fn), (g, s_g, 57344.0, ml_dtypes.float8_e5m2)))
+  qw = np.clip(w / s_w[:, None, None], -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * s_w[:, None, None]
+  assert np.max(np.abs(qw[2])) == pytest.approx(0.5 * m_w[2], rel=1e-6)  # saturated
+
+  grouped, kernels = _grouped_products(group)
+
+  for name, got, product, a, b in (("y", y, grouped, qx, qw), ("dx", dx, grouped, qg, qw.swapaxes(1, 2)),
+                                   ("dw", dw, kernels, qx, qg)):
+    accumulation = 2.0**-20 * product(np.abs(a), np.abs(b))
+    assert np.all(np.abs(np.asarray(got, np.float64) - product(a, b)) <= accumulation), name
+  expected = np.zeros_like(history)
+  expected[:, :, 0] = np.stack([np.full(3, m_x), m_w, np.full(3, m_g)], axis=1)
+  np.testing.assert_allclose(dh, expected, rtol=1e-7)  # float32's rounding of the float64 amaxes
 
 
 def test_an_overflow_stays_non_finite():

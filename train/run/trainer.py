@@ -81,12 +81,10 @@ def make_trainer(cfg: Config, model_cfg: models.GPTConfig, graphdef: Any, params
 
 def fresh_histories(model_cfg: models.GPTConfig, par: models.Parallelism, grpo: bool = False) -> Any:
   """``--fp8 delayed``'s empty amax histories on ``par``'s mesh (zeros: the first step scales
-  by each tensor's own amax); a one-line UsageError where the recipe is not built."""
-  where = ("train.grpo" if grpo else "--mesh pp=" + str(par.pp) if par.pp > 1
-           else "--mesh cp=" + str(par.cp) if par.cp > 1 else None)
-  if where:
-    raise UsageError(f"--fp8 delayed is not built for {where} yet (its histories' update is not"
-                     " checked there); use --fp8 current")
+  by each tensor's own amax) on every mesh; a one-line UsageError for ``grpo`` (train.grpo's
+  sampler runs the policy without them; ``train/grpo/config.py`` refuses it first)."""
+  if grpo:
+    raise UsageError("--fp8 delayed is not built for train.grpo yet; use --fp8 current")
   shapes = models.fp8.split_state(models.abstract(model_cfg, par)[1])[1]
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), shapes)
 
