@@ -198,33 +198,28 @@ def test_a_killed_process_ends_the_other_with_one_line(compile_cache, reference,
   resumes_as_uninterrupted(run_dir, step, reference)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGSTOP, signal.SIGKILL])
-def test_a_hung_or_dead_coordinator_ends_the_other_with_one_line(compile_cache, reference, tmp_path,  # noqa: F811
-                                                                signum):
-  """Process 0, which holds JAX's coordination service, stopped (SIGSTOP, a hung host) or killed
-  with its process group (SIGKILL: the out-of-memory killer, a lost host) once step 6 is
-  logged. Stopped: process 1's requests go unanswered, and it ends after --heartbeat-timeout;
-  the lock stays the stopped process's (--resume takes it over once that process is gone).
-  Killed: process 1's JAX client aborts at once (before: exit 134 after 0.4 s, 20 lines of C++
-  log and stack, step 4's unfinished save and the lock left), and its agent
-  (``train/run/agent.py``) ends it with one line naming process 0 and releases the dead
-  process's lock. Either way exit 1, nothing partial left, and --resume on one process
-  continues as the run that never stopped."""
+def test_a_hung_coordinator_ends_the_other_with_one_line(compile_cache, reference, tmp_path):  # noqa: F811
+  """Process 0, which holds JAX's coordination service, stopped (SIGSTOP, a hung host) once
+  step 6 is logged: process 1's requests go unanswered, and it ends after --heartbeat-timeout
+  with one line, exit 1, nothing partial left; the lock stays the stopped process's (--resume
+  takes it over once that process is gone), and --resume on one process continues as the
+  run that never stopped. Process 0 killed with its process group instead (SIGKILL: the
+  out-of-memory killer, a lost host; before, process 1's JAX client aborted it: exit 134, 20
+  lines of C++, an unfinished save and the lock left) ends process 1 through the same agent
+  (``train/run/agent.py``) with one line: tests/test_train_grpo.py's two-process test kills
+  train.grpo's process 0 so (dropped here for the suite's time, where it took 19 s of CPU)."""
   run_dir = tmp_path / "run"
   procs = launch(run_dir, compile_cache, "--save-every", str(SPACED))
   wait_for_step(run_dir, SPACED + 1, procs, SPACED)
-  os.killpg(procs[0].pid, signum)
+  os.killpg(procs[0].pid, signal.SIGSTOP)
   (code,), (err,), seconds = ends(procs, (1,))
   assert code == 1
   step = saved(run_dir)[-1]
-  why = {signal.SIGSTOP: rf"stopped answering: nothing heard for [\d.]+ s \(--heartbeat-timeout {HEARTBEAT}\) after"
-                         r" step \d+",
-         signal.SIGKILL: r"stopped: its coordination service at 127\.0\.0\.1:\d+ does not answer \(Connection"
-                         r" refused\), and JAX ended this process"}[signum]
-  assert re.fullmatch(rf"error: process 0 of 2 \(the coordinator\) {why}; the last whole checkpoint is step {step} in"
-                      rf" {run_dir / 'checkpoints'}" + resume_command(run_dir, 1), one_line(err))
+  assert re.fullmatch(rf"error: process 0 of 2 \(the coordinator\) stopped answering: nothing heard for [\d.]+ s"
+                      rf" \(--heartbeat-timeout {HEARTBEAT}\) after step \d+; the last whole checkpoint is step {step}"
+                      rf" in {run_dir / 'checkpoints'}" + resume_command(run_dir, 1), one_line(err))
   assert seconds < HEARTBEAT + 15
-  assert (run_dir / rundir.LOCK_NAME).exists() == (signum == signal.SIGSTOP)
+  assert (run_dir / rundir.LOCK_NAME).exists()
   resumes_as_uninterrupted(run_dir, step, reference)
 
 
