@@ -85,7 +85,7 @@ def demo(runs: str, steps: int, repeats: int) -> dict:
     made = {}
     for pack in (True, False):
       run.data = run.data._replace(grpo=dataclasses.replace(run.data.grpo, pack=pack))
-      made["packed" if pack else "padded"] = grpo_rollout.rollout(run, run.state.params, step)
+      made["packed" if pack else "padded"] = grpo_rollout.rollout(run, run.state, step)
     tokens = int(made["packed"].lengths_B.sum())
     out.append({"step": step, "completion_tokens": tokens,
                 **_timed(run, {name: m.batch for name, m in made.items()}, tokens, repeats)})

@@ -20,7 +20,7 @@ import yaml
 
 import dion_jax
 import models
-from tests.test_train_gpt import compile_cache, free_port, subprocess_env  # noqa: F401  a fixture
+from tests.test_train_gpt import assert_trees_equal, compile_cache, free_port, saved_state, subprocess_env  # noqa: F401  a fixture
 from tests import saved_runs
 from tests.test_train_run_peers import wait_for_step
 from train import sample
@@ -29,6 +29,7 @@ from train.grpo import batch as grpo_batch
 from train.grpo import config as grpo_config
 from train.grpo import loop as grpo_loop
 from train.grpo import objective as grpo_objective
+from train.grpo import rollout as rollout_lib
 from train.run import config as config_lib
 from train.run import loop, setup
 from train.run import restore as restore_lib
@@ -152,7 +153,6 @@ def test_run_writes_metrics_and_a_checkpoint_train_sample_reads(base_run, prompt
     (["--mesh", "fs=3"], "the 8 completions of a step (--prompts-per-step x --group-size) split over 3"),
     (["--top-entropy-quantile", "1.5"], "--top-entropy-quantile must be in [0, 1]"),
     (["--delta", "0.9"], "--delta must be > 1"),
-    (["--fp8", "delayed"], "--fp8 delayed is not built for train.grpo yet; use --fp8 current"),
     (["--off-policy-mask-threshold", "0"], "--off-policy-mask-threshold must be positive"),
     (["--loss-type", "vespo", "--vespo-k-neg", "-1"], "--vespo-k-neg must be >= 0, got -1.0"),
     (["--use-adaptive-entropy", "--entropy-coef-max", "0.01", "--entropy-coef-min", "0.1"],
@@ -184,22 +184,43 @@ def test_bad_input(base_run, prompts_file, tmp_path, capsys, extra, message):
   assert not os.path.exists(run_dir)  # nothing half-written
 
 
-def test_resume_continues_as_if_never_stopped(base_run, prompts_file, tmp_path, capsys):
+REFERENCE_AS_POLICY = []  # a rollout's reference log-probabilities, and the policy's pass on the reference's parameters
+
+
+def reference_as_policy(rollout, run, state, step):
+  """``rollout``'s, which also puts its reference's log-probabilities and those of the
+  policy's pass on the reference's parameters in REFERENCE_AS_POLICY."""
+  made = rollout(run, state, step)
+  if made.ref_BxM is not None:
+    as_policy = rollout_lib.logps_and_keep(run, state._replace(params=run.data.reference), made.layout, made.mask_BxM)
+    REFERENCE_AS_POLICY.append((made.ref_BxM, as_policy[0]))
+  return made
+
+
+def test_resume_continues_as_if_never_stopped_and_a_mesh_as_one_device(base_run, prompts_file, tmp_path, capsys,
+                                                                       monkeypatch):
   """One step, then --resume to step 2 with no other flags: the saved flags are reloaded,
-  and the second step's rollout, rewards, loss and the final policy are those of a run of
-  two steps straight (one device, KL on, so the reference is restored too; the adaptive
-  entropy bonus, whose coefficient step 1 raised and step 2 applies, so its control is
-  restored too). A flag that
-  differs from the saved run's is refused; the run holds its directory's lock while it
+  and the second step's rollout, rewards, loss and the final state are those of a run of
+  two steps straight, bit for bit (one device, KL on, so the reference is restored too; the
+  adaptive entropy bonus, whose coefficient step 1 raised and step 2 applies, so its control
+  is restored too; --fp8 delayed, so the amax histories step 1 wrote are restored and step
+  2's sampler, log-probabilities and update cast with them). The same two steps on
+  fs=2,tp=2 give one device's metrics and histories within float32 rounding. A flag
+  that differs from the saved run's is refused; the run holds its directory's lock while it
   steps and lets it go at the end."""
   args = ["--init-from", base_run, "--prompts", prompts_file, "--prompts-per-step", "2", "--group-size", "4",
           "--max-new-tokens", "6", "--beta", "0.04", "--lr", "1e-2", "--save-every", "1", "--mesh", "fs=1",
           "--optimizer", "adamw", "--lr-decay-style", "constant", "--lr-warmup-steps", "0",
           "--reward", "tests.test_train_grpo:digits_reward", "--reward", "tests.test_train_grpo:lock_watcher=0",
-          "--use-adaptive-entropy", "--entropy-target", "10", "--entropy-coef-delta", "0.05"]
-  straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
+          "--use-adaptive-entropy", "--entropy-target", "10", "--entropy-coef-delta", "0.05", "--fp8", "delayed"]
+  straight, stopped, mesh = str(tmp_path / "straight"), str(tmp_path / "stopped"), str(tmp_path / "mesh")
   WATCHED_RUN.append(straight)
+  monkeypatch.setattr(rollout_lib, "rollout", functools.partial(reference_as_policy, rollout_lib.rollout))
   assert grpo.main([*args, "--run-dir", straight, "--steps", "2"]) == 0
+  monkeypatch.undo()
+  # The reference scores with the policy's histories: were it the policy, its
+  # log-probabilities would be the policy's bit for bit (a KL of exactly 0).
+  np.testing.assert_array_equal(*REFERENCE_AS_POLICY[-1])
   out = capsys.readouterr().out.splitlines()
   lines = [i for i, line in enumerate(out) if re.match(r"step +\d+/2 \|", line)]
   assert len(lines) == 2 and out.index(grpo_loop.LEGEND) < lines[0], out  # the fields said once, first
@@ -216,18 +237,29 @@ def test_resume_continues_as_if_never_stopped(base_run, prompts_file, tmp_path, 
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "its checkpoint at step 1 reaches --steps 1" in err[0], err
   assert grpo.main(["--run-dir", stopped, "--steps", "2", "--resume", "--lr", "1e-2"]) == 0
-  records = []
-  for run_dir in (straight, stopped):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-      records.append([json.loads(line) for line in f])
-  assert [r["step"] for r in records[1]] == [1, 2]
-  assert [r["entropy_coef"] for r in records[1]] == pytest.approx([0.05, 0.1])
+  WATCHED_RUN.append(mesh)
+  assert grpo.main([*args, "--run-dir", mesh, "--steps", "2", "--mesh", "fs=2,tp=2"]) == 0
+  records = {run_dir: strict_records(run_dir) for run_dir in (straight, stopped, mesh)}
+  assert [r["step"] for r in records[stopped]] == [1, 2]
+  assert [r["entropy_coef"] for r in records[stopped]] == pytest.approx([0.05, 0.1])
   timing = ("rollout_s", "train_s", "rollout_tokens_per_s", "train_tokens_per_s")
-  for a, b in zip(*records):
-    assert {k: v for k, v in a.items() if k not in timing} == pytest.approx(
-        {k: v for k, v in b.items() if k not in timing}, abs=1e-6)
-  np.testing.assert_allclose(restore_lib.restore(stopped).params["lm_head"]["kernel"],
-                             restore_lib.restore(straight).params["lm_head"]["kernel"], atol=1e-6)
+  for run_dir in (stopped, mesh):
+    for a, b in zip(records[straight], records[run_dir]):
+      assert {k: v for k, v in b.items() if k not in timing} == pytest.approx(
+          {k: v for k, v in a.items() if k not in timing}, abs=1e-6), run_dir
+  # The sampler takes one token at a time: step 1's empty histories scale each of its
+  # products by that token's own amax, not the whole rows' as the log-probabilities' pass
+  # does (0.1 apart, as --fp8 current always is); from step 2 both cast with the histories.
+  difference = [r["sampling/sampling_logp_difference/max"] for r in records[straight]]
+  assert difference[0] > 1e-2 and difference[1] < 1e-5, difference
+  state = saved_state(straight)
+  assert_trees_equal(saved_state(stopped), state)
+  first = saved_state(straight, 1)["fp8"]
+  for h1, h2, m in zip(jax.tree.leaves(first), jax.tree.leaves(state["fp8"]), jax.tree.leaves(saved_state(mesh)["fp8"])):
+    assert np.all(h1[..., 0] > 0) and not np.any(h1[..., 1:])  # step 1's amaxes
+    np.testing.assert_array_equal(h2[..., -1], h1[..., 0])  # rolled (flax's order), step 2's in front
+    assert np.all(h2[..., 0] > 0) and not np.allclose(h2[..., 0], h1[..., 0], rtol=1e-3)
+    np.testing.assert_allclose(m, h2, rtol=1e-5)
   assert grpo.main(["--run-dir", stopped, "--resume"]) == 2  # the resumed run saved its --steps 2
   assert "its checkpoint at step 2 reaches --steps 2" in capsys.readouterr().err
 

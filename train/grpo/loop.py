@@ -113,7 +113,7 @@ def setup(grpo: GRPOConfig, cfg: config_lib.Config) -> Run:
   if jax.process_index() == 0:
     print(f"sampling the first rollout ({grpo.prompts_per_step} prompts x {grpo.group_size} completions of up to"
           f" {grpo.max_new_tokens} tokens; compiling the sampler first)", flush=True)
-  first = rollout_lib.rollout(run, state.params, start_step + 1)
+  first = rollout_lib.rollout(run, state, start_step + 1)
   if jax.process_index() == 0:
     print(f"sampled the first rollout in {first.seconds:.1f} s (step {start_step + 1}'s)", flush=True)
   compiled = setup_lib.compile_within_memory(train_step, state, first.batch, mesh, model_cfg, cfg,
@@ -190,7 +190,7 @@ def _steps(run: Run, progress: loop.Progress, interrupt: Interrupt) -> None:
   try:
     for step in range(run.start_step + 1, grpo.steps + 1):
       progress.step = step
-      made = made if made is not None else rollout_lib.rollout(run, progress.state.params, step)
+      made = made if made is not None else rollout_lib.rollout(run, progress.state, step)
       rows, length = shape = made.batch["inputs"].shape
       if primary and shape not in compiled_for:
         print(f"step {step}: compiling the training step for {rows} rows of {length} tokens (the rollout's"
@@ -229,7 +229,7 @@ def _updates(run: Run, progress: loop.Progress, made: rollout_lib.Rollout, contr
   batch, objective = made.batch, run.data.objective
   for update in range(run.data.grpo.updates_per_rollout):
     if update and "keep" in batch:
-      _, keep_BxM, _ = rollout_lib.logps_and_keep(run, progress.state.params, made.layout, made.mask_BxM)
+      _, keep_BxM, _ = rollout_lib.logps_and_keep(run, progress.state, made.layout, made.mask_BxM)
       batch = rollout_lib.update_batch(run, made, keep_BxM)
     with jax.set_mesh(run.mesh):
       if objective.entropy_bonus:
@@ -269,7 +269,9 @@ def _record(run: Run, step: int, made: rollout_lib.Rollout, updates: list[step_l
             "clip_high": mean([s.clip_high for s in stats]), "grad_norm": mean([m.grad_norm for m in updates]),
             "learning_rate": float(updates[-1].learning_rate), "skipped": sum(int(m.skipped) for m in updates),
             "completion_length_mean": float(made.lengths_B.mean()), "completion_length_max": int(made.lengths_B.max()),
-            "truncated": float(np.mean(~made.ended_B)), "rollout_tokens_per_s": tokens / made.seconds,
+            "truncated": float(np.mean(~made.ended_B)),
+            "sampling/sampling_logp_difference/mean": made.logp_difference[0],
+            "sampling/sampling_logp_difference/max": made.logp_difference[1], "rollout_tokens_per_s": tokens / made.seconds,
             "train_tokens_per_s": len(updates) * tokens / train_s, "rollout_s": made.seconds, "train_s": train_s}
   if made.entropy is not None:
     record["entropy"] = made.entropy

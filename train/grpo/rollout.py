@@ -1,6 +1,13 @@
 """GRPO's rollouts: sampling a step's completions from the policy, their rewards and
 advantages, the rollout policy's (and the reference's) log-probabilities, and the update
-batch the trainer's step takes (``train/grpo/batch.py``)."""
+batch the trainer's step takes (``train/grpo/batch.py``).
+
+With ``--fp8 delayed`` every forward pass of a rollout casts with the amax histories of the
+trainer's state, the scales the next update's forward casts with (:func:`policy`; read,
+never written: only an applied update records amaxes, ``train/run/step.py``): the sampler,
+the rollout policy's log-probabilities and the reference's (its own parameters, the
+policy's scales: a reference equal to the policy gives a KL of exactly 0).
+``docs/fp8.md`` says why."""
 from __future__ import annotations
 
 import functools
@@ -20,6 +27,7 @@ from train.grpo import objective as grpo_objective
 from train.grpo import rewards as grpo_rewards
 from train.grpo.config import GRPOConfig
 from train.run import hosts
+from train.run import step as step_lib
 from train.run.setup import Run
 
 
@@ -32,7 +40,7 @@ class Prompts(NamedTuple):
   tokenizer: Any
   rewards: list[tuple[str, Callable, float]]
   objective: grpo_objective.Objective
-  graphdef: Any
+  graphdef: Any  # the policy's and the reference's (with --fp8 delayed, its products hold amax histories)
   reference: Any | None  # the starting policy's parameters (with --beta > 0)
   first: Rollout | None  # the first step's rollout, made in set-up to score and compile
   rows_unit: int  # the update's rows split over the data-parallel ranks and micro-batches: a multiple of this
@@ -51,19 +59,28 @@ class Rollout(NamedTuple):
   lengths_B: np.ndarray
   ended_B: np.ndarray  # the completion ends with eos
   entropy: float | None  # mean over the completion tokens (with --top-entropy-quantile < 1)
+  logp_difference: tuple[float, float]  # mean and max of |the sampler's − old_BxM| over the completion tokens
   seconds: float  # sampling, scoring and the log-probabilities
 
 
 
-def rollout(run: Run, params: Any, step: int) -> Rollout:
-  """Step ``step``'s rollout from the policy ``params``: the prompts, completions, rewards,
-  advantages, the rollout policy's (and reference's) log-probabilities, the update batch."""
+def policy(state: step_lib.TrainState, params: Any | None = None) -> Any:
+  """The model the trainer's ``state`` computes: its parameters (or ``params``, the
+  reference's), joined with ``--fp8 delayed``'s amax histories (module docstring)."""
+  return models.fp8.joined(state.params if params is None else params, state.fp8)
+
+
+def rollout(run: Run, state: step_lib.TrainState, step: int) -> Rollout:
+  """Step ``step``'s rollout from the policy of the trainer's ``state``: the prompts,
+  completions, rewards, advantages, the rollout policy's (and reference's)
+  log-probabilities, the update batch."""
   p, grpo = run.data, run.data.grpo
   G, M = grpo.group_size, grpo.max_new_tokens
   t0 = time.perf_counter()
   order = np.random.default_rng(grpo.seed).permutation(len(p.rows))
   picks = [order[((step - 1) * grpo.prompts_per_step + j) % len(p.rows)] for j in range(grpo.prompts_per_step)]
   batch_sharding = NamedSharding(run.mesh, P(models.BATCH_AXES))
+  params = policy(state)
   with jax.set_mesh(run.mesh):
     out = generate.complete(p.graphdef, generate.rollout_params(params, run.par), [p.tokens[i] for i in picks], M,
                             generate.Sampling(grpo.temperature, grpo.top_k, grpo.top_p),
@@ -77,11 +94,22 @@ def rollout(run: Run, params: Any, step: int) -> Rollout:
       grpo.scale_rewards, grpo.multi_objective_aggregation))
   layout = _layout(run, [p.tokens[i] for i in picks for _ in range(G)], completions_BxM, lengths_B)
   mask_BxM = (np.arange(M)[None] < lengths_B[:, None]).astype(np.float32)
-  old_BxM, keep_BxM, entropy = logps_and_keep(run, params, layout, mask_BxM)
-  ref_BxM = None if p.reference is None else _logps(run, p.reference, layout)
+  old_BxM, keep_BxM, entropy = logps_and_keep(run, state, layout, mask_BxM)
+  ref_BxM = None if p.reference is None else _logps(run, policy(state, p.reference), layout)
+  with jax.set_mesh(run.mesh):
+    difference = tuple(map(float, _logp_difference(out.logprobs_BxM, old_BxM, jnp.asarray(mask_BxM))))
   made = Rollout(None, layout, mask_BxM, old_BxM, ref_BxM, rewards_BxR, advantages_B, lengths_B, ended_B, entropy,
-                 0.0)
+                 difference, 0.0)
   return made._replace(batch=update_batch(run, made, keep_BxM), seconds=time.perf_counter() - t0)
+
+
+@jax.jit
+def _logp_difference(sampled_BxM: jax.Array, old_BxM: jax.Array, mask_BxM: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The mean and the max over the completion tokens of |the sampler's log-probability − the
+  log-probability pass's| (TRL's ``sampling/sampling_logp_difference``): what the sampler's
+  program (one token at a time, from a key/value cache) leaves off the policy's forward."""
+  difference_BxM = jnp.abs(sampled_BxM - old_BxM) * mask_BxM
+  return jnp.sum(difference_BxM) / jnp.maximum(jnp.sum(mask_BxM), 1), jnp.max(difference_BxM)
 
 
 def _layout(run: Run, prompts: list[np.ndarray], completions_BxM: np.ndarray, lengths_B: np.ndarray
@@ -134,14 +162,14 @@ def _logps(run: Run, params: Any, layout: grpo_batch.Layout, entropy: bool = Fal
 _token_logps = jax.jit(grpo_batch.token_logps, static_argnums=(0, 3, 4, 5))
 
 
-def logps_and_keep(run: Run, params: Any, layout: grpo_batch.Layout, mask_BxM: np.ndarray
+def logps_and_keep(run: Run, state: step_lib.TrainState, layout: grpo_batch.Layout, mask_BxM: np.ndarray
                     ) -> tuple[jax.Array, jax.Array | None, float | None]:
-  """The completion tokens' log-probabilities under ``params`` [B, M]; with
-  ``--top-entropy-quantile`` < 1 also the high-entropy mask and the mean entropy."""
+  """The completion tokens' log-probabilities under the policy of the trainer's ``state``
+  [B, M]; with ``--top-entropy-quantile`` < 1 also the high-entropy mask and the mean entropy."""
   quantile = run.data.grpo.top_entropy_quantile
   if quantile >= 1:
-    return _logps(run, params, layout), None, None
-  logps_BxM, entropies_BxM = _logps(run, params, layout, entropy=True)
+    return _logps(run, policy(state), layout), None, None
+  logps_BxM, entropies_BxM = _logps(run, policy(state), layout, entropy=True)
   keep_BxM = grpo_objective.high_entropy_mask(entropies_BxM, jnp.asarray(mask_BxM), quantile)
   return logps_BxM, keep_BxM, float(jnp.sum(entropies_BxM * mask_BxM) / max(mask_BxM.sum(), 1))
 

@@ -83,7 +83,7 @@ HELP = {
            " e4m3 inputs and weights, e5m2 gradients, float32 accumulation, each tensor scaled by"
            " its own absolute maximum of this step (recipe current, --fp8 alone), or by the largest"
            " of its last 16 steps' (delayed: Transformer Engine's DelayedScaling, the histories"
-           " checkpointed beside the parameters; not with pp, cp, experts or train.grpo); none: off,"
+           " checkpointed beside the parameters; train.grpo samples and scores with them too); none: off,"
            " the default; the embedding, LM head, norms, softmax, loss and the router stay in --dtype,"
            " the parameters float32 (docs/fp8.md)",
     "loss_chunk": "tokens of each device that go through the LM head and the loss at a time: the"

@@ -62,7 +62,7 @@ def make_trainer(cfg: Config, model_cfg: models.GPTConfig, graphdef: Any, params
   ``jax.set_mesh(par.mesh)``."""
   params, fp8 = models.fp8.split_state(params)
   if model_cfg.fp8 == "delayed":
-    fp8 = fresh_histories(model_cfg, par, objective is not None)
+    fp8 = fresh_histories(model_cfg, par)
   tx = optim.optimizer(cfg, params, par.mesh, models.param_specs(params))
   scaling = step_lib.Scaling(cfg.loss_scale_window, cfg.min_loss_scale) if model_cfg.dtype == "float16" else None
   # float16's initial loss scale (--initial-loss-scale); 1 for other dtypes.
@@ -79,12 +79,9 @@ def make_trainer(cfg: Config, model_cfg: models.GPTConfig, graphdef: Any, params
   return state, train_step
 
 
-def fresh_histories(model_cfg: models.GPTConfig, par: models.Parallelism, grpo: bool = False) -> Any:
+def fresh_histories(model_cfg: models.GPTConfig, par: models.Parallelism) -> Any:
   """``--fp8 delayed``'s empty amax histories on ``par``'s mesh (zeros: the first step scales
-  by each tensor's own amax) on every mesh; a one-line UsageError for ``grpo`` (train.grpo's
-  sampler runs the policy without them; ``train/grpo/config.py`` refuses it first)."""
-  if grpo:
-    raise UsageError("--fp8 delayed is not built for train.grpo yet; use --fp8 current")
+  by each tensor's own amax)."""
   shapes = models.fp8.split_state(models.abstract(model_cfg, par)[1])[1]
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), shapes)
 
