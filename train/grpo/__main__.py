@@ -31,7 +31,8 @@ The run directory holds ``config.json`` (the run's Config as train.gpt's, so
 ``train.sample`` and ``train.export`` read the result as a run; GRPO's flags under
 "grpo"), ``metrics.jsonl`` (one record a step: reward mean/std overall and per function,
 advantage std, loss, KL, clip shares, learning rate, gradient norm, skipped updates,
-completion lengths, the share cut at ``--max-new-tokens``, rollout and update tokens/s)
+completion lengths, the share cut at ``--max-new-tokens``, the sampler's log-probabilities
+against the rollout policy's, rollout and update tokens/s)
 and checkpoints of the trainer's state. ``--resume`` continues from the latest checkpoint
 with the saved flags and the same rollouts as a run that never stopped: the prompts'
 order and the sampler's seed follow from ``--seed`` and the step, the reference is the
