@@ -20,7 +20,8 @@ import yaml
 
 import dion_jax
 import models
-from tests.test_train_gpt import assert_trees_equal, compile_cache, free_port, saved_state, subprocess_env  # noqa: F401  a fixture
+from tests.test_train_gpt import compile_cache, free_port, subprocess_env  # noqa: F401  a fixture
+from tests.test_train_gpt import assert_trees_equal, saved_state
 from tests import saved_runs
 from tests.test_train_run_peers import wait_for_step
 from train import sample
@@ -255,7 +256,8 @@ def test_resume_continues_as_if_never_stopped_and_a_mesh_as_one_device(base_run,
   state = saved_state(straight)
   assert_trees_equal(saved_state(stopped), state)
   first = saved_state(straight, 1)["fp8"]
-  for h1, h2, m in zip(jax.tree.leaves(first), jax.tree.leaves(state["fp8"]), jax.tree.leaves(saved_state(mesh)["fp8"])):
+  on_mesh = saved_state(mesh)["fp8"]
+  for h1, h2, m in zip(jax.tree.leaves(first), jax.tree.leaves(state["fp8"]), jax.tree.leaves(on_mesh)):
     assert np.all(h1[..., 0] > 0) and not np.any(h1[..., 1:])  # step 1's amaxes
     np.testing.assert_array_equal(h2[..., -1], h1[..., 0])  # rolled (flax's order), step 2's in front
     assert not np.any(h2[..., 1:-1])

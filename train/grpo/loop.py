@@ -271,7 +271,8 @@ def _record(run: Run, step: int, made: rollout_lib.Rollout, updates: list[step_l
             "completion_length_mean": float(made.lengths_B.mean()), "completion_length_max": int(made.lengths_B.max()),
             "truncated": float(np.mean(~made.ended_B)),
             "sampling/sampling_logp_difference/mean": made.logp_difference[0],
-            "sampling/sampling_logp_difference/max": made.logp_difference[1], "rollout_tokens_per_s": tokens / made.seconds,
+            "sampling/sampling_logp_difference/max": made.logp_difference[1],
+            "rollout_tokens_per_s": tokens / made.seconds,
             "train_tokens_per_s": len(updates) * tokens / train_s, "rollout_s": made.seconds, "train_s": train_s}
   if made.entropy is not None:
     record["entropy"] = made.entropy
