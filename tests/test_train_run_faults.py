@@ -309,6 +309,10 @@ def test_resume_reads_the_checkpoint_config_and_refuses_damaged_checkpoints(comp
     path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
   with pytest.raises(cli.UsageError, match="^" + re.escape(damaged) + r"ValueError: OUT_OF_RANGE: .*\); use an older one with --step 2$"):
     restore_lib.restore(str(run_dir))
+  # A resumed train.grpo run's start, moved away: no --step (which picks the resumed run's own) is named
+  with pytest.raises(cli.UsageError, match=f"^{re.escape(str(run_dir / 'checkpoints'))} has no checkpoint of step 4,"
+                                           r" which --resume reads .*from step 3, the latest, which --init-from takes$"):
+    restore_lib.restore(str(run_dir), 4, picks_step=preflight.RESUMED_START)
 
   broken = tmp_path / "broken"
   broken.mkdir()
@@ -357,6 +361,15 @@ def test_a_damaged_checkpoints_cause_is_one_short_clause(tmp_path):
   (tmp_path / "1").mkdir()
   assert str(preflight.damaged(None, str(tmp_path), 2, long)).endswith(
       f"--init-from takes a run's latest checkpoint: move {tmp_path / '2'} out of {tmp_path} to start from step 1")
+  # a resumed train.grpo run reads the step it started from, whatever its --step (which picks its own)
+  put_back = f"--resume reads the step its run started from: put back an intact copy of {tmp_path / '2'}, or start"
+  assert str(preflight.damaged(preflight.RESUMED_START, str(tmp_path), 2, long)).endswith(
+      f"{put_back} a new run (another --run-dir, without --resume) from step 1: move {tmp_path / '2'} out of"
+      f" {tmp_path} (--init-from takes a run's latest checkpoint)")
+  (tmp_path / "1").rmdir()
+  assert str(preflight.damaged(preflight.RESUMED_START, str(tmp_path), 2, long)).endswith(
+      f"{put_back} a new run (another --run-dir, without --resume) from another --init-from ({tmp_path} has no"
+      " older checkpoint)")
 
 
 def test_an_imported_model_is_checked_on_the_data_ids_and_its_positions(tmp_path, capsys):

@@ -98,11 +98,17 @@ def check_data(cfg: Config, model_cfg: models.GPTConfig, source, valid_source, e
                      " or --eval-tokens 0 for no validation") from None
 
 
+# ``damaged``'s command for train.grpo --resume's --init-from checkpoint: the step the run
+# started from (its config.json's init_step), which no flag changes.
+RESUMED_START = "the step the resumed run started from"
+
+
 def damaged(command: str | None, ckpt_path: str, step: int | None, error: BaseException) -> UsageError:
   """The one-line error of a checkpoint that does not restore: its step, the cause, and
   the way back to an older one (``command`` is the flags that pick a step: ``--resume --step``
   in train.gpt, ``--step`` in train.eval and train.export; None where no flag picks one:
-  train.grpo's ``--init-from`` takes a run's latest checkpoint)."""
+  train.grpo's ``--init-from`` takes a run's latest checkpoint; :data:`RESUMED_START` where
+  the step is fixed: a resumed train.grpo run's start, which only a new run leaves)."""
   existing = rundir.existing_steps(ckpt_path)
   step = max(existing, default=0) if step is None else step
   # The library's first line, cut short: its full text (paths, codes) can run to many lines.
@@ -112,10 +118,16 @@ def damaged(command: str | None, ckpt_path: str, step: int | None, error: BaseEx
   # train.eval, train.sample and train.export have no --run-dir: the way on is a new training run
   start_again = ("start a new --run-dir" if command and command.startswith("--resume")
                  else "train a new run with python -m train.gpt")
-  if not older:
+  damaged_step = os.path.join(ckpt_path, str(step))
+  if command == RESUMED_START:
+    fix = (f"--resume reads the step its run started from: put back an intact copy of {damaged_step}, or start"
+           " a new run (another --run-dir, without --resume) " + (
+               f"from step {max(older)}: move {damaged_step} out of {ckpt_path} (--init-from takes a run's latest"
+               " checkpoint)" if older else f"from another --init-from ({ckpt_path} has no older checkpoint)"))
+  elif not older:
     fix = f"no older checkpoint exists: {start_again}"
   elif command is None:
-    fix = (f"--init-from takes a run's latest checkpoint: move {os.path.join(ckpt_path, str(step))} out of"
+    fix = (f"--init-from takes a run's latest checkpoint: move {damaged_step} out of"
            f" {ckpt_path} to start from step {max(older)}")
   else:
     fix = f"use an older one with {command} {max(older)}"
