@@ -141,6 +141,18 @@ def reading(command: str | None, ckpt_path: str, step: int | None) -> Iterator[N
   keeps its traceback. Damage is a missing item or file (KeyError, OSError), bytes or
   JSON that do not parse (ValueError), or a failed TensorStore read, which Orbax re-raises
   as a bare ``Exception``."""
+  # A read that fails leaves Orbax's others behind: TensorStore finishes them after Orbax has
+  # closed its event loop, during the failure and after it, and reports each one's "Event loop
+  # is closed" through sys.unraisablehook, whose default printed dozens of tracebacks around
+  # the one error line. Those are dropped while reading and, after damage, for good.
+  previous = sys.unraisablehook
+
+  def hook(unraisable) -> None:
+    error = unraisable.exc_value
+    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+      previous(unraisable)
+
+  sys.unraisablehook = hook
   try:
     yield
   except UsageError:
@@ -149,8 +161,10 @@ def reading(command: str | None, ckpt_path: str, step: int | None) -> Iterator[N
     raise damaged(command, ckpt_path, step, e) from None
   except Exception as e:
     if type(e) is not Exception:
+      sys.unraisablehook = previous
       raise
     raise damaged(command, ckpt_path, step, e) from None
+  sys.unraisablehook = previous
 
 
 def check_memory(stats, mesh: jax.sharding.Mesh, model_cfg: models.GPTConfig, cfg: Config | None = None,
