@@ -439,6 +439,13 @@ def test_a_kept_lr_schedule_is_said_in_one_line(capsys):
   assert capsys.readouterr().err == ("warning: --resume --steps 3 keeps the run's lr schedule, which decays"
                                      " over 2 steps: steps 3..3 train at learning rate 1.000E-03; pass"
                                      " --lr-decay-steps 3 to stretch it over the new length instead\n")
+  # The new steps' rates in their order: rising in warmup (10 steps to 2e-2: step k at 2e-3 k), then
+  # through the peak into a linear decay to 0 over steps 11..20 (step 15 at 2e-2 x 6/10)
+  for steps, decay, style, rate in [(6, 200, "cosine", "6.000E-03 to 1.200E-02"),
+                                    (15, 20, "linear", "6.000E-03 to 1.200E-02 (at most 2.000E-02)")]:
+    preflight.schedule_warning(config_lib.Config(steps=steps, lr_decay_steps=decay, lr=2e-2, lr_warmup_steps=10,
+                                                 lr_decay_style=style, resume=True), {**saved, "steps": decay}, 2)
+    assert f"steps 3..{steps} train at learning rate {rate};" in capsys.readouterr().err
   preflight.schedule_warning(config_lib.Config(steps=3, lr_decay_steps=3), saved, 2)  # stretched
   preflight.schedule_warning(config_lib.Config(steps=3, lr_decay_steps=2), {**saved, "lr_decay_steps": 2}, 2)
   assert capsys.readouterr().err == ""

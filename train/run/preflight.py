@@ -252,16 +252,15 @@ def _kept_schedule(cfg: Config, saved_train: dict) -> bool:
   return saved_train.get("lr_decay_steps") is None and cfg.lr_decay_steps == saved_train.get("steps") != cfg.steps
 
 
-def _resumed_lr(cfg: Config, start_step: int) -> tuple[float, float]:
-  """The smallest and largest learning rate of steps ``start_step + 1 .. --steps``."""
-  lr = np.asarray(optim.schedule(cfg)(np.arange(start_step, cfg.steps)))
-  return float(lr.min()), float(lr.max())
+def _resumed_lr(cfg: Config, start_step: int) -> np.ndarray:
+  """The learning rates of steps ``start_step + 1 .. --steps``, in order."""
+  return np.asarray(optim.schedule(cfg)(np.arange(start_step, cfg.steps)))
 
 
 def check_schedule(cfg: Config, start_step: int, saved_train: dict) -> None:
   """Refuses a ``--resume`` whose kept lr schedule has decayed to 0 before the new steps:
   they would train at learning rate 0, changing nothing."""
-  if cfg.resume and _kept_schedule(cfg, saved_train) and _resumed_lr(cfg, start_step)[1] == 0:
+  if cfg.resume and _kept_schedule(cfg, saved_train) and _resumed_lr(cfg, start_step).max() == 0:
     raise UsageError(f"--resume --steps {cfg.steps}: the run's lr schedule decayed to 0 by step"
                      f" {cfg.lr_decay_steps}, so steps {start_step + 1}..{cfg.steps} would train at learning"
                      f" rate 0; pass --lr-decay-steps {cfg.steps} to stretch the schedule over the new"
@@ -271,8 +270,10 @@ def check_schedule(cfg: Config, start_step: int, saved_train: dict) -> None:
 def schedule_warning(cfg: Config, saved_train: dict, start_step: int) -> None:
   """One line when ``--resume`` with a new --steps kept the saved run's lr decay length."""
   if _kept_schedule(cfg, saved_train):
-    low, high = _resumed_lr(cfg, start_step)
-    rate = f"{low:.3E}" if low == high else f"{high:.3E} to {low:.3E}"
+    lr = _resumed_lr(cfg, start_step)
+    # The first and last step's, in order (steps still in warmup rise), and a peak between them.
+    rate = f"{lr[0]:.3E}" if lr.min() == lr.max() else f"{lr[0]:.3E} to {lr[-1]:.3E}"
+    rate += f" (at most {lr.max():.3E})" if lr.max() > max(lr[0], lr[-1]) else ""
     print(f"warning: --resume --steps {cfg.steps} keeps the run's lr schedule, which decays over"
           f" {cfg.lr_decay_steps} steps: steps {start_step + 1}..{cfg.steps} train at learning rate {rate};"
           f" pass --lr-decay-steps {cfg.steps} to stretch it over the new length instead", file=sys.stderr)
