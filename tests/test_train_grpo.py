@@ -711,6 +711,10 @@ def test_help_shows_every_default(capsys):
   with pytest.raises(SystemExit):
     grpo.main(["--help"])
   assert "--dion-rank-fraction" in capsys.readouterr().out
+  # --resume's help names the flags a resumed run may change, and only those (the multi-host ones together)
+  named = set(re.findall(r"--([a-z-]+)", flags.GRPO_HELP["resume"])) - {"step", "run-dir"}
+  assert named == {name.replace("_", "-") for name in grpo_config.MAY_CHANGE if name not in (
+      "resume", "run_dir", "step", *grpo_config.MULTI_HOST)}
 
 
 def test_a_new_run_takes_the_starting_runs_model_not_its_optimizer(tmp_path):
