@@ -208,13 +208,18 @@ def test_a_second_signal_exits_at_once_without_partial_saves(tmp_path, signum, c
   partial.mkdir()
   (tmp_path / "6").mkdir()
   proc = subprocess.Popen([sys.executable, "-c", SECOND_SIGNAL, str(tmp_path)], stdout=subprocess.PIPE,
-                          text=True, cwd=os.path.dirname(os.path.dirname(__file__)), preexec_fn=_ignore_sigint)
+                          stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)),
+                          preexec_fn=_ignore_sigint)
   assert proc.stdout.readline() == "ready\n"
   proc.send_signal(signum)
   assert proc.stdout.readline() == "saving\n"
   proc.send_signal(signum)
   assert proc.wait(timeout=30) == code
   assert os.listdir(tmp_path) == ["6"]
+  # the first was answered at once (the steps under way may take minutes), the second not
+  name = signal.Signals(signum).name
+  assert proc.stderr.read() == (f"{name}: stopping after the steps under way, saving the last; {name} again exits"
+                                " at once, without that save\n")
 
 
 def test_the_run_takes_sigint_even_where_it_was_ignored_and_gives_it_back():
