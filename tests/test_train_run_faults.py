@@ -513,15 +513,15 @@ def test_out_of_memory_is_one_line(compile_cache, tmp_path, capsys):  # noqa: F8
 
 
 def test_a_step_larger_than_memory_is_refused_before_anything_is_written(compile_cache, tmp_path, capsys):  # noqa: F811
-  """--seq-len 10^6: XLA's memory analysis of the compiled step exceeds the host's memory; one
+  """--seq-len 10^6: XLA's memory analysis of the compiled step exceeds the host's free memory; one
   line naming both, exit 2, no run directory. The need is checked against the attention
   probabilities of the one layer, batch 8 x 2 heads x T x T float32 (64 TB): the step stores
   them for the backward pass (about 2x that was reached at 10^7 on the 4-layer preset)."""
   run_dir = tmp_path / "run"
   assert train(run_dir, "--seq-len", "1000000", "--eval-tokens", "0", "--steps", "1") == 2
   err = one_error_line(capsys)
-  match = re.match(r"error: a training step needs ([\d,.]+) GiB, more than the host's [\d.]+ GiB"
-                   r" \(--seq-len 1000000\); lower --seq-len", err)
+  match = re.match(r"error: a training step needs ([\d,.]+) GiB, more than the [\d.]+ GiB the host has free for this"
+                   r" process \(of [\d.]+ GiB\) \(--seq-len 1000000\); lower --seq-len", err)
   assert match, err
   probabilities = 8 * 2 * 1e6 ** 2 * 4 / 2**30
   assert probabilities <= float(match.group(1).replace(",", "")) <= 10 * probabilities, err

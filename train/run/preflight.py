@@ -204,9 +204,27 @@ def device_capacity(local: list[jax.Device]) -> tuple[int, int, str] | None:
   if limit is not None:
     return limit, 1, f"the {limit / 2**30:.1f} GiB of a {device.device_kind}"
   if device.platform == "cpu":
-    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return limit, len(local), f"the host's {limit / 2**30:.1f} GiB" + (f" ({len(local)} CPU devices)" if len(local) > 1 else "")
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    free = host_free()
+    shared = f" ({len(local)} CPU devices)" if len(local) > 1 else ""
+    if free is None or free >= total:
+      return total, len(local), f"the host's {total / 2**30:.1f} GiB{shared}"
+    return free, len(local), f"the {free / 2**30:.1f} GiB the host has free for this process (of {total / 2**30:.1f} GiB){shared}"
   return None
+
+
+def host_free() -> int | None:
+  """The bytes this process may hold on the host: what it holds (its resident set) and what the
+  kernel reports available (MemAvailable); None where /proc does not say. The whole RAM overstated
+  it: a step that fitted the host's 23.5 GiB was killed by the kernel's out-of-memory killer."""
+  try:
+    with open("/proc/meminfo") as f:
+      available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    with open("/proc/self/statm") as f:
+      resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+  except (OSError, StopIteration, ValueError, IndexError):
+    return None
+  return available + resident
 
 
 class Fit(NamedTuple):
