@@ -29,7 +29,7 @@ LLAMA = {"vocab_size": 2048, "hidden_size": 256, "intermediate_size": 768, "num_
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.generate", description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.generate", description=" ".join(__doc__.split("\n\n")[0].split()))
   parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
   parser.add_argument("--prompt", type=int, default=16)
   parser.add_argument("--new", type=int, default=64)

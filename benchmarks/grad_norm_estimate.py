@@ -26,7 +26,7 @@ NORMS = ("sketch", "rms", "exact")  # train.run.grad_norm.NORMS, before JAX star
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.grad_norm_estimate", description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.grad_norm_estimate", description=" ".join(__doc__.split("\n\n")[0].split()))
   parser.add_argument("--mesh", default="rp=8")
   parser.add_argument("--clip-by", choices=NORMS, default="sketch")
   parser.add_argument("--steps", type=int, default=300)

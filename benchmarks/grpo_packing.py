@@ -130,7 +130,7 @@ def _summary(rollouts: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.grpo_packing", description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.grpo_packing", description=" ".join(__doc__.split("\n\n")[0].split()))
   harness.add_out(parser, "benchmarks/results/grpo_packing.json", "the JSON of the timings")
   parser.add_argument("--runs", default="runs/grpo_packing", help="directory for the runs, replaced")
   parser.add_argument("--demo-steps", type=int, default=3)

@@ -77,6 +77,7 @@ def compile_tables(args) -> str:
            " Dion (MiB per device)", "",
            "| policy | arguments | outputs | aliased | temporaries | device | host | XLA's host fields |",
            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+  print("\n".join(lines), flush=True)
   rows = [(p, "dion", False) for p in args.policies]
   rows += [("none", "dion", True), ("none", "adamw", False), ("none", "adamw", True)]
   for policy, optimizer, offload in rows:
@@ -108,6 +109,8 @@ def train_tables(args) -> str:
            "| run | median ms/step (steps 3-) | / reference | loss at step 1 | at the last step"
            " | largest |loss - reference's| |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
 
+  print("\n".join(lines), flush=True)
+
   def row(name, runs, reference):
     times = [runs[s]["ms_per_step"] for s in runs if s >= 3]
     ref_times = [reference[s]["ms_per_step"] for s in reference if s >= 3]
@@ -134,16 +137,18 @@ def train_tables(args) -> str:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__.splitlines()[0])
-  parser.add_argument("mode", choices=("compile", "train"))
-  parser.add_argument("--preset", default="small")
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=" ".join(__doc__.split("\n\n")[0].split()))
+  parser.add_argument("mode", choices=("compile", "train"),
+                      help="compile: each policy's compiled step, its memory; train: train.gpt's runs, their times and losses")
+  parser.add_argument("--preset", default="small", help="the model (default small)")
   parser.add_argument("--layers", type=int, default=None, help="compile: override the preset's layers")
   parser.add_argument("--train-layers", type=int, default=2, help="train: layers of the runs (default 2)")
   parser.add_argument("--train-seq-len", type=int, default=256, help="train: tokens per sequence (default 256)")
   parser.add_argument("--train-batch", type=int, default=4, help="train: global batch (default 4)")
   parser.add_argument("--batch", type=int, default=8, help="compile: global batch (default 8)")
-  parser.add_argument("--steps", type=int, default=20)
-  parser.add_argument("--policies", nargs="+", default=list(POLICIES))
+  parser.add_argument("--steps", type=int, default=20, help="train: steps of each run (default 20)")
+  parser.add_argument("--policies", nargs="+", default=list(POLICIES),
+                      help=f"the --remat policies (default all: {' '.join(POLICIES)})")
   parser.add_argument("--out", help="also write the table to this file")
   args = parser.parse_args()
   harness.setup_process(cpu_devices=1, platform="cpu")

@@ -94,8 +94,10 @@ def placements(policy: str) -> dict[str, str]:
   kept = {"layer_input": "device"}
   for item in policy[len(CUSTOM):].split(","):
     name, eq, place = (part.strip() for part in item.partition("="))
-    if name not in NAMES or not eq or place not in PLACES:
-      raise _bad(policy, f"{item.strip()!r} is not NAME=PLACE")
+    if name not in NAMES:
+      raise _bad(policy, f"{name!r} is no tensor NAME" if name else "a NAME=PLACE is missing")
+    if not eq or place not in PLACES:
+      raise _bad(policy, f"{item.strip()!r} has no PLACE device or host")
     if name not in _UNREAD:
       kept[name] = place
   return kept

@@ -38,13 +38,15 @@ def test_placements_name_what_each_policy_keeps():
   assert set(remat.placements("none")) == {"layer_input", *qkv, "attention_out", "out_proj", "mlp_gate", "mlp_up"}
 
 
-@pytest.mark.parametrize("bad", ["partial", "custom:", "custom:query_proj", "custom:query=host",
-                                 "custom:query_proj=disk"])
-def test_an_unknown_policy_is_one_line_naming_the_policies(bad):
+@pytest.mark.parametrize("bad, problem", [
+    ("partial", "unknown"), ("custom:", "a NAME=PLACE is missing"), ("custom:query_proj", "'query_proj' has no PLACE"),
+    ("custom:query=host", "'query' is no tensor NAME"), ("custom:query_proj=disk", "'query_proj=disk' has no PLACE")])
+def test_an_unknown_policy_is_one_line_naming_the_policies(bad, problem):
   with pytest.raises(ValueError) as e:
     models.preset("tiny", remat=bad)
   message = str(e.value)
   assert "\n" not in message and "save_qkv_proj" in message and "custom:NAME=PLACE" in message
+  assert message.startswith(f"recompute policy (--remat) {bad!r}: {problem}")
 
 
 def test_saved_booleans_read_as_full_and_none():

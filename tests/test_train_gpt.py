@@ -121,6 +121,10 @@ def test_default_command_trains(compile_cache, tmp_path, monkeypatch, capsys):
   assert os.listdir(run_dir / "checkpoints") == ["4"]
 
   # training.md, huggingface.md: train.eval RUN_DIR prints the run's validation loss and count
+  # the first validation compiles its step: a line says so before it (the run was silent until its result)
+  validating = out.stdout.splitlines().index("validating at iteration 4: 16 rows of 128 tokens, 8 a pass"
+                                             " (compiling the evaluation step first)")
+  assert out.stdout.splitlines()[validating + 1].startswith("validation at iteration        4 |")
   trainer = [l for l in out.stdout.splitlines() if l.startswith("validation at iteration")][-1].split(" | ", 1)[1]
   assert trainer.startswith("validation lm loss: ") and trainer.endswith("| targets: 2048")
   monkeypatch.chdir(tmp_path)

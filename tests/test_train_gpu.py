@@ -24,7 +24,8 @@ def test_without_a_gpu_one_line_and_exit_2(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--stages", "foo"], "--stages: unknown foo; choose from check,"),  # was argparse's usage and a second line
+    (["--stages", "foo"], "--stages foo: unknown 'foo'; choose from check,"),  # was argparse's usage and a second line
+    (["--stages", "check,,train"], "--stages check,,train: unknown ''; choose from check,"),  # was 'unknown ;'
     (["--stage-seconds", "x"], "argument --stage-seconds: invalid float value: 'x' (see python -m train.gpu --help)"),
     (["--train-steps", "0"], "--train-steps must be positive, got 0"),
     (["--out", "{file}"], "is a file, not a folder"),  # was FileExistsError on a GPU, after the GPU check

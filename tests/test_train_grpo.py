@@ -3,6 +3,7 @@ rewards, a short run that train.sample reads back, bad input, two processes agai
 (and process 0's death), and the config file."""
 import dataclasses
 import functools
+import glob
 import json
 import math
 import os
@@ -265,6 +266,23 @@ def test_resume_continues_as_if_never_stopped_and_a_mesh_as_one_device(base_run,
     np.testing.assert_allclose(m, h2, rtol=1e-5)
   assert grpo.main(["--run-dir", stopped, "--resume"]) == 2  # the resumed run saved its --steps 2
   assert "its checkpoint at step 2 reaches --steps 2" in capsys.readouterr().err
+  # The starting run's checkpoint damaged (its data files truncated): one line, naming no --step,
+  # which would pick the resumed run's own step.
+  start = os.path.join(base_run, "checkpoints")
+  intact = {path: open(path, "rb").read() for path in glob.glob(os.path.join(start, "1", "state", "**", "d", "*"),
+                                                                 recursive=True)}
+  try:
+    for path, data in intact.items():
+      with open(path, "wb") as f:
+        f.write(data[:len(data) // 2])
+    assert grpo.main(["--run-dir", stopped, "--resume", "--steps", "3"]) == 2
+  finally:
+    for path, data in intact.items():
+      with open(path, "wb") as f:
+        f.write(data)
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith(f"error: the checkpoint of step 1 in {start} is damaged"), err
+  assert "--step" not in err[0] and err[0].endswith(f"from another --init-from ({start} has no older checkpoint)")
 
 
 def test_a_run_directory_in_use_is_refused(base_run, prompts_file, tmp_path, capsys):
@@ -728,6 +746,10 @@ def test_help_shows_every_default(capsys):
   with pytest.raises(SystemExit):
     grpo.main(["--help"])
   assert "--dion-rank-fraction" in capsys.readouterr().out
+  # --resume's help names the flags a resumed run may change, and only those (the multi-host ones together)
+  named = set(re.findall(r"--([a-z-]+)", flags.GRPO_HELP["resume"])) - {"step", "run-dir"}
+  assert named == {name.replace("_", "-") for name in grpo_config.MAY_CHANGE if name not in (
+      "resume", "run_dir", "step", *grpo_config.MULTI_HOST)}
 
 
 def test_a_new_run_takes_the_starting_runs_model_not_its_optimizer(tmp_path):

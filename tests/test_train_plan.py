@@ -302,6 +302,16 @@ def test_hf_model_plans_train_gpt_s_length(tmp_path):
   assert plan_model.load_config(f"hf:{tmp_path}").seq_len == 1024
 
 
+def test_train_gpts_names_of_the_model_and_dions_rank_plan_the_same(capsys):
+  """python -m train.gpt's memory error sends its flags to train.plan: --preset and
+  --dion-rank-fraction are --model and --rank-fraction there."""
+  plans = []
+  for argv in (["--model", "tiny", "--rank-fraction", "0.25"], ["--preset", "tiny", "--dion-rank-fraction", "0.25"]):
+    assert plan_cmd.main([*argv, "--mesh", "fs=8", "--json"]) == 0
+    plans.append(json.loads(capsys.readouterr().out))
+  assert plans[0] == plans[1] and plans[0]["model"] == "tiny" and plans[0]["rank_fraction"] == 0.25
+
+
 def test_a_closed_pipe_ends_quietly(monkeypatch):
   """`| head` closes the pipe before the plan is written: exit 0, no BrokenPipeError."""
   read, write = os.pipe()

@@ -33,6 +33,19 @@ def test_a_step_over_memory_names_the_levers_that_would_fit_it():
     assert lever in message, message
 
 
+def test_a_cpu_step_must_fit_what_the_host_has_free(monkeypatch):
+  """On CPU the limit is what the process holds and the host has free, not the whole RAM: a step
+  of half the RAM, with a quarter free, is refused (the whole RAM let it compile and the kernel
+  killed it), and the line says which limit it met."""
+  assert 0 < preflight.host_free() < 2 * HOST  # /proc's reading: this process and the available memory
+  monkeypatch.setattr(preflight, "host_free", lambda: HOST // 4)
+  mesh = dion_jax.make_mesh("fs=1", jax.devices()[:1])
+  with pytest.raises(UsageError, match=rf"more than the {HOST / 4 / 2**30:.1f} GiB the host has free for this process"
+                                       rf" \(of {HOST / 2**30:.1f} GiB\)"):
+    preflight.check_memory(_stats(HOST / 2), mesh, models.preset("tiny"))
+  assert preflight.check_memory(_stats(HOST / 8), mesh, models.preset("tiny")) is None
+
+
 def test_a_step_that_fits_is_not_refused():
   mesh = dion_jax.make_mesh("fs=8", jax.devices()[:8])
   assert preflight.check_memory(_stats(HOST / 64), mesh, models.preset("tiny")) is None  # raises if refused

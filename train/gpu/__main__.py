@@ -1,4 +1,4 @@
-"""GPU evidence in one command: kernels, optimizer steps and training, as JSON and a PNG.
+r"""GPU evidence in one command: kernels, optimizer steps and training, as JSON and a PNG.
 
     python -m train.gpu                     # every stage
     python -m train.gpu --stages check,kernels --out /tmp/gpu
@@ -94,12 +94,13 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--out", help="output folder (default gpu-evidence/<device>)")
   parser.add_argument("--stage-seconds", type=float, default=80.0,
                       help="time after which a stage starts no new case (default 80)")
-  parser.add_argument("--max-size", type=int, default=16384, help="largest n of the optimizers stage")
+  parser.add_argument("--max-size", type=int, default=16384, help="largest n of the optimizers stage (default 16384)")
   parser.add_argument("--train-steps", type=int, default=30, help="trainer steps per run (default 30)")
   args = parser.parse_args(argv)
   unknown = set(args.stages.split(",")) - set(STAGES)
   if unknown:
-    raise UsageError(f"--stages: unknown {', '.join(sorted(unknown))}; choose from {','.join(STAGES)}")
+    raise UsageError(f"--stages {args.stages}: unknown {', '.join(map(repr, sorted(unknown)))}; choose from"
+                     f" {','.join(STAGES)}")
   for name in ("stage_seconds", "max_size", "train_steps"):
     if not getattr(args, name) > 0:
       raise UsageError(f"{rundir.flag_name(name)} must be positive, got {getattr(args, name)}")

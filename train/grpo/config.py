@@ -42,7 +42,8 @@ SHARED = ("optimizer", "lr", "min_lr", "lr_warmup_steps", "lr_decay_style", "lr_
           *MULTI_HOST)
 # Flags a resumed run may give anew with another value.
 MAY_CHANGE = ("resume", "run_dir", "step", "steps", "save_every", "keep", "mesh", "micro_batch_size", "max_skipped",
-              "remat", "offload_optimizer", "dion_split_q", "megabatch_mib", "tensorboard", "wandb", *MULTI_HOST)
+              "remat", "offload_optimizer", "loss_chunk", "dion_split_q", "megabatch_mib", "tensorboard", "wandb",
+              *MULTI_HOST)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -139,8 +139,9 @@ def _starting_policy(grpo: GRPOConfig, cfg: config_lib.Config, par: models.Paral
   mesh, and its model computing as the flags say (dtype, attention, remat)."""
   step = (rundir.saved_record(grpo.run_dir) or {}).get("init_step") if grpo.resume else None
   with jax.set_mesh(par.mesh):
-    # A new run's --init-from takes the run's latest checkpoint: no flag picks another.
-    starting = origin.load(step, par, picks_step="--step" if grpo.resume else None)
+    # A new run's --init-from takes the run's latest checkpoint, a resumed run's the step it
+    # started from: no flag picks another (--step picks the resumed run's own).
+    starting = origin.load(step, par, picks_step=preflight.RESUMED_START if grpo.resume else None)
   model_cfg = dataclasses.replace(starting.cfg, **model_source_lib.compute_settings(cfg))
   preflight.check_model(cfg, model_cfg, par.mesh)
   return starting, model_cfg, models.abstract(model_cfg, par)[0]

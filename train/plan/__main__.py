@@ -62,12 +62,16 @@ def _check(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
   parser = cli.Parser(prog="python -m train.plan", description=planner.__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--model", default="small", help="small|350m|1b|8b|70b|405b|tiny|tiny-moe, hf:DIR, hf:ORG/NAME[@REVISION] (its config.json only) or CONFIG.json")
+  # train.gpt's names (--preset, --dion-rank-fraction) are taken too: its memory error sends its flags here.
+  parser.add_argument("--model", "--preset", default="small",
+                      help="small|350m|1b|8b|70b|405b|tiny|tiny-moe, hf:DIR, hf:ORG/NAME[@REVISION] (its config.json"
+                           " only) or CONFIG.json (default small; also --preset, python -m train.gpt's name)")
   parser.add_argument("--mesh", default="fs=8", help="rp=..,fs=..,ep=..,cp=..,tp=..,pp=.. (default fs=8)")
   parser.add_argument("--optimizer", default=TRAINER.optimizer, choices=plan_optimizer.OPTIMIZERS,
                       help=f"the step's optimizer (default {TRAINER.optimizer}, as python -m train.gpt)")
-  parser.add_argument("--rank-fraction", type=float, default=None,
-                      help="Dion's rank fraction (default: python -m train.gpt's for the model's width,"
+  parser.add_argument("--rank-fraction", "--dion-rank-fraction", type=float, default=None,
+                      help="Dion's rank fraction (also --dion-rank-fraction, python -m train.gpt's name; default:"
+                           " train.gpt's for the model's width,"
                            + ", ".join(f" {f:g} from {w}" for w, f in RANK_BY_WIDTH) + ")")
   parser.add_argument("--megabatch-mib", type=float, default=0.0,
                       help="the matrix optimizers' update stepped in chunks of at most this many MiB of"

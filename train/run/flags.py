@@ -274,7 +274,9 @@ GRPO_HELP = {
     "seed": "seed of the prompts' order and the sampler (default 0)",
     "resume": "continue the run in --run-dir from its latest checkpoint (or --step) with the flags"
               " saved in its config.json; only --steps, --save-every, --keep, --mesh,"
-              " --micro-batch-size, --max-skipped, --remat, --offload-optimizer and --dion-split-q may change",
+              " --micro-batch-size, --max-skipped, the memory flags (--remat, --offload-optimizer,"
+              " --loss-chunk, --dion-split-q, --megabatch-mib), --tensorboard, --wandb and the"
+              " multi-host flags may change",
     "prompts_per_step": "prompts of each rollout, in a seeded order, epoch after epoch (default 8)",
     "group_size": "completions of each prompt, G >= 2 (default 8; TRL's num_generations)",
     "max_new_tokens": "most tokens of a completion (default 64; TRL's max_completion_length)",

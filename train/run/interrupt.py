@@ -1,7 +1,7 @@
 """Ctrl-C and SIGTERM during training: finish the step, save, exit 130 / 143.
 
 As Megatron's ``--exit-signal-handler``: the first SIGINT or SIGTERM only sets
-:attr:`Interrupt.signum`; the loop sees it after the current step, saves a checkpoint,
+:attr:`Interrupt.signum` and says so in one line; the loop sees it after the current step, saves a checkpoint,
 waits for the pending saves and exits with ``128 + signum`` (130, 143). A second signal
 runs ``on_second`` (which removes unfinished saves and the run's lock) and exits at
 once with the same code: the user asked twice.
@@ -41,6 +41,11 @@ class Interrupt:
       self._on_second()
       os._exit(128 + signum)
     self.signum = signum
+    # The steps under way may take minutes (a CPU step of small): say at once that it was heard.
+    # os.write, not print: the handler may run inside another write to stderr.
+    name = signal.Signals(signum).name
+    os.write(2, f"{name}: stopping after the steps under way, saving the last; {name} again exits at once,"
+                " without that save\n".encode())
 
   def __enter__(self) -> Interrupt:
     self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}

@@ -61,6 +61,7 @@ class Progress:
   skipped_in_a_row: int = 0  # optimizer updates
   diverged: int = 0  # the skipped updates in a row that reached --max-skipped (0: not reached)
   signum: int = 0  # the signal every process agreed to stop on (0: none)
+  evaluated: bool = False  # whether a validation ran (and compiled its step)
 
   def count(self, skipped: bool, max_skipped: int) -> None:
     """Counts an update, skipped or applied; once ``max_skipped`` in a row were skipped the
@@ -200,6 +201,11 @@ def _steps(run: Run, progress: Progress, interrupt: Interrupt) -> None:
         if progress.diverged:
           break
       if evaluating:
+        if not progress.evaluated:  # the first compiles the evaluation step: say what is coming, as train.eval does
+          rows = batches.valid_rows["inputs"]
+          logger.message(f"validating at iteration {step}: {len(rows)} rows of {rows.shape[1]} tokens,"
+                         f" {cfg.global_batch_size} a pass (compiling the evaluation step first)")
+          progress.evaluated = True
         t0 = time.perf_counter()
         loss, targets = evaluate(run, progress.state)
         logger.validation(step, loss, targets, time.perf_counter() - t0)

@@ -98,11 +98,17 @@ def check_data(cfg: Config, model_cfg: models.GPTConfig, source, valid_source, e
                      " or --eval-tokens 0 for no validation") from None
 
 
+# ``damaged``'s command for train.grpo --resume's --init-from checkpoint: the step the run
+# started from (its config.json's init_step), which no flag changes.
+RESUMED_START = "the step the resumed run started from"
+
+
 def damaged(command: str | None, ckpt_path: str, step: int | None, error: BaseException) -> UsageError:
   """The one-line error of a checkpoint that does not restore: its step, the cause, and
   the way back to an older one (``command`` is the flags that pick a step: ``--resume --step``
   in train.gpt, ``--step`` in train.eval and train.export; None where no flag picks one:
-  train.grpo's ``--init-from`` takes a run's latest checkpoint)."""
+  train.grpo's ``--init-from`` takes a run's latest checkpoint; :data:`RESUMED_START` where
+  the step is fixed: a resumed train.grpo run's start, which only a new run leaves)."""
   existing = rundir.existing_steps(ckpt_path)
   step = max(existing, default=0) if step is None else step
   # The library's first line, cut short: its full text (paths, codes) can run to many lines.
@@ -112,10 +118,16 @@ def damaged(command: str | None, ckpt_path: str, step: int | None, error: BaseEx
   # train.eval, train.sample and train.export have no --run-dir: the way on is a new training run
   start_again = ("start a new --run-dir" if command and command.startswith("--resume")
                  else "train a new run with python -m train.gpt")
-  if not older:
+  damaged_step = os.path.join(ckpt_path, str(step))
+  if command == RESUMED_START:
+    fix = (f"--resume reads the step its run started from: put back an intact copy of {damaged_step}, or start"
+           " a new run (another --run-dir, without --resume) " + (
+               f"from step {max(older)}: move {damaged_step} out of {ckpt_path} (--init-from takes a run's latest"
+               " checkpoint)" if older else f"from another --init-from ({ckpt_path} has no older checkpoint)"))
+  elif not older:
     fix = f"no older checkpoint exists: {start_again}"
   elif command is None:
-    fix = (f"--init-from takes a run's latest checkpoint: move {os.path.join(ckpt_path, str(step))} out of"
+    fix = (f"--init-from takes a run's latest checkpoint: move {damaged_step} out of"
            f" {ckpt_path} to start from step {max(older)}")
   else:
     fix = f"use an older one with {command} {max(older)}"
@@ -129,6 +141,18 @@ def reading(command: str | None, ckpt_path: str, step: int | None) -> Iterator[N
   keeps its traceback. Damage is a missing item or file (KeyError, OSError), bytes or
   JSON that do not parse (ValueError), or a failed TensorStore read, which Orbax re-raises
   as a bare ``Exception``."""
+  # A read that fails leaves Orbax's others behind: TensorStore finishes them after Orbax has
+  # closed its event loop, during the failure and after it, and reports each one's "Event loop
+  # is closed" through sys.unraisablehook, whose default printed dozens of tracebacks around
+  # the one error line. Those are dropped while reading and, after damage, for good.
+  previous = sys.unraisablehook
+
+  def hook(unraisable) -> None:
+    error = unraisable.exc_value
+    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+      previous(unraisable)
+
+  sys.unraisablehook = hook
   try:
     yield
   except UsageError:
@@ -137,8 +161,10 @@ def reading(command: str | None, ckpt_path: str, step: int | None) -> Iterator[N
     raise damaged(command, ckpt_path, step, e) from None
   except Exception as e:
     if type(e) is not Exception:
+      sys.unraisablehook = previous
       raise
     raise damaged(command, ckpt_path, step, e) from None
+  sys.unraisablehook = previous
 
 
 def check_memory(stats, mesh: jax.sharding.Mesh, model_cfg: models.GPTConfig, cfg: Config | None = None,
@@ -178,9 +204,27 @@ def device_capacity(local: list[jax.Device]) -> tuple[int, int, str] | None:
   if limit is not None:
     return limit, 1, f"the {limit / 2**30:.1f} GiB of a {device.device_kind}"
   if device.platform == "cpu":
-    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return limit, len(local), f"the host's {limit / 2**30:.1f} GiB" + (f" ({len(local)} CPU devices)" if len(local) > 1 else "")
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    free = host_free()
+    shared = f" ({len(local)} CPU devices)" if len(local) > 1 else ""
+    if free is None or free >= total:
+      return total, len(local), f"the host's {total / 2**30:.1f} GiB{shared}"
+    return free, len(local), f"the {free / 2**30:.1f} GiB the host has free for this process (of {total / 2**30:.1f} GiB){shared}"
   return None
+
+
+def host_free() -> int | None:
+  """The bytes this process may hold on the host: what it holds (its resident set) and what the
+  kernel reports available (MemAvailable); None where /proc does not say. The whole RAM overstated
+  it: a step that fitted the host's 23.5 GiB was killed by the kernel's out-of-memory killer."""
+  try:
+    with open("/proc/meminfo") as f:
+      available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    with open("/proc/self/statm") as f:
+      resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+  except (OSError, StopIteration, ValueError, IndexError):
+    return None
+  return available + resident
 
 
 class Fit(NamedTuple):
@@ -226,16 +270,15 @@ def _kept_schedule(cfg: Config, saved_train: dict) -> bool:
   return saved_train.get("lr_decay_steps") is None and cfg.lr_decay_steps == saved_train.get("steps") != cfg.steps
 
 
-def _resumed_lr(cfg: Config, start_step: int) -> tuple[float, float]:
-  """The smallest and largest learning rate of steps ``start_step + 1 .. --steps``."""
-  lr = np.asarray(optim.schedule(cfg)(np.arange(start_step, cfg.steps)))
-  return float(lr.min()), float(lr.max())
+def _resumed_lr(cfg: Config, start_step: int) -> np.ndarray:
+  """The learning rates of steps ``start_step + 1 .. --steps``, in order."""
+  return np.asarray(optim.schedule(cfg)(np.arange(start_step, cfg.steps)))
 
 
 def check_schedule(cfg: Config, start_step: int, saved_train: dict) -> None:
   """Refuses a ``--resume`` whose kept lr schedule has decayed to 0 before the new steps:
   they would train at learning rate 0, changing nothing."""
-  if cfg.resume and _kept_schedule(cfg, saved_train) and _resumed_lr(cfg, start_step)[1] == 0:
+  if cfg.resume and _kept_schedule(cfg, saved_train) and _resumed_lr(cfg, start_step).max() == 0:
     raise UsageError(f"--resume --steps {cfg.steps}: the run's lr schedule decayed to 0 by step"
                      f" {cfg.lr_decay_steps}, so steps {start_step + 1}..{cfg.steps} would train at learning"
                      f" rate 0; pass --lr-decay-steps {cfg.steps} to stretch the schedule over the new"
@@ -245,8 +288,10 @@ def check_schedule(cfg: Config, start_step: int, saved_train: dict) -> None:
 def schedule_warning(cfg: Config, saved_train: dict, start_step: int) -> None:
   """One line when ``--resume`` with a new --steps kept the saved run's lr decay length."""
   if _kept_schedule(cfg, saved_train):
-    low, high = _resumed_lr(cfg, start_step)
-    rate = f"{low:.3E}" if low == high else f"{high:.3E} to {low:.3E}"
+    lr = _resumed_lr(cfg, start_step)
+    # The first and last step's, in order (steps still in warmup rise), and a peak between them.
+    rate = f"{lr[0]:.3E}" if lr.min() == lr.max() else f"{lr[0]:.3E} to {lr[-1]:.3E}"
+    rate += f" (at most {lr.max():.3E})" if lr.max() > max(lr[0], lr[-1]) else ""
     print(f"warning: --resume --steps {cfg.steps} keeps the run's lr schedule, which decays over"
           f" {cfg.lr_decay_steps} steps: steps {start_step + 1}..{cfg.steps} train at learning rate {rate};"
           f" pass --lr-decay-steps {cfg.steps} to stretch it over the new length instead", file=sys.stderr)

@@ -68,6 +68,10 @@ def open_checkpoint(run_dir: str, step: int | None = None, picks_step: str | Non
                        " first --save-every step finish) first")
     if step is None:
       step = max(steps)
+    elif step not in steps and picks_step == preflight.RESUMED_START:
+      raise UsageError(f"{where} has no checkpoint of step {step}, which --resume reads (its run started from"
+                       f" it); put it back, or start a new run (another --run-dir, without --resume) from step"
+                       f" {max(steps)}, the latest, which --init-from takes")
     elif step not in steps:
       raise UsageError(f"--step {step}: {where} has checkpoints at steps"
                        f" {', '.join(map(str, sorted(steps)))}; pass one of them")
@@ -87,7 +91,8 @@ def restore(run_dir: str, step: int | None = None, par: models.Parallelism | Non
   """The GPT of checkpoint ``step`` (the latest when None) of ``run_dir``: on one device,
   or, given ``par``, sharded on its mesh like ``models.init(cfg, par)`` (call it under
   ``jax.set_mesh(par.mesh)``; each process reads only its devices' slices). ``picks_step``:
-  the command's flag that picks a step, named if the checkpoint is damaged (None: none does)."""
+  the command's flag that picks a step, named if the checkpoint is damaged or missing (None: none
+  does; ``preflight.RESUMED_START``: a resumed train.grpo run's start, which none changes)."""
   with open_checkpoint(run_dir, step, picks_step) as (manager, step, cfg):
     with preflight.reading(picks_step, checkpoint_path(run_dir), step):
       shapes = manager.item_metadata(step)["state"]["params"]
