@@ -88,11 +88,15 @@ def main(argv: list[str] | None = None) -> int:
                       help="activations' dtype (default bfloat16, python -m train.gpt's on a GPU; float32 is"
                            " its CPU default, to compare with a CPU run)")
   parser.add_argument("--global-batch-size", type=int, default=None, help="sequences per step (default: one per rank)")
-  parser.add_argument("--micro-batch-size", type=int, default=None, help="sequences per rank and micro-batch")
+  parser.add_argument("--micro-batch-size", type=int, default=None, help="sequences per rank and micro-batch (default: all of a rank's, one micro-batch, as python -m train.gpt)")
   parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's; for hf:DIR min(max_position_embeddings,"
                            " 1024), as python -m train.gpt)")
-  parser.add_argument("--gpu", default="h100", choices=tuple(GPUS))
-  parser.add_argument("--gpus-per-node", type=int, default=8)
+  parser.add_argument("--gpu", default="h100", choices=tuple(GPUS),
+                      help="the GPU whose memory, bf16 flops, memory bandwidth and host link the plan assumes"
+                           " (default %(default)s; NVLink and InfiniBand: --nvlink, --ib)")
+  parser.add_argument("--gpus-per-node", type=int, default=8,
+                      help="GPUs a node's NVLink joins: axes within a node take NVLink, across nodes InfiniBand"
+                           " (default %(default)s)")
   parser.add_argument("--links", default="", help="per-axis link overrides, e.g. tp=nvlink,fs=ib")
   parser.add_argument("--nvlink", default="450:5", help="NVLink GB/s per device and direction : µs per step")
   parser.add_argument("--ib", default="50:10", help="InfiniBand/RoCE GB/s per device and direction : µs per step")
