@@ -27,7 +27,8 @@ T/cp tokens per micro-batch, a the compute dtype's bytes, L the layers of a pipe
   tables (the head gathered, both gradients, zeros from the step's start) beside two
   float32 logits-sized buffers of one chunk's tokens, forward and backward alike;
 - with micro-batches over fs outside a pipeline, the embedding and the LM head gathered
-  through the whole loop (XLA hoists their gathers out of it);
+  through the whole loop (XLA hoists their gathers out of it), and below float32 one more
+  float32 table;
 - the backward pass of one layer: its kernels gathered (the forward's, for the
   recomputation, and the backward's) in float32, the causal mask XLA materializes
   (float32 and bool, scores-sized), three scores-sized float32 buffers (probabilities,
