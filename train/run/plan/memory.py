@@ -18,12 +18,17 @@ T/cp tokens per micro-batch, a the compute dtype's bytes, L the layers of a pipe
   XLA's attention), the attention's output, its out projection (a row-parallel product,
   whole d before the reduction over tp), the MLP's gate, up and down products; on the
   device or, offloaded, on the host;
-- the loss: two vocabulary tables' worth (the LM head gathered and its gradient, the
-  embedding's gradient) in float32, V·d/tp each (four when chunked: the chunks' scan
-  holds them all, and beside the head's running gradient each chunk's own), and three float32 logits-sized buffers (logits, softmax, their
-  gradient), b·(T/cp)·V/tp each, of one loss chunk's tokens when the loss is chunked;
+- the loss, of b·(T/cp) tokens (in a pipeline M/pp micro-batches' at once, after it):
+  unchunked, two vocabulary tables' worth (the LM head gathered and its gradient, the
+  embedding's gradient) in float32, V·d/tp each, and three logits-sized buffers,
+  tokens·V/tp each, the logits in the compute dtype (the head's product) and two float32
+  (the logits cast, their softmax and gradient); chunked (``--loss-chunk``), the larger of
+  four tables (the embedding's lookup gathers one before the chunks' scans) and three
+  tables (the head gathered, both gradients, zeros from the step's start) beside two
+  float32 logits-sized buffers of one chunk's tokens, forward and backward alike;
 - with micro-batches over fs outside a pipeline, the embedding and the LM head gathered
-  through the whole loop (XLA hoists their gathers out of it);
+  through the whole loop (XLA hoists their gathers out of it), and below float32 one more
+  float32 table;
 - the backward pass of one layer: its kernels gathered (the forward's, for the
   recomputation, and the backward's) in float32, the causal mask XLA materializes
   (float32 and bool, scores-sized), three scores-sized float32 buffers (probabilities,
@@ -126,6 +131,11 @@ def memory(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, params: Seq
         copied += layers * in_flight * nbytes * (1 if name == "layer_input" else PIPELINE_COPIES)
   p_bytes = sum(local_bytes(leaf, sizes) for leaf in params)
   tp, tokens = sizes["tp"], step.micro * cfg.seq_len // sizes["cp"]
+  if sizes["pp"] > 1:
+    # After a pipeline each stage takes the loss of M/pp micro-batches at once
+    # (``models.pipeline.scatter_from_last``; tiny on fs=2,tp=2,pp=2, 4 micro-batches of 2
+    # sequences: 0.766 of the compiled step with one micro-batch's tokens).
+    tokens *= step.accum // sizes["pp"]
   if loss_chunk:
     tokens = min(tokens, loss_chunk)
   table, logits = cfg.padded_vocab * cfg.d_model // tp * 4, tokens * cfg.padded_vocab // tp * 4
@@ -148,16 +158,29 @@ def memory(cfg: models.GPTConfig, sizes: dict[str, int], step: Step, params: Seq
   # The backward pass of a layer recomputes what the policy dropped of ``none``'s products.
   backward += sum(b for n, b in per_layer.items() if n in placements("none", math.prod(sizes.values()))
                   and n not in kept)
-  # Chunked, the loss's scan holds the gathered head and both tables' gradients throughout,
-  # and each chunk's gradient of the head beside their sum (measured: tiny, fs=8, chunks of
-  # 32 tokens, under none, full and minimal_offloaded; with three tables 0.963-0.987).
-  transients = {"loss": (4 if loss_chunk else 2) * table + 3 * logits, "layer_backward": backward}
+  if loss_chunk:
+    # Chunked, the loss's scans hold the gathered head and both tables' gradients (zeros
+    # from the step's start) throughout, beside a chunk's logits and one more logits-sized
+    # buffer, forward and backward; before them the embedding's lookup gathers a fourth
+    # table (XLA's live ranges: tiny, fs=8, chunks of 128 tokens; four tables and three
+    # logits-sized buffers at once were 1.519 of the compiled step there).
+    loss = max(4 * table, 3 * table + 2 * logits)
+  else:
+    # The logits in the compute dtype (the head's product) and two float32 buffers of them
+    # (three float32 were 1.279 of the compiled step in bfloat16: tiny, fs=4,tp=2).
+    loss = 2 * table + logits * (8 + jnp.dtype(cfg.dtype).itemsize) // 4
+  transients = {"loss": loss, "layer_backward": backward}
   if step.accum > 1 and sizes["fs"] > 1 and sizes["pp"] == 1:
     # XLA hoists the embedding's and the LM head's gathers over fs out of the micro-batch
     # loop: both tables stay gathered through every layer's backward pass, and the loss
     # holds the embedding's beside its own (measured: tiny fs=4,tp=2 AdamW, micro-batches
     # of one sequence, 0.952 without them).
     gathered = (1 if cfg.tie_embeddings else 2) * table
+    if jnp.dtype(cfg.dtype).itemsize < 4:
+      # Below float32 XLA holds one more float32 table through the loop (tiny fs=4,tp=2,
+      # micro-batches of one sequence, GPT-2's vocabulary: the bfloat16 step 12.3 MiB, V·d/tp,
+      # above the float32 one; 0.972 without it).
+      gathered += table
     transients = {"loss": transients["loss"] + gathered - table, "layer_backward": backward + gathered}
   temporaries = {
       # Micro-batches reduced over fs outside a pipeline: the running sum and the reduction's
