@@ -1,5 +1,6 @@
 """``train.run.preflight.check_memory``: a step that does not fit is refused in one line
 that names the memory levers (recompute policy, optimizer offload, the planner's sweep)."""
+import dataclasses
 import os
 from types import SimpleNamespace
 
@@ -97,3 +98,18 @@ def test_dion_on_the_flagship_mesh_is_told_to_chunk_its_update():
   said = preflight.what_fits(cfg, model_cfg, sizes, need, limit, grpo)
   assert said is not None and said.flags.endswith(f"--megabatch-mib {planner.MEGABATCH_MIB}"), said
   assert said.estimate <= limit
+
+
+def test_bfloat16_experts_on_a_cpu_mesh_are_refused_in_one_line():
+  """XLA:CPU's compiler aborts the process (SIGABRT, a C++ stack) on the experts' bfloat16
+  all-reduces (jax 0.10.2, tiny-moe on fs=2, rp=2, ep=2, tp=2): refused before the model is
+  built; float32, float16, one device and a dense model compile and are let through."""
+  cfg = config_lib.Config(mesh="fs=2")
+  moe, dense = models.preset("tiny-moe"), models.preset("tiny")
+  two, one = dion_jax.make_mesh("fs=2", jax.devices()[:2]), dion_jax.make_mesh("fs=1", jax.devices()[:1])
+  with pytest.raises(UsageError, match=r"^--dtype bfloat16 with experts on a mesh of CPU devices \(--mesh fs=2\)"
+                                       r" aborts XLA:CPU's compiler .*; use --dtype float32"):
+    preflight.check_model(cfg, dataclasses.replace(moe, dtype="bfloat16"), two)
+  for model_cfg, mesh in ((dataclasses.replace(moe, dtype="float32"), two), (dataclasses.replace(moe, dtype="float16"), two),
+                          (dataclasses.replace(moe, dtype="bfloat16"), one), (dataclasses.replace(dense, dtype="bfloat16"), two)):
+    preflight.check_model(cfg, model_cfg, mesh)

@@ -51,6 +51,14 @@ def check_model(cfg: Config, model_cfg: models.GPTConfig, mesh: jax.sharding.Mes
   except ValueError as e:
     raise UsageError(f"--seq-len / --mesh: {e}") from None
   check_experts(model_cfg, mesh)
+  # XLA:CPU's compiler aborts the process on the experts' bfloat16 all-reduces inside their
+  # shard_map (its AllReducePromotion: "Invalid binary instruction opcode copy"; jax 0.10.2,
+  # tiny-moe's step on fs=2, rp=2, ep=2 and tp=2; float32 and float16 compile).
+  if (model_cfg.num_experts and model_cfg.dtype == "bfloat16" and mesh.size > 1
+      and mesh.devices.flat[0].platform == "cpu"):
+    raise UsageError(f"--dtype bfloat16 with experts on a mesh of CPU devices (--mesh {cfg.mesh or 'fs=' + str(mesh.size)})"
+                     " aborts XLA:CPU's compiler (its bfloat16 all-reduces); use --dtype float32 (the CPU's"
+                     " default) or float16, or one device (--mesh fs=1)")
 
 
 def check_same_model(saved: dict, model_cfg: models.GPTConfig, cfg: Config, where: str) -> None:
