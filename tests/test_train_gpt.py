@@ -416,19 +416,25 @@ def test_qk_clip_on_a_mesh_matches_one_device(compile_cache, tmp_path, capsys):
   assert not os.path.exists(tmp_path / "refused")
 
 
-def test_fp8_on_a_mesh_matches_one_device(compile_cache, tmp_path):
+def test_fp8_on_a_mesh_matches_one_device(compile_cache, tmp_path, capsys):
   """--fp8 on rp=2,fs=2,tp=2 (each replica's gradient in the shard_map manual over rp, its
   scales maxed over the replicas): one device's losses within float32 rounding (measured:
   2e-7). AdamW, whose step compiles fastest; with Dion too on this mesh (measured: 2e-7).
   Dion on tp=2 with two micro-batches of 4 leaves one device's losses at step 3 by 1e-2:
   a value one float32 ulp from an e5m2 rounding tie rounds the other way on tp, FP8's own
-  noise, not a scale (docs/fp8.md; tests/test_models_fp8.py holds the scales on tp)."""
+  noise, not a scale (docs/fp8.md; tests/test_models_fp8.py holds the scales on tp).
+  train.eval of the run prints the trainer's own validation loss: FP8 scales each product by
+  its amax over a pass, so it takes the trainer's pass (--global-batch-size 16, not its own
+  default 8, which printed 2e-5 off here)."""
   for name, mesh in (("one", "fs=1"), ("mesh", "rp=2,fs=2,tp=2")):
-    assert train(tmp_path / name, "--fp8", "--optimizer", "adamw", "--steps", "3", "--eval-tokens", "0",
-                 "--mesh", mesh) == 0
+    assert train(tmp_path / name, "--fp8", "--optimizer", "adamw", "--steps", "3", "--eval-tokens", "512",
+                 "--global-batch-size", "16", "--mesh", mesh) == 0
   one = list(train_losses(tmp_path / "one").values())
   assert len(one) == 3
   np.testing.assert_allclose(list(train_losses(tmp_path / "mesh").values()), one, rtol=1e-5)
+  trainer = [r["val_loss"] for r in records(tmp_path / "one") if "val_loss" in r]
+  assert eval_lib.main([str(tmp_path / "one")]) == 0
+  assert capsys.readouterr().out.splitlines()[-1].startswith(f"validation lm loss: {trainer[-1]:.6E} |")
 
 
 def test_dion_split_q_restores_either_layout_and_trains_as_without(straight, tmp_path):

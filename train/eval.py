@@ -75,7 +75,10 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--seq-len", type=int, default=None,
                       help="tokens per window (default: the run's --seq-len; for hf:DIR, as"
                            " train.gpt's: its max_position_embeddings, at most 1024)")
-  parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
+  parser.add_argument("--batch-size", type=int, default=None,
+                      help="windows per forward pass (default 8; for a run trained with --fp8, its own"
+                           " validation's, --global-batch-size: FP8 scales each product by its amax over"
+                           " the pass, so the loss follows the pass's rows)")
   parser.add_argument("--step", type=int, default=None, help="checkpoint step of RUN_DIR (default: the latest)")
   parser.add_argument("--mesh", default=None, metavar="SPEC",
                       help="shard the model as train.gpt does, e.g. fs=2,tp=2 (default: one device;"
@@ -97,11 +100,14 @@ def _start(argv):
                               process_id=args.process_id, distributed=args.distributed)
   runtime.check()
   start.start_jax(runtime)
-  par = _parallelism(args.mesh, args.batch_size)
   origin = model_source_lib.resolve(args.model)
+  saved = config_lib.saved_config(origin.run_dir) if origin.run_dir else {}
   # A run's own validation settings, that the line repeat its validation loss.
-  run = config_lib.Config(**{k: v for k, v in (config_lib.saved_config(origin.run_dir) if origin.run_dir else {}).items()
+  run = config_lib.Config(**{k: v for k, v in saved.items()
                              if k in ("data", "valid_data", "eval_tokens", "pack", "document_mask")})
+  fp8 = saved.get("fp8") not in (None, False, "none")
+  batch_size = args.batch_size or (saved.get("global_batch_size") if fp8 else None) or 8
+  par = _parallelism(args.mesh, batch_size)
   spec = args.data or (run.valid_spec if origin.run_dir else None)
   if spec is None:
     raise UsageError(f"{args.model} records no validation data; pass --data SPEC (e.g. --data stdlib:val)")
@@ -122,7 +128,7 @@ def _start(argv):
     raise UsageError(f"--data {spec} holds token id {largest} but the model's vocabulary has"
                      f" {cfg.vocab_size} ids (0..{cfg.vocab_size - 1}); evaluate on data made with"
                      " the model's tokenizer")
-  return graphdef, params, r, par, args.batch_size
+  return graphdef, params, r, par, batch_size
 
 
 def _report(loaded) -> int:
