@@ -423,12 +423,14 @@ def test_fp8_on_a_mesh_matches_one_device(compile_cache, tmp_path, capsys):
   Dion on tp=2 with two micro-batches of 4 leaves one device's losses at step 3 by 1e-2:
   a value one float32 ulp from an e5m2 rounding tie rounds the other way on tp, FP8's own
   noise, not a scale (docs/fp8.md; tests/test_models_fp8.py holds the scales on tp).
-  train.eval of the run prints the trainer's own validation loss: FP8 scales each product by
-  its amax over a pass, so it takes the trainer's pass (--global-batch-size 16, not its own
-  default 8, which printed 2e-5 off here)."""
-  for name, mesh in (("one", "fs=1"), ("mesh", "rp=2,fs=2,tp=2")):
+  Both in 4 micro-batches (rows i, i + 4, ...: 4 per data-parallel rank of the mesh, 1 of
+  its 4 ranks). train.eval of the run prints the trainer's own validation loss: FP8 scales
+  each product by its amax over the rows it multiplies, so it repeats the trainer's pass
+  (--global-batch-size 16 in its 4 micro-batches; its own default, 8 rows whole, and 16 rows
+  whole each printed another number)."""
+  for name, mesh, micro in (("one", "fs=1", "4"), ("mesh", "rp=2,fs=2,tp=2", "1")):
     assert train(tmp_path / name, "--fp8", "--optimizer", "adamw", "--steps", "3", "--eval-tokens", "512",
-                 "--global-batch-size", "16", "--mesh", mesh) == 0
+                 "--global-batch-size", "16", "--micro-batch-size", micro, "--mesh", mesh) == 0
   one = list(train_losses(tmp_path / "one").values())
   assert len(one) == 3
   np.testing.assert_allclose(list(train_losses(tmp_path / "mesh").values()), one, rtol=1e-5)

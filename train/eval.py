@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import data
+import dion_jax
 import models
 from models import context
 from train import cli
@@ -77,8 +78,8 @@ def _parser() -> argparse.ArgumentParser:
                            " train.gpt's: its max_position_embeddings, at most 1024)")
   parser.add_argument("--batch-size", type=int, default=None,
                       help="windows per forward pass (default 8; for a run trained with --fp8, its own"
-                           " validation's, --global-batch-size: FP8 scales each product by its amax over"
-                           " the pass, so the loss follows the pass's rows)")
+                           " validation's: --global-batch-size, in its micro-batches; FP8 scales each"
+                           " product by its amax over the rows it multiplies, so the loss follows them)")
   parser.add_argument("--step", type=int, default=None, help="checkpoint step of RUN_DIR (default: the latest)")
   parser.add_argument("--mesh", default=None, metavar="SPEC",
                       help="shard the model as train.gpt does, e.g. fs=2,tp=2 (default: one device;"
@@ -105,8 +106,7 @@ def _start(argv):
   # A run's own validation settings, that the line repeat its validation loss.
   run = config_lib.Config(**{k: v for k, v in saved.items()
                              if k in ("data", "valid_data", "eval_tokens", "pack", "document_mask")})
-  fp8 = saved.get("fp8") not in (None, False, "none")
-  batch_size = args.batch_size or (saved.get("global_batch_size") if fp8 else None) or 8
+  batch_size, accum = (args.batch_size, 1) if args.batch_size else _trainer_pass(saved) or (8, 1)
   par = _parallelism(args.mesh, batch_size)
   spec = args.data or (run.valid_spec if origin.run_dir else None)
   if spec is None:
@@ -128,16 +128,31 @@ def _start(argv):
     raise UsageError(f"--data {spec} holds token id {largest} but the model's vocabulary has"
                      f" {cfg.vocab_size} ids (0..{cfg.vocab_size - 1}); evaluate on data made with"
                      " the model's tokenizer")
-  return graphdef, params, r, par, batch_size
+  return graphdef, params, r, par, batch_size, accum if par.pp == 1 else 1
+
+
+def _trainer_pass(saved: dict) -> tuple[int, int] | None:
+  """An FP8 run's validation pass: its rows (the trainer's --global-batch-size) and its
+  micro-batches (rows i, i + M, ...; ``step.split_micro``), on the run's --mesh (by default all
+  of this host's devices, as the trainer's); None for a run without FP8. FP8 scales each
+  product by its amax over the rows it multiplies, so the loss follows how they are grouped."""
+  if saved.get("fp8") in (None, False, "none"):
+    return None
+  sizes = dion_jax.parse_mesh_spec(saved.get("mesh") or f"fs={len(jax.devices())}")
+  rows = saved["global_batch_size"]
+  per_rank = rows // (sizes["rp"] * sizes["fs"] * sizes["ep"])
+  # A pipeline validates through its own micro-batches, one device's passes whole.
+  micro = (saved.get("micro_batch_size") or per_rank) if sizes["pp"] == 1 else per_rank
+  return rows, max(per_rank // micro, 1)
 
 
 def _report(loaded) -> int:
-  graphdef, params, r, par, batch_size = loaded
+  graphdef, params, r, par, batch_size, accum = loaded
   if jax.process_index() == 0:  # the compile and the passes take a while: say what is coming
     print(f"evaluating {len(r['inputs'])} rows of {r['inputs'].shape[1]} tokens, {batch_size} a pass"
           " (compiling the evaluation step first)", file=sys.stderr, flush=True)
   with jax.set_mesh(par.mesh):
-    loss, count = evaluation.mean_loss(step_lib.make_eval_step(graphdef, par, 1), params, r, batch_size,
+    loss, count = evaluation.mean_loss(step_lib.make_eval_step(graphdef, par, accum), params, r, batch_size,
                                        NamedSharding(par.mesh, P(models.BATCH_AXES)))
   if jax.process_index() != 0:
     return 0
