@@ -89,7 +89,7 @@ def run_loop(run: Run, steps: Callable[[Progress, Interrupt], None], done_before
           steps(progress, interrupt)
           run.checkpoints.close()
         except ckpt_lib.SaveError as e:
-          return peers.fail(str(e), EXIT_FAILED)
+          return peers.fail(str(e), EXIT_FAILED, maybe_lost=e.no_os_error)
         except jax.errors.JaxRuntimeError as e:
           # A step that failed to allocate raises RESOURCE_EXHAUSTED; what waited on its output
           # (the agreement, a step later) raises INTERNAL with the same "Out of memory".

@@ -118,13 +118,18 @@ def progress(step: int) -> None:
     _peers.step = step
 
 
-def fail(message: str, code: int) -> int:
+def fail(message: str, code: int, maybe_lost: bool = False) -> int:
   """Ends the run with ``error: message`` and exit ``code``. With one process the line is
   printed and ``code`` returned, for the caller to return; with several, every process ends
-  with the line (preceded by the process that failed) and this never returns."""
+  with the line (preceded by the process that failed) and this never returns. ``maybe_lost``:
+  the failure may be a lost peer's doing (a save that failed on no OS error: the step it
+  waited on had failed its collective), so the watch's verdict is waited for first, as
+  :meth:`Peers.explain` does."""
   if _peers is None:
     print(f"error: {message}", file=sys.stderr)
     return code
+  if maybe_lost:
+    _peers.await_verdict()
   _peers.end(_peers.own(message), code)
 
 
@@ -182,11 +187,15 @@ class Peers:
     with contextlib.suppress(Exception):
       self._client.key_value_set(f"{DONE}{self.me}", "")
 
+  def await_verdict(self) -> None:
+    """Waits long enough for the watch to find a lost peer (which ends the process)."""
+    time.sleep(self.timeout + 3 * self.interval)
+
   def explain(self, error: Exception) -> NoReturn:
     """Ends every process on an error of this one's main thread. A runtime error may be a
     lost peer's doing: the watch's verdict, which ends the process, is waited for first."""
     if _RUNTIME_ERROR.match(str(error)):
-      time.sleep(self.timeout + 3 * self.interval)
+      self.await_verdict()
     traceback.print_exception(error)
     first = (str(error).splitlines() or [""])[0][:200]
     self.end(self.own(f"{type(error).__name__}: {first}"), EXIT_FAILED)

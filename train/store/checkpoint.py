@@ -187,6 +187,8 @@ class SaveError(Exception):
       reason = f"{type(error).__name__}: {error}".splitlines()[0]
     else:
       reason = f"{cause.strerror or cause}" + (f" ({cause.filename})" if cause.filename else "")
+    # No OS error behind it: a runtime error, in several processes maybe a lost peer's doing.
+    self.no_os_error = cause is None and not code
     kept = existing_steps(directory)
     intact = f"the checkpoint of step {max(kept)} is intact" if kept else "no earlier checkpoint exists"
     super().__init__(f"saving the checkpoint of step {step} to {directory} failed: {reason}; {intact};"
